@@ -1,0 +1,87 @@
+/* datadist.h: every C symbol of the aio_datadist native layer that Python may call.
+ *
+ * build_ffi.py feeds the region between the cdef markers to cffi's cdef, so that region
+ * holds plain declarations only: no preprocessor lines, no macros.
+ *
+ * Conventions: functions return 0 (DD_OK) or one of the negative DD_E* codes; addresses
+ * travel as uint64_t so the same calls describe host or device memory; nothing here
+ * calls back into Python, so every call may run with the GIL released.
+ */
+#ifndef AIO_DATADIST_H
+#define AIO_DATADIST_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* cdef-begin */
+
+enum {
+    DD_OK = 0,
+    DD_ENOMEM = -1,   /* no room: pool full, mmap failed, bookkeeping could not grow */
+    DD_EHANDLE = -2,  /* unknown, stale or already freed pool handle */
+    DD_EINVAL = -3,   /* argument out of range */
+    DD_ECLOSED = -4,  /* pool used after dd_pool_close */
+    DD_ESYS = -5      /* a system call failed (errno says why) */
+};
+
+enum {
+    DD_PAGE_SHIFT_MIN = 10,   /* smallest pool page: 1 KiB */
+    DD_PAGE_SHIFT_MAX = 30,   /* largest pool page: 1 GiB */
+    DD_COPY_MAX_THREADS = 64  /* most threads (caller included) one batch may use */
+};
+
+/* ---- pool.c: page allocator over an arena it never touches ---- */
+
+typedef struct dd_pool dd_pool;
+
+typedef struct {
+    uint64_t capacity;      /* bytes managed */
+    uint64_t used;          /* bytes allocated, page-rounded */
+    uint64_t free;          /* capacity - used */
+    uint64_t largest_free;  /* biggest contiguous allocatable run, bytes */
+    uint64_t allocations;   /* live allocations */
+    uint64_t page_size;     /* bytes */
+} dd_pool_stats;
+
+/* Manage [base, base + size); size is rounded down to whole pages of 1 << page_shift. */
+int dd_pool_create(uint64_t base, uint64_t size, unsigned page_shift, dd_pool **out);
+/* Free the bookkeeping; later calls on the pool return DD_ECLOSED. Idempotent. */
+int dd_pool_close(dd_pool *pool);
+/* Close if needed, then free the pool object itself; pool must not be used again. */
+void dd_pool_destroy(dd_pool *pool);
+/* Allocate nbytes rounded up to pages; *addr is page aligned relative to base. */
+int dd_pool_alloc(dd_pool *pool, uint64_t nbytes, uint64_t *addr, uint64_t *handle);
+int dd_pool_free(dd_pool *pool, uint64_t handle);
+int dd_pool_get_stats(dd_pool *pool, dd_pool_stats *out);
+
+/* ---- copy.c: memcpy, single and batched ---- */
+
+/* Copy nbytes from src to dst; the ranges must not overlap. */
+int dd_copy(uint64_t dst, uint64_t src, uint64_t nbytes);
+/* ops holds n rows of (dst, src, nbytes). Rows may not overlap one another's destinations
+ * nor any source. nthreads == 0 means dd_copy_get_threads(). */
+int dd_copy_batch(const uint64_t *ops, size_t n, unsigned nthreads);
+/* Default thread count for dd_copy_batch; 1 disables splitting. */
+int dd_copy_set_threads(unsigned nthreads);
+unsigned dd_copy_get_threads(void);
+/* Batches moving fewer bytes than this run on the calling thread only. */
+uint64_t dd_copy_split_threshold(void);
+
+/* ---- hostmem.c: anonymous host memory ---- */
+
+/* Page-aligned, zero-filled, committed lazily on first touch. */
+int dd_host_alloc(uint64_t nbytes, uint64_t *addr);
+int dd_host_free(uint64_t addr, uint64_t nbytes);
+uint64_t dd_host_page_size(void);
+
+/* cdef-end */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* AIO_DATADIST_H */

@@ -1,0 +1,406 @@
+"""Tests of the native copies (``copy``, ``copy_batch``) against the pure-Python reference,
+and of host memory."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import aio_datadist._native
+from aio_datadist._native import api, features, impl
+from aio_datadist._native._reference import copy_batch_reference
+from aio_datadist.status import LLMStatusCode, OutOfMemoryError, ParamInvalidError
+
+U8 = npt.NDArray[np.uint8]
+Ops = npt.NDArray[np.uint64]
+MiB = 1 << 20
+
+
+def addr(a: np.ndarray) -> int:
+    return int(a.ctypes.data)
+
+
+def random_bytes(n: int, seed: int) -> U8:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def make_ops(rows: list[tuple[int, int, int]]) -> Ops:
+    return np.array(rows, dtype=np.uint64).reshape(-1, 3)
+
+
+def check_against_reference(
+    src: U8, rows: list[tuple[int, int, int]], threads: int, dst_size: int
+) -> None:
+    """Run ``rows`` (dst offset, src offset, nbytes) natively and in the reference."""
+    ours = np.zeros(dst_size, np.uint8)
+    ref = np.zeros(dst_size, np.uint8)
+    api.copy_batch(make_ops([(addr(ours) + d, addr(src) + s, n) for d, s, n in rows]), threads)
+    copy_batch_reference(make_ops([(addr(ref) + d, addr(src) + s, n) for d, s, n in rows]))
+    assert np.array_equal(ours, ref)
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    before = api.copy_threads()
+    yield
+    api.set_copy_threads(before)
+
+
+def test_implementation_and_features() -> None:
+    assert impl == "cffi"
+    assert {"pool", "copy_batch", "copy_threads", "hostmem"} <= features
+    assert api.SPLIT_THRESHOLD > 0
+
+
+# --- copy -------------------------------------------------------------------------------
+
+
+def test_single_copy() -> None:
+    src = random_bytes(10_000, 1)
+    dst = np.zeros_like(src)
+    api.copy(addr(dst) + 3, addr(src) + 5, 9000)
+    assert np.array_equal(dst[3:9003], src[5:9005])
+    assert not dst[:3].any() and not dst[9003:].any()
+
+
+def test_single_copy_of_zero_bytes_touches_nothing() -> None:
+    api.copy(0, 0, 0)
+
+
+@pytest.mark.parametrize(("dst", "src", "n"), [(0, 8, 8), (8, 0, 8), (-1, 8, 8), (8, 8, -1)])
+def test_single_copy_bad_arguments(dst: int, src: int, n: int) -> None:
+    with pytest.raises(ParamInvalidError):
+        api.copy(dst, src, n)
+
+
+# --- copy_batch against the reference ----------------------------------------------------
+
+SLOT = 256
+SLOTS = 64
+
+
+@st.composite
+def small_batches(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Rows over SLOTS slots of SLOT bytes: unique destination slots, so no overlap."""
+    n = draw(st.integers(min_value=0, max_value=SLOTS))
+    dst_slots = draw(st.permutations(range(SLOTS)))[:n]
+    rows = []
+    for d in dst_slots:
+        length = draw(st.sampled_from([0, 1, 7, 64, SLOT]) | st.integers(0, SLOT))
+        s = draw(st.integers(0, SLOTS * SLOT - length))
+        rows.append((d * SLOT, s, length))
+    return rows
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows=small_batches(), threads=st.sampled_from([0, 1, 2, 3]))
+def test_random_small_batches_match_reference(
+    rows: list[tuple[int, int, int]], threads: int
+) -> None:
+    src = random_bytes(SLOTS * SLOT, 2)
+    check_against_reference(src, rows, threads, SLOTS * SLOT)
+
+
+BIG_BLOCK = 256 << 10
+BIG_BLOCKS = 24  # 6 MiB, above SPLIT_THRESHOLD
+
+
+@st.composite
+def big_batches(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Block-sized rows, often consecutive (merged) and cut at odd lengths."""
+    order = draw(st.permutations(range(BIG_BLOCKS)))
+    identity = draw(st.booleans())
+    rows = []
+    for i, d in enumerate(range(BIG_BLOCKS) if identity else order):
+        s = i if identity else order[(i * 7) % BIG_BLOCKS]
+        length = draw(st.sampled_from([BIG_BLOCK, BIG_BLOCK, 0, BIG_BLOCK - 1, 4097]))
+        rows.append((d * BIG_BLOCK, s * BIG_BLOCK, length))
+    return rows
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=big_batches(), threads=st.sampled_from([0, 2, 3, 8]))
+def test_random_big_batches_match_reference(rows: list[tuple[int, int, int]], threads: int) -> None:
+    src = random_bytes(BIG_BLOCKS * BIG_BLOCK, 3)
+    check_against_reference(src, rows, threads, BIG_BLOCKS * BIG_BLOCK)
+
+
+def test_adjacent_rows_are_merged_and_copied_right() -> None:
+    src = random_bytes(64 * 1024, 4)
+    # Rows continuing each other on both sides, then a row that continues only dst.
+    rows = [(i * 1024, i * 1024, 1024) for i in range(16)]
+    rows.append((16 * 1024, 40 * 1024, 1024))
+    rows += [(17 * 1024 + i * 100, 41 * 1024 + i * 100, 100) for i in range(10)]
+    check_against_reference(src, rows, 1, 64 * 1024)
+
+
+def test_zero_length_rows_are_skipped() -> None:
+    src = random_bytes(4096, 5)
+    rows = [(0, 0, 0), (0, 100, 50), (50, 0, 0), (50, 150, 50), (0, 0, 0)]
+    # Null addresses are fine on zero-length rows.
+    dst = np.zeros(4096, np.uint8)
+    ops = make_ops([(addr(dst) + d, addr(src) + s, n) for d, s, n in rows] + [(0, 0, 0)])
+    api.copy_batch(ops)
+    assert np.array_equal(dst[:100], src[100:200])
+    assert not dst[100:].any()
+    check_against_reference(src, rows, 2, 4096)
+
+
+def test_empty_batch() -> None:
+    api.copy_batch(np.empty((0, 3), np.uint64))
+
+
+@pytest.mark.parametrize("threads", [2, 3, 8, api.MAX_COPY_THREADS])
+def test_one_range_larger_than_threshold_is_split(threads: int) -> None:
+    n = 2 * api.SPLIT_THRESHOLD + 12345
+    src = random_bytes(n + 64, 6)
+    check_against_reference(src, [(5, 7, n)], threads, n + 64)
+
+
+@pytest.mark.parametrize("threads", [2, 4])
+def test_split_points_on_row_boundaries(threads: int) -> None:
+    # Four 1 MiB rows that do not continue each other: slices start exactly at row starts.
+    src = random_bytes(4 * MiB, 7)
+    rows = [(i * MiB, (3 - i) * MiB, MiB) for i in range(4)]
+    rows.insert(2, (0, 0, 0))
+    check_against_reference(src, rows, threads, 4 * MiB)
+
+
+def test_batch_above_threshold_with_many_small_rows() -> None:
+    block = 4096
+    count = (api.SPLIT_THRESHOLD // block) * 2 + 3
+    src = random_bytes(count * block, 8)
+    perm = np.random.default_rng(8).permutation(count)
+    rows = [(int(d) * block, i * block, block) for i, d in enumerate(perm)]
+    check_against_reference(src, rows, 2, count * block)
+
+
+def test_concurrent_batches_from_several_python_threads() -> None:
+    size = 3 * api.SPLIT_THRESHOLD
+    block = 64 << 10
+    nblocks = size // block
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            rng = np.random.default_rng(seed)
+            src = random_bytes(size, seed)
+            dst = np.zeros(size, np.uint8)
+            for _ in range(5):
+                perm = rng.permutation(nblocks)
+                ops = make_ops(
+                    [
+                        (addr(dst) + int(d) * block, addr(src) + i * block, block)
+                        for i, d in enumerate(perm)
+                    ]
+                )
+                api.copy_batch(ops, threads=2)
+                expect = src.reshape(nblocks, block)[np.argsort(perm)].reshape(-1)
+                assert np.array_equal(dst, expect)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+# --- argument checks ---------------------------------------------------------------------
+
+
+def test_bad_ops_types() -> None:
+    good = np.zeros((1, 3), np.uint64)
+    for bad in (
+        good.tolist(),
+        good.astype(np.int64),
+        good.astype(np.float64),
+        good.astype(">u8"),
+        good.astype(np.uint32),
+    ):
+        with pytest.raises(TypeError):
+            api.copy_batch(bad)  # type: ignore[arg-type]
+
+
+def test_bad_ops_shapes_and_layouts() -> None:
+    for bad in (
+        np.zeros(3, np.uint64),
+        np.zeros((2, 2), np.uint64),
+        np.zeros((2, 4), np.uint64),
+        np.zeros((1, 3, 1), np.uint64),
+        np.zeros((4, 3), np.uint64)[::2],
+        np.asfortranarray(np.zeros((4, 3), np.uint64)),
+        np.zeros((3, 4), np.uint64)[:, :3],
+        np.frombuffer(bytearray(8 * 3 + 1), np.uint64, count=3, offset=1).reshape(1, 3),
+    ):
+        with pytest.raises(ValueError):
+            api.copy_batch(bad)
+
+
+def test_ops_array_is_not_copied_or_changed() -> None:
+    src = random_bytes(8192, 9)
+    dst = np.zeros(8192, np.uint8)
+    ops = make_ops([(addr(dst) + i * 1024, addr(src) + i * 1024, 1024) for i in range(8)])
+    before = ops.copy()
+    ops.flags.writeable = False  # read-only arrays are accepted as they are
+    api.copy_batch(ops)
+    assert np.array_equal(ops, before)
+    assert np.array_equal(dst, src)
+
+
+def test_null_address_rejects_whole_batch_before_copying() -> None:
+    src = random_bytes(4096, 10)
+    dst = np.zeros(4096, np.uint8)
+    ops = make_ops([(addr(dst), addr(src), 1024), (0, addr(src), 16)])
+    with pytest.raises(ParamInvalidError) as info:
+        api.copy_batch(ops)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert not dst.any()
+
+
+def test_wrapping_row_is_rejected() -> None:
+    src = random_bytes(16, 11)
+    with pytest.raises(ParamInvalidError):
+        api.copy_batch(make_ops([((1 << 64) - 8, addr(src), 16)]))
+
+
+@pytest.mark.parametrize("threads", [-1, api.MAX_COPY_THREADS + 1])
+def test_bad_thread_counts(threads: int) -> None:
+    with pytest.raises(ParamInvalidError):
+        api.copy_batch(np.zeros((1, 3), np.uint64), threads)
+
+
+def _python(code: str, timeout: float = 60) -> str:
+    """Run ``code`` in a fresh interpreter that imports this checkout's package."""
+    root = Path(aio_datadist._native.__file__).resolve().parents[2]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+# --- thread settings ---------------------------------------------------------------------
+
+
+def test_default_thread_count() -> None:
+    # Run in a fresh process so no other test's setting leaks in.
+    code = "from aio_datadist._native import api; print(api.copy_threads())"
+    assert int(_python(code)) == min(os.cpu_count() or 1, 8)
+
+
+@pytest.mark.usefixtures("restore_threads")
+def test_set_copy_threads() -> None:
+    api.set_copy_threads(1)
+    assert api.copy_threads() == 1
+    src = random_bytes(3 * api.SPLIT_THRESHOLD, 12)
+    check_against_reference(src, [(0, 0, src.size)], 0, src.size)
+    api.set_copy_threads(3)
+    assert api.copy_threads() == 3
+    check_against_reference(src, [(0, 0, src.size)], 0, src.size)
+    for bad in (0, -1, api.MAX_COPY_THREADS + 1):
+        with pytest.raises(ParamInvalidError):
+            api.set_copy_threads(bad)
+    assert api.copy_threads() == 3
+
+
+# --- process life ------------------------------------------------------------------------
+
+
+def _run_script(body: str) -> None:
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from aio_datadist._native import api
+        src = np.arange(8 << 20, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        def batch():
+            dst[:] = 0
+            ops = np.array([[dst.ctypes.data, src.ctypes.data, src.size]], np.uint64)
+            api.copy_batch(ops, threads=4)
+            assert (dst == src).all()
+        """
+    ) + textwrap.dedent(body)
+    _python(script)
+
+
+def test_process_with_workers_exits_cleanly() -> None:
+    _run_script("batch()\n")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_forked_child_can_copy() -> None:
+    _run_script(
+        """
+        import os
+        batch()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                batch()
+            finally:
+                os._exit(0 if (dst == src).all() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        batch()
+        """
+    )
+
+
+# --- host memory -------------------------------------------------------------------------
+
+
+def _view(address: int, n: int) -> U8:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address))
+
+
+@pytest.mark.parametrize("n", [1, 4096, 12345, 8 * MiB + 1])
+def test_host_alloc_is_aligned_zeroed_and_writable(n: int) -> None:
+    page = api.host_page_size()
+    a = api.host_alloc(n)
+    try:
+        assert a % page == 0
+        view = _view(a, n)
+        assert not view.any()
+        view[:] = 0xAB
+        src = random_bytes(n, 13)
+        api.copy(a, addr(src), n)
+        assert np.array_equal(view, src)
+    finally:
+        api.host_free(a, n)
+
+
+def test_host_alloc_bad_sizes() -> None:
+    for bad in (0, -1):
+        with pytest.raises(ParamInvalidError):
+            api.host_alloc(bad)
+    with pytest.raises(OutOfMemoryError) as info:
+        api.host_alloc(1 << 62)
+    assert info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
+
+
+def test_host_free_bad_arguments() -> None:
+    a = api.host_alloc(4096)
+    with pytest.raises(ParamInvalidError):
+        api.host_free(a + 1, 4096)
+    with pytest.raises(ParamInvalidError):
+        api.host_free(a, 0)
+    api.host_free(a, 4096)
