@@ -1,0 +1,114 @@
+"""aio_datadist: the LLM-DataDist KV-cache transfer API, blocking and asyncio-native.
+
+``import aio_datadist as llm_datadist`` works for callers of the documented blocking API;
+``AsyncLLMDataDist`` is the same API as coroutines.
+"""
+
+from __future__ import annotations
+
+import os as _os
+from typing import Any as _Any
+
+_os.environ.setdefault("AUTO_USE_UC_MEMORY", "0")
+
+from aio_datadist._log import _enable_from_env, enable_logging
+from aio_datadist._native import features as _native_features
+from aio_datadist._version import __version__
+from aio_datadist.aio import AsyncCacheManager, AsyncLLMDataDist
+from aio_datadist.cache import Cache
+from aio_datadist.cluster import LLMClusterInfo
+from aio_datadist.config import LLMConfig, LlmConfig
+from aio_datadist.data_type import DataType
+from aio_datadist.enums import LLMRole, MemType, Memtype, Placement, RegisterMemStatus
+from aio_datadist.status import LLMException, LLMStatusCode, Status
+from aio_datadist.sync import LLMDataDist
+from aio_datadist.synchronizer import LayerSynchronizer
+from aio_datadist.task import CacheTask
+from aio_datadist.types import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    KvCache,
+    MemInfo,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+
+#: The documented v2 names, in the reference package's order.
+v2_list = [
+    "LLMClusterInfo",
+    "LLMStatusCode",
+    "LLMException",
+    "LLMRole",
+    "LlmConfig",
+    "LLMConfig",
+    "DataType",
+    "Status",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "KvCache",
+    "Cache",
+    "BlocksCacheKey",
+    "LLMDataDist",
+    "Placement",
+    "RegisterMemStatus",
+    "LayerSynchronizer",
+    "TransferConfig",
+    "CacheTask",
+    "TransferWithCacheKeyConfig",
+    "Memtype",
+    "MemInfo",
+]
+
+#: What this build can do: native kernels and the runtimes it knows.
+features: frozenset[str] = _native_features | {"runtime:host"}
+
+# The reference also lists the v1 names TensorDesc, Tensor and KvCacheManager; they are left
+# out here so that ``from aio_datadist import *`` works without the v1 package.
+__all__ = [
+    "LLMClusterInfo",
+    "LLMStatusCode",
+    "LLMException",
+    "LLMRole",
+    "LlmConfig",
+    "LLMConfig",
+    "DataType",
+    "Status",
+    "CacheDesc",
+    "CacheKey",
+    "CacheKeyByIdAndIndex",
+    "KvCache",
+    "Cache",
+    "BlocksCacheKey",
+    "LLMDataDist",
+    "Placement",
+    "RegisterMemStatus",
+    "LayerSynchronizer",
+    "TransferConfig",
+    "CacheTask",
+    "TransferWithCacheKeyConfig",
+    "Memtype",
+    "MemInfo",
+    "MemType",
+    "AsyncLLMDataDist",
+    "AsyncCacheManager",
+    "enable_logging",
+    "features",
+    "__version__",
+]
+
+_V1_NAMES = frozenset({"TensorDesc", "Tensor", "KvCacheManager"})
+
+
+def __getattr__(name: str) -> _Any:
+    if name in _V1_NAMES:
+        raise ImportError(
+            f"{name} belongs to the v1 llm_datadist API (package llm_datadist_v1), "
+            "which aio_datadist does not support"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_enable_from_env()

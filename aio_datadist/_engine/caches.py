@@ -1,0 +1,557 @@
+"""The cache service: every local CacheManager call, written once for both faces.
+
+Calls that only change bookkeeping run to completion here. Calls that move bytes are split
+into ``plan_*`` (validate, resolve, pin, build a :class:`CopyPlan`) and :meth:`execute`
+(one runtime call per batch), so each face decides where the bytes move: the blocking face
+in the caller's thread, the async face inline or on a worker thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import structlog
+
+from aio_datadist._engine.plan import CopyPlan, Ops, block_ops, row_ops, staged
+from aio_datadist._engine.registry import CacheEntry, CacheRegistry, KeyIdentity
+from aio_datadist._memory.pool import MemoryPool, PoolStats
+from aio_datadist._runtime.base import CopyKind, DeviceRuntime
+from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
+from aio_datadist.cache import Cache
+from aio_datadist.enums import Memtype, Placement
+from aio_datadist.status import (
+    FeatureNotEnabledError,
+    KvCacheNotExistError,
+    LLMFailedError,
+    LLMStatusCode,
+    ParamInvalidError,
+)
+from aio_datadist.types import BlocksCacheKey, CacheDesc, CacheKey, MemInfo
+
+__all__ = ("CacheService", "key_identity")
+
+_KINDS = {
+    (Placement.HOST, Placement.HOST): CopyKind.HOST_TO_HOST,
+    (Placement.HOST, Placement.DEVICE): CopyKind.HOST_TO_DEVICE,
+    (Placement.DEVICE, Placement.HOST): CopyKind.DEVICE_TO_HOST,
+    (Placement.DEVICE, Placement.DEVICE): CopyKind.DEVICE_TO_DEVICE,
+}
+
+
+def _invalid(message: str) -> ParamInvalidError:
+    return ParamInvalidError(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def _not_exist(message: str) -> KvCacheNotExistError:
+    return KvCacheNotExistError(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
+def key_identity(key: CacheKey) -> KeyIdentity | None:
+    """The identity a key is bound under, or None for a placeholder (no valid id)."""
+    if key.prefix_id != INVALID_ID:
+        return ("prefix", key.prefix_id, key.model_id)
+    if key.req_id != INVALID_ID:
+        return ("req", key.req_id, key.model_id)
+    return None
+
+
+class CacheService:
+    """Caches, pools and copies of one initialised engine; unusable after :meth:`close`."""
+
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        pools: Mapping[Placement, MemoryPool],
+        *,
+        remote_cache_accessible: bool,
+        log: structlog.stdlib.BoundLogger,
+    ) -> None:
+        self.runtime = runtime
+        self.pools = dict(pools)
+        self.remote_cache_accessible = remote_cache_accessible
+        self.registry = CacheRegistry()
+        #: Set once a two-sided ``link`` exists: registrations default to not remote-accessible.
+        self.two_sided_linked = False
+        self._log = log
+        self._closed = False
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def check_open(self) -> None:
+        """Raise ``LLMException(LLM_FAILED)`` once the engine was finalized."""
+        if self._closed:
+            raise LLMFailedError(
+                "cache manager is not usable: its LLMDataDist was finalized",
+                status_code=LLMStatusCode.LLM_FAILED,
+            )
+
+    def close(self) -> None:
+        """Forget every cache and close the pools (their memory goes once no view holds it)."""
+        with self.registry.lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.registry.clear()
+        for pool in self.pools.values():
+            pool.close()
+        self.runtime.close()
+
+    def pool_stats(self, placement: Placement) -> PoolStats | None:
+        """Usage of the pool for ``placement``; None when no such pool is configured."""
+        check_type("placement", placement, Placement)
+        pool = self.pools.get(placement)
+        return None if pool is None else pool.stats()
+
+    # -- resolution -----------------------------------------------------------------------
+    def entry(self, cache: Any, name: str = "cache") -> CacheEntry:
+        """The live entry behind a ``Cache`` of this engine.
+
+        :raises TypeError: ``cache`` is not a ``Cache``.
+        :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` when it is unknown or released.
+        """
+        check_type(name, cache, Cache)
+        self.check_open()
+        entry: CacheEntry | None = (
+            self.registry.get(cache.cache_id) if cache._owner is self else None
+        )
+        if entry is None or entry.cache is not cache:
+            raise _not_exist(f"{name} (cache_id={cache.cache_id}) does not exist in this engine")
+        return entry
+
+    # -- allocation -----------------------------------------------------------------------
+    def _pool_for(self, desc: CacheDesc, call: str) -> MemoryPool:
+        pool = self.pools.get(desc.placement)
+        if pool is None:
+            option = "mem_pool_cfg" if desc.placement is Placement.DEVICE else "host_mem_pool_cfg"
+            raise _invalid(
+                f"{call} needs a memory pool for {desc.placement!s}: set LLMConfig.{option}"
+            )
+        return pool
+
+    @staticmethod
+    def _tensor_bytes(desc: CacheDesc) -> int:
+        if desc.num_tensors <= 0:
+            raise _invalid(f"num_tensors must be > 0, but got {desc.num_tensors}")
+        size = desc.size
+        if size <= 0:
+            raise _invalid(f"cache size must be > 0, but shape {list(desc.shape)} gives {size}")
+        return size
+
+    def _row_keys(self, desc: CacheDesc, cache_keys: Any) -> list[tuple[KeyIdentity, int]]:
+        check_type("cache_keys", cache_keys, list, tuple)
+        for i, key in enumerate(cache_keys):
+            check_type(f"cache_keys[{i}]", key, CacheKey)
+        if len(cache_keys) > desc.batch_size:
+            raise _invalid(
+                f"got {len(cache_keys)} cache keys for a batch size of {desc.batch_size}"
+            )
+        rows: list[tuple[KeyIdentity, int]] = []
+        seen: set[KeyIdentity] = set()
+        for row, key in enumerate(cache_keys):
+            identity = key_identity(key)
+            if identity is None:
+                continue
+            if identity in seen:
+                raise _invalid(f"cache key {key} appears twice in one call")
+            if self.registry.key_bound(identity):
+                raise _invalid(f"cache key {key} is already bound to a live cache")
+            seen.add(identity)
+            rows.append((identity, row))
+        return rows
+
+    def _check_blocks_key(self, key: Any) -> None:
+        check_type("blocks_cache_key", key, BlocksCacheKey, allow_none=True)
+        if key is not None and self.registry.blocks_key_bound(key.model_id):
+            raise _invalid(f"blocks cache key {key} is already bound to a live cache")
+
+    def _allocate(
+        self,
+        desc: Any,
+        keys: Any,
+        blocks_key: BlocksCacheKey | None,
+        *,
+        is_blocks: bool,
+        call: str,
+    ) -> Cache:
+        check_type("cache_desc", desc, CacheDesc)
+        self.check_open()
+        tensor_bytes = self._tensor_bytes(desc)
+        pool = self._pool_for(desc, call)
+        stride = pool.round_up(tensor_bytes)
+        with self.registry.lock:
+            rows = [] if is_blocks else self._row_keys(desc, keys)
+            if is_blocks:
+                self._check_blocks_key(blocks_key)
+            allocation = pool.allocate(stride * desc.num_tensors)
+            cache_id = self.registry.next_id()
+            addrs = [allocation.addr + i * stride for i in range(desc.num_tensors)]
+            if is_blocks:
+                desc._is_blocks = True
+            cache = Cache(cache_id, desc, addrs, None, False, is_blocks)
+            cache._owner = self
+            cache._keepalive = pool.arena
+            entry = CacheEntry(
+                cache_id=cache_id,
+                cache=cache,
+                desc=desc,
+                addrs=tuple(addrs),
+                is_blocks=is_blocks,
+                registered=False,
+                remote_accessible=True,
+                tensor_stride=stride,
+                pool=pool,
+                allocation=allocation,
+            )
+            self.registry.add(entry, rows, blocks_key)
+        self._log.debug(
+            "cache.allocated",
+            cache_id=cache_id,
+            placement=str(desc.placement),
+            nbytes=allocation.nbytes,
+            keys=len(rows),
+            blocks=is_blocks,
+        )
+        return cache
+
+    def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
+        """Allocate a batch cache from the pool of its placement and bind ``cache_keys``."""
+        return self._allocate(cache_desc, cache_keys, None, is_blocks=False, call="allocate_cache")
+
+    def allocate_blocks_cache(self, cache_desc: Any, blocks_cache_key: Any = None) -> Cache:
+        """Allocate a blocks (PagedAttention) cache, optionally named by ``blocks_cache_key``."""
+        return self._allocate(
+            cache_desc, (), blocks_cache_key, is_blocks=True, call="allocate_blocks_cache"
+        )
+
+    def _deallocate(self, cache: Any, *, is_blocks: bool, call: str) -> None:
+        check_type("cache", cache, Cache)
+        self.check_open()
+        if cache.is_blocks_cache != is_blocks:
+            raise _invalid(
+                f"{call} takes a {'blocks' if is_blocks else 'batch'} cache, but cache "
+                f"{cache.cache_id} is a {'blocks' if cache.is_blocks_cache else 'batch'} cache"
+            )
+        with self.registry.lock:
+            entry = self.registry.get(cache.cache_id) if cache._owner is self else None
+            if entry is None or entry.cache is not cache:
+                return
+            if entry.registered:
+                raise _invalid(
+                    f"cache {cache.cache_id} is registered memory: release it with unregister_cache"
+                )
+            self.registry.release(entry)
+        self._log.debug("cache.deallocated", cache_id=cache.cache_id, keys_left=len(entry.keys))
+
+    def deallocate_cache(self, cache: Any) -> None:
+        """Drop the id reference of a batch cache; memory returns once no key remains."""
+        self._deallocate(cache, is_blocks=False, call="deallocate_cache")
+
+    def deallocate_blocks_cache(self, cache: Any) -> None:
+        """Release a pool-allocated blocks cache."""
+        self._deallocate(cache, is_blocks=True, call="deallocate_blocks_cache")
+
+    def remove_cache_key(self, cache_key: Any) -> None:
+        """Unbind ``cache_key``; an unknown or already removed key is a no-op."""
+        check_type("cache_key", cache_key, CacheKey)
+        self.check_open()
+        identity = key_identity(cache_key)
+        if identity is None:
+            return
+        with self.registry.lock:
+            removed = self.registry.drop_key(identity)
+        if removed:
+            self._log.debug("cache_key.removed", req_id=cache_key.req_id)
+
+    # -- registration ---------------------------------------------------------------------
+    def _register(
+        self,
+        desc: Any,
+        addrs: Any,
+        keys: Any,
+        blocks_key: Any,
+        remote_accessible: Any,
+        *,
+        is_blocks: bool,
+    ) -> Cache:
+        check_type("cache_desc", desc, CacheDesc)
+        check_int_list("addrs", addrs, "uint64", containers=(list,))
+        check_type("remote_accessible", remote_accessible, bool, allow_none=True)
+        self.check_open()
+        tensor_bytes = self._tensor_bytes(desc)
+        if not addrs:
+            raise _invalid("addrs must not be empty")
+        if len(addrs) != desc.num_tensors:
+            raise _invalid(
+                f"addrs has {len(addrs)} entries but cache_desc.num_tensors is {desc.num_tensors}"
+            )
+        if 0 in addrs:
+            raise _invalid("addrs must not contain a null address")
+        if remote_accessible is None:
+            remote_accessible = desc.placement is Placement.DEVICE and not self.two_sided_linked
+        elif remote_accessible and self.two_sided_linked:
+            raise _invalid("remote_accessible=True is refused after a two-sided link()")
+        with self.registry.lock:
+            rows = [] if is_blocks else self._row_keys(desc, keys)
+            if is_blocks:
+                self._check_blocks_key(blocks_key)
+            cache_id = self.registry.next_id()
+            if is_blocks:
+                desc._is_blocks = True
+            cache = Cache(cache_id, desc, list(addrs), None, True, is_blocks)
+            cache._owner = self
+            entry = CacheEntry(
+                cache_id=cache_id,
+                cache=cache,
+                desc=desc,
+                addrs=tuple(addrs),
+                is_blocks=is_blocks,
+                registered=True,
+                remote_accessible=remote_accessible,
+                tensor_stride=tensor_bytes,
+            )
+            self.registry.add(entry, rows, blocks_key if is_blocks else None)
+        self._log.debug(
+            "cache.registered",
+            cache_id=cache_id,
+            tensors=len(addrs),
+            tensor_bytes=tensor_bytes,
+            blocks=is_blocks,
+            remote_accessible=remote_accessible,
+        )
+        return cache
+
+    def register_cache(
+        self, cache_desc: Any, addrs: Any, cache_keys: Any = (), remote_accessible: Any = None
+    ) -> Cache:
+        """Register user memory (one address per tensor) as a batch cache."""
+        return self._register(
+            cache_desc, addrs, cache_keys, None, remote_accessible, is_blocks=False
+        )
+
+    def register_blocks_cache(
+        self,
+        cache_desc: Any,
+        addrs: Any,
+        blocks_cache_key: Any = None,
+        remote_accessible: Any = None,
+    ) -> Cache:
+        """Register user memory (one address per tensor) as a blocks cache."""
+        return self._register(
+            cache_desc, addrs, (), blocks_cache_key, remote_accessible, is_blocks=True
+        )
+
+    def unregister_cache(self, cache_id: Any) -> CacheEntry | None:
+        """Forget a registered cache; returns its entry when copies still use it (to wait on)."""
+        check_int("cache_id", cache_id, "int64")
+        self.check_open()
+        with self.registry.lock:
+            entry = self.registry.get(cache_id)
+            if entry is None or not entry.registered:
+                return None
+            self.registry.remove(entry)
+        self._log.debug("cache.unregistered", cache_id=cache_id)
+        return entry if entry.pins else None
+
+    def remap_registered_memory(self, mem_infos: Any) -> None:
+        """Validate ``mem_infos``, then refuse: the call is reserved in the documented API."""
+        check_type("mem_infos", mem_infos, MemInfo, list)
+        items = mem_infos if isinstance(mem_infos, list) else [mem_infos]
+        for i, info in enumerate(items):
+            check_type(f"mem_infos[{i}]", info, MemInfo)
+            if info.mem_type is not Memtype.MEM_TYPE_DEVICE:
+                raise _invalid(f"mem_infos[{i}].mem_type must be MEM_TYPE_DEVICE")
+            if info.addr == 0 or info.size <= 0:
+                raise _invalid(f"mem_infos[{i}] needs addr != 0 and size > 0")
+        self.check_open()
+        raise FeatureNotEnabledError(
+            "remap_registered_memory is reserved in LLM-DataDist and not supported: there is "
+            "no NIC registration to repair after a device memory fault",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    # -- copies ---------------------------------------------------------------------------
+    def _plan(self, batches: list[Ops], kind: CopyKind, entries: Sequence[CacheEntry]) -> CopyPlan:
+        nbytes = int(sum(int(b[:, 2].sum()) for b in batches))
+        self.registry.pin(entries)
+        return CopyPlan(batches, kind, nbytes, pinned=list(entries))
+
+    def plan_copy_cache(
+        self,
+        dst: Any,
+        src: Any,
+        dst_batch_index: Any = 0,
+        src_batch_index: Any = 0,
+        offset: Any = 0,
+        size: Any = -1,
+        req_id: Any = None,
+    ) -> CopyPlan:
+        """Plan ``copy_cache``: bytes ``[offset, offset+size)`` of one batch row, per tensor."""
+        check_type("dst", dst, Cache)
+        check_type("src", src, Cache)
+        check_int("dst_batch_index", dst_batch_index, "uint32")
+        check_int("src_batch_index", src_batch_index, "uint32")
+        check_int("offset", offset, "uint64")
+        check_int("size", size, "int64")
+        check_int("req_id", req_id, "uint64", allow_none=True)
+        if size != -1 and size <= 0:
+            raise _invalid(f"size must be -1 or > 0, but got {size}")
+        with self.registry.lock:
+            d, s = self.entry(dst, "dst"), self.entry(src, "src")
+            if d.is_blocks or s.is_blocks:
+                raise _invalid("copy_cache does not take blocks caches; use copy_blocks")
+            if d.desc.num_tensors != s.desc.num_tensors:
+                raise _invalid(
+                    f"dst has {d.desc.num_tensors} tensors but src has {s.desc.num_tensors}"
+                )
+            if dst_batch_index >= d.desc.batch_size:
+                raise _invalid(
+                    f"dst_batch_index {dst_batch_index} >= dst batch size {d.desc.batch_size}"
+                )
+            if src_batch_index >= s.desc.batch_size:
+                raise _invalid(
+                    f"src_batch_index {src_batch_index} >= src batch size {s.desc.batch_size}"
+                )
+            d_stride, s_stride = d.row_bytes, s.row_bytes
+            if offset > 0 and (offset >= s_stride or offset >= d_stride):
+                raise _invalid(
+                    f"offset {offset} is not inside a row (src row {s_stride} bytes, "
+                    f"dst row {d_stride} bytes)"
+                )
+            nbytes = s_stride - offset if size == -1 else size
+            if nbytes > s_stride - offset or nbytes > d_stride - offset:
+                raise _invalid(
+                    f"copy of {nbytes} bytes at offset {offset} does not fit in a row "
+                    f"(src row {s_stride} bytes, dst row {d_stride} bytes)"
+                )
+            ops = row_ops(
+                d.addrs,
+                s.addrs,
+                dst_batch_index * d_stride + offset,
+                src_batch_index * s_stride + offset,
+                nbytes,
+            )
+            if d is s and dst_batch_index == src_batch_index:
+                ops = ops[:0]
+            plan = self._plan([ops], _KINDS[s.desc.placement, d.desc.placement], [d, s])
+        self._log.debug(
+            "cache.copy", dst=dst.cache_id, src=src.cache_id, nbytes=plan.nbytes, req_id=req_id
+        )
+        return plan
+
+    @staticmethod
+    def _block_indices(name: str, values: Sequence[int], num_blocks: int) -> np.ndarray[Any, Any]:
+        arr = np.asarray(values, dtype=np.uint64) if values else np.empty(0, dtype=np.uint64)
+        if len(arr) and int(arr.max()) >= num_blocks:
+            bad = next(v for v in values if v >= num_blocks)
+            raise _invalid(f"{name} block index {bad} is outside [0, {num_blocks})")
+        return arr
+
+    def plan_copy_blocks(self, cache: Any, copy_block_info: Any) -> CopyPlan:
+        """Plan ``copy_blocks``: each source block to each of its destination blocks.
+
+        Every source is read before any destination is written (overlapping maps copy
+        through a scratch buffer); a block named as destination twice takes the last source.
+        """
+        check_type("cache", cache, Cache)
+        check_type("copy_block_info", copy_block_info, dict)
+        last_src: dict[int, int] = {}
+        for src_block, dst_blocks in copy_block_info.items():
+            check_int("copy_block_info key", src_block, "uint64")
+            check_int_list(f"copy_block_info[{src_block}]", dst_blocks, "uint64")
+            for dst_block in dst_blocks:
+                last_src[dst_block] = src_block
+        with self.registry.lock:
+            entry = self.entry(cache)
+            if not entry.is_blocks:
+                raise _invalid(f"copy_blocks needs a blocks cache, cache {cache.cache_id} is not")
+            num_blocks = entry.desc.batch_size
+            dsts = self._block_indices("destination", list(last_src), num_blocks)
+            srcs = self._block_indices("source", list(last_src.values()), num_blocks)
+            ops = block_ops(entry.addrs, entry.addrs, dsts, srcs, entry.row_bytes)
+            kind = _KINDS[entry.desc.placement, entry.desc.placement]
+            plan = self._plan([ops], kind, [entry])
+            if set(last_src) & set(last_src.values()):
+                gather, scatter, plan.stage_bytes = staged(ops)
+                plan.batches = [gather, scatter]
+                plan.stage_device = entry.desc.placement is Placement.DEVICE
+        return plan
+
+    def plan_swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> CopyPlan:
+        """Plan ``swap_blocks``: blocks between a host and a device blocks cache."""
+        check_type("src_cache", src_cache, Cache)
+        check_type("dst_cache", dst_cache, Cache)
+        check_type("src_to_dst", src_to_dst, dict)
+        for src_block, dst_block in src_to_dst.items():
+            check_int("src_to_dst key", src_block, "uint64")
+            check_int(f"src_to_dst[{src_block}]", dst_block, "uint64")
+        pair = (src_cache.cache_desc.placement, dst_cache.cache_desc.placement)
+        if pair not in ((Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)):
+            raise _invalid(
+                f"swap_blocks moves blocks between HOST and DEVICE, but got {pair[0]!s} -> "
+                f"{pair[1]!s}"
+            )
+        with self.registry.lock:
+            sides = [
+                self._swap_side(src_cache, "src_cache"),
+                self._swap_side(dst_cache, "dst_cache"),
+            ]
+            (s_addrs, s_blocks, s_bytes, s_entry), (d_addrs, d_blocks, d_bytes, d_entry) = sides
+            if s_bytes != d_bytes:
+                raise _invalid(f"block sizes differ: src {s_bytes} bytes, dst {d_bytes} bytes")
+            if len(s_addrs) != len(d_addrs):
+                raise _invalid(f"num_tensors differ: src {len(s_addrs)}, dst {len(d_addrs)}")
+            last: dict[int, int] = {dst: src for src, dst in src_to_dst.items()}
+            dsts = self._block_indices("dst_cache", list(last), d_blocks)
+            srcs = self._block_indices("src_cache", list(last.values()), s_blocks)
+            ops = block_ops(d_addrs, s_addrs, dsts, srcs, s_bytes)
+            entries = [e for e in (s_entry, d_entry) if e is not None]
+            return self._plan([ops], _KINDS[pair], entries)
+
+    def _swap_side(
+        self, cache: Cache, name: str
+    ) -> tuple[Sequence[int], int, int, CacheEntry | None]:
+        if not cache.is_blocks_cache:
+            raise _invalid(f"swap_blocks needs blocks caches, {name} is not one")
+        if cache._owner is None and cache.cache_id == -1:
+            desc = cache.cache_desc
+            if not cache.tensor_addrs:
+                raise _not_exist(f"{name} has no tensor addresses")
+            return cache.tensor_addrs, desc.batch_size, desc.size // desc.batch_size, None
+        entry = self.entry(cache, name)
+        return entry.addrs, entry.desc.batch_size, entry.row_bytes, entry
+
+    def execute(self, plan: CopyPlan) -> None:
+        """Run a plan's batches through the runtime, then release its pins."""
+        try:
+            if plan.stage_bytes:
+                self._execute_staged(plan)
+            else:
+                for ops in plan.batches:
+                    if len(ops):
+                        self.runtime.copy_batch(ops, plan.kind)
+        finally:
+            self.release(plan)
+
+    def _execute_staged(self, plan: CopyPlan) -> None:
+        rt = self.runtime
+        alloc, free = (
+            (rt.alloc_device, rt.free_device)
+            if plan.stage_device
+            else (rt.alloc_host, rt.free_host)
+        )
+        scratch = alloc(plan.stage_bytes)
+        try:
+            gather, scatter = (b.copy() for b in plan.batches)
+            gather[:, 0] += np.uint64(scratch)
+            scatter[:, 1] += np.uint64(scratch)
+            rt.copy_batch(gather, plan.kind)
+            rt.copy_batch(scatter, plan.kind)
+        finally:
+            free(scratch, plan.stage_bytes)
+
+    def release(self, plan: CopyPlan) -> None:
+        """Release a plan's pins (idempotent); for plans abandoned before execution."""
+        pinned, plan.pinned = plan.pinned, []
+        if pinned:
+            self.registry.unpin(pinned)  # type: ignore[arg-type]

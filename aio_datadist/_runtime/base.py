@@ -1,0 +1,75 @@
+"""The device-runtime interface: how memory of a placement is allocated, copied and synchronised.
+
+One runtime is chosen per engine at ``init``. The cache manager talks only to this
+interface, so CUDA and Ascend runtimes drop in without touching it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import IntEnum
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ("CopyKind", "DeviceRuntime")
+
+
+class CopyKind(IntEnum):
+    """Direction of a copy, in the terms device runtimes use."""
+
+    HOST_TO_HOST = 0
+    HOST_TO_DEVICE = 1
+    DEVICE_TO_HOST = 2
+    DEVICE_TO_DEVICE = 3
+
+
+class DeviceRuntime(ABC):
+    """Memory and copy primitives of one device (or of host memory standing in for one)."""
+
+    #: Short name reported in logs and ``features`` (``"host"``, ``"cuda"``, ``"acl"``).
+    name: str
+    #: True when device memory is ordinary host memory (readable through numpy views).
+    device_memory_is_host: bool
+
+    def __init__(self, device_id: int) -> None:
+        self.device_id = device_id
+
+    @abstractmethod
+    def alloc_device(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` of device memory and return its address.
+
+        :raises LLMException: ``LLM_DEVICE_OUT_OF_MEMORY`` when the device cannot supply it.
+        """
+
+    @abstractmethod
+    def free_device(self, addr: int, nbytes: int) -> None:
+        """Free memory from :meth:`alloc_device`."""
+
+    @abstractmethod
+    def alloc_host(self, nbytes: int) -> int:
+        """Allocate ``nbytes`` of host memory suited to device copies (pinned where it matters).
+
+        :raises LLMException: ``LLM_OUT_OF_MEMORY`` when the host cannot supply it.
+        """
+
+    @abstractmethod
+    def free_host(self, addr: int, nbytes: int) -> None:
+        """Free memory from :meth:`alloc_host`."""
+
+    @abstractmethod
+    def copy_batch(self, ops: npt.NDArray[np.uint64], kind: CopyKind) -> None:
+        """Copy every ``(dst, src, nbytes)`` row of ``ops`` in one call, complete on return.
+
+        Rows must not overlap each other's destinations. Runs with the GIL released.
+        """
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait until every copy this runtime started has completed."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
+        """Release runtime resources (streams, contexts); the runtime is unusable afterwards."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} device_id={self.device_id}>"

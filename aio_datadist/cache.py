@@ -1,0 +1,150 @@
+"""``Cache``: a group of same-shaped tensors allocated or registered by a cache manager."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from aio_datadist._memory import views
+from aio_datadist._validate import check_int_list, check_type
+from aio_datadist.enums import Placement
+from aio_datadist.status import LLMStatusCode, ParamInvalidError
+from aio_datadist.types import CacheDesc
+
+if TYPE_CHECKING:
+    from aio_datadist._engine.caches import CacheService
+
+__all__ = ("Cache",)
+
+
+class Cache:
+    """A KV cache: ``num_tensors`` tensors described by ``cache_desc``, one address each.
+
+    Returned by the cache manager's allocate and register calls (users do not construct it),
+    or wrapped around host buffers by :meth:`create_cpu_cache` for ``swap_blocks``.
+    """
+
+    __slots__ = (
+        "_cache_desc",
+        "_cache_id",
+        "_cache_manager",
+        "_is_blocks_cache",
+        "_is_registered",
+        "_keepalive",
+        "_owner",
+        "_tensor_addrs",
+    )
+
+    def __init__(
+        self,
+        cache_id: int,
+        cache_desc: CacheDesc,
+        tensor_addrs: list[int],
+        cache_manager: Any = None,
+        is_registered: bool = False,
+        is_blocks_cache: bool = False,
+    ) -> None:
+        self._cache_id = cache_id
+        self._cache_desc = cache_desc
+        self._tensor_addrs = list(tensor_addrs)
+        self._cache_manager = cache_manager
+        self._is_registered = is_registered
+        self._is_blocks_cache = is_blocks_cache
+        self._owner: CacheService | None = None
+        self._keepalive: object = None
+
+    @property
+    def cache_id(self) -> int:
+        """Id of the cache, unique within one ``init``; ``-1`` for a CPU cache."""
+        return self._cache_id
+
+    @property
+    def cache_desc(self) -> CacheDesc:
+        """Descriptor of the cache's tensors."""
+        return self._cache_desc
+
+    @property
+    def tensor_addrs(self) -> list[int]:
+        """One address per tensor; ``[]`` once the cache was deallocated or unregistered."""
+        return self._tensor_addrs
+
+    @property
+    def is_blocks_cache(self) -> bool:
+        """True for a PagedAttention (blocks) cache, whose dimension 0 indexes blocks."""
+        return self._is_blocks_cache
+
+    @classmethod
+    def create_cpu_cache(cls, cache_desc: CacheDesc, addrs: list[int]) -> Cache:
+        """Wrap host buffers (one per tensor) as a blocks cache for ``swap_blocks``.
+
+        The memory stays the caller's; it is not registered.
+
+        :raises TypeError: wrong argument types.
+        :raises ValueError: an address outside uint64.
+        :raises LLMException: ``LLM_PARAM_INVALID`` when the placement is not HOST or the number
+            of addresses differs from ``num_tensors``.
+        """
+        check_type("cache_desc", cache_desc, CacheDesc)
+        check_int_list("addrs", addrs, "uint64", containers=(list,))
+        if cache_desc.placement is not Placement.HOST:
+            raise ParamInvalidError(
+                f"create_cpu_cache needs a HOST placement, but got {cache_desc.placement!s}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        if len(addrs) != cache_desc.num_tensors:
+            raise ParamInvalidError(
+                f"create_cpu_cache needs {cache_desc.num_tensors} addresses "
+                f"(num_tensors), but got {len(addrs)}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        return cls(-1, cache_desc, addrs, None, False, True)
+
+    def _host_addressable(self) -> bool:
+        if self._cache_desc.placement is Placement.HOST:
+            return True
+        return self._owner is not None and self._owner.runtime.device_memory_is_host
+
+    def as_numpy(self) -> list[np.ndarray[Any, np.dtype[Any]]]:
+        """Numpy arrays over the cache's tensors (shape ``cache_desc.shape``), sharing memory.
+
+        Writing to them writes the cache. BF16 tensors appear as raw ``uint16`` words. The arrays
+        stay safe to touch after the cache or engine is released (the memory is kept mapped while
+        a view exists), but then they no longer belong to the cache.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` when the memory is on an accelerator or the
+            cache has been released.
+        """
+        if not self._tensor_addrs:
+            raise ParamInvalidError(
+                f"cache {self._cache_id} has been released: no tensors to view",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        if not self._host_addressable():
+            raise ParamInvalidError(
+                f"cache {self._cache_id} lives in accelerator memory; use as_torch()",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        desc = self._cache_desc
+        return [
+            views.numpy_view(addr, tuple(desc.shape), desc.data_type, self._keepalive)
+            for addr in self._tensor_addrs
+        ]
+
+    def as_torch(self) -> list[Any]:
+        """Torch tensors over the cache's tensors, sharing memory (BF16 as ``torch.bfloat16``).
+
+        Needs torch installed; it is imported on first use only.
+
+        :raises ImportError: torch is not installed.
+        :raises LLMException: as :meth:`as_numpy`.
+        """
+        return [views.torch_view(a, self._cache_desc.data_type) for a in self.as_numpy()]
+
+    def __str__(self) -> str:
+        return (
+            f"Cache(cache_id = {self._cache_id}, device_tensor_addrs = "
+            f"{len(self._tensor_addrs)}, is_blocks_cache = {self._is_blocks_cache})"
+        )
+
+    __repr__ = __str__

@@ -1,0 +1,202 @@
+"""The documented blocking API: ``LLMDataDist`` and its ``CacheManager``, name for name.
+
+Thin drivers over the engine: they check the documented preconditions, then run the engine's
+calls in the caller's thread. No event loop is needed or started.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+from typing import Any, ClassVar
+
+from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.engine import Engine
+from aio_datadist._log import get_logger
+from aio_datadist._memory.pool import PoolStats
+from aio_datadist.cache import Cache
+from aio_datadist.enums import LLMRole, Placement
+from aio_datadist.status import LLMException, LLMFailedError, LLMStatusCode, ParamInvalidError
+
+__all__ = ("LLMDataDist", "CacheManager")
+
+_log = get_logger("sync")
+
+
+class CacheManager:
+    """Allocates, registers and copies the caches of one ``LLMDataDist`` (``cache_manager``)."""
+
+    def __init__(self, service: CacheService) -> None:
+        self._service = service
+
+    def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
+        """Allocate a batch cache from the pool of its placement, one key per batch row.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` (no pool for the placement, too many,
+            duplicate or already bound keys), ``LLM_OUT_OF_MEMORY`` (pool exhausted).
+        """
+        return self._service.allocate_cache(cache_desc, cache_keys)
+
+    def deallocate_cache(self, cache: Any) -> None:
+        """Release a batch cache; its memory returns once every key was pulled or removed."""
+        self._service.deallocate_cache(cache)
+
+    def remove_cache_key(self, cache_key: Any) -> None:
+        """Unbind a key so that its row can no longer be pulled; unknown keys are a no-op."""
+        self._service.remove_cache_key(cache_key)
+
+    def allocate_blocks_cache(self, cache_desc: Any, blocks_cache_key: Any = None) -> Cache:
+        """Allocate a blocks (PagedAttention) cache; dimension 0 of the shape is the block count."""
+        return self._service.allocate_blocks_cache(cache_desc, blocks_cache_key)
+
+    def deallocate_blocks_cache(self, cache: Any) -> None:
+        """Release a pool-allocated blocks cache; unknown or released caches are a no-op."""
+        self._service.deallocate_blocks_cache(cache)
+
+    def register_cache(
+        self, cache_desc: Any, addrs: Any, cache_keys: Any = (), remote_accessible: Any = None
+    ) -> Cache:
+        """Register user memory (a list with one address per tensor) as a batch cache."""
+        return self._service.register_cache(cache_desc, addrs, cache_keys, remote_accessible)
+
+    def register_blocks_cache(
+        self,
+        cache_desc: Any,
+        addrs: Any,
+        blocks_cache_key: Any = None,
+        remote_accessible: Any = None,
+    ) -> Cache:
+        """Register user memory (a list with one address per tensor) as a blocks cache."""
+        return self._service.register_blocks_cache(
+            cache_desc, addrs, blocks_cache_key, remote_accessible
+        )
+
+    def unregister_cache(self, cache_id: Any) -> None:
+        """Forget a registered cache; returns after any copy still using it has finished."""
+        busy = self._service.unregister_cache(cache_id)
+        if busy is not None:
+            self._service.registry.wait_unpinned(busy)
+
+    def copy_cache(
+        self,
+        dst: Any,
+        src: Any,
+        dst_batch_index: Any = 0,
+        src_batch_index: Any = 0,
+        offset: Any = 0,
+        size: Any = -1,
+        req_id: Any = None,
+    ) -> None:
+        """Copy bytes ``[offset, offset + size)`` of one batch row of every tensor of ``src``.
+
+        ``size=-1`` copies the rest of the row. Rows are ``cache_desc.size // batch_size`` bytes.
+        """
+        plan = self._service.plan_copy_cache(
+            dst, src, dst_batch_index, src_batch_index, offset, size, req_id
+        )
+        self._service.execute(plan)
+
+    def copy_blocks(self, cache: Any, copy_block_info: Any) -> None:
+        """Copy blocks inside one blocks cache: ``{src_block: [dst_block, ...]}``."""
+        self._service.execute(self._service.plan_copy_blocks(cache, copy_block_info))
+
+    def swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> None:
+        """Copy blocks between a HOST and a DEVICE blocks cache: ``{src_block: dst_block}``."""
+        self._service.execute(self._service.plan_swap_blocks(src_cache, dst_cache, src_to_dst))
+
+    def remap_registered_memory(self, mem_infos: Any) -> None:
+        """Reserved in the documented API: validates, then raises ``LLM_FEATURE_NOT_ENABLED``."""
+        self._service.remap_registered_memory(mem_infos)
+
+    def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
+        """Usage of the memory pool for ``placement`` (None when not configured)."""
+        return self._service.pool_stats(placement)
+
+
+class LLMDataDist:
+    """One LLM-DataDist endpoint (blocking API). At most one may be initialised per process."""
+
+    _live: ClassVar[LLMDataDist | None] = None
+    _live_lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, role: LLMRole, cluster_id: int) -> None:
+        self._engine = Engine(role, cluster_id)
+        self._cache_manager: CacheManager | None = None
+
+    @property
+    def _role(self) -> LLMRole:
+        return self._engine.role
+
+    def _check_init(self) -> Engine:
+        if not self._engine.initialized:
+            raise RuntimeError("llm datadist is not initialized")
+        return self._engine
+
+    def init(self, options: dict[str, str]) -> None:
+        """Initialise from ``LLMConfig.generate_options()``; a second call does nothing.
+
+        :raises LLMException: ``LLM_FAILED`` when another LLMDataDist is initialised in this
+            process; ``LLM_PARAM_INVALID`` for invalid options.
+        """
+        if self._engine.initialized:
+            return
+        with LLMDataDist._live_lock:
+            if LLMDataDist._live is not None and LLMDataDist._live is not self:
+                raise LLMFailedError(
+                    "Cannot init multiple LLMDataDists", status_code=LLMStatusCode.LLM_FAILED
+                )
+            self._engine.init(options)
+            LLMDataDist._live = self
+
+    def finalize(self) -> None:
+        """Release everything ``init`` created; a no-op when not initialised."""
+        self._engine.finalize()
+        self._cache_manager = None
+        with LLMDataDist._live_lock:
+            if LLMDataDist._live is self:
+                LLMDataDist._live = None
+
+    @property
+    def cache_manager(self) -> CacheManager:
+        """The cache manager (CacheManager mode: ``enable_cache_manager=True``).
+
+        :raises RuntimeError: before ``init`` or after ``finalize``.
+        :raises LLMException: ``LLM_PARAM_INVALID`` outside CacheManager mode.
+        """
+        service = self._engine.cache_service()
+        if self._cache_manager is None or self._cache_manager._service is not service:
+            self._cache_manager = CacheManager(service)
+        return self._cache_manager
+
+    @property
+    def kv_cache_manager(self) -> Any:
+        """The v1 KvCacheManager, which this implementation does not provide.
+
+        :raises RuntimeError: before ``init``.
+        :raises LLMException: ``LLM_PARAM_INVALID`` always after ``init``.
+        """
+        self._check_init()
+        raise ParamInvalidError(
+            "kv_cache_manager belongs to the v1 API, which is not supported: use cache_manager",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+
+    @property
+    def cluster_id(self) -> int:
+        """The cluster id given at construction."""
+        return self._engine.cluster_id
+
+    def __repr__(self) -> str:
+        state = "initialized" if self._engine.initialized else "not initialized"
+        return f"<LLMDataDist role={self._engine.role!s} cluster_id={self.cluster_id} {state}>"
+
+
+@atexit.register
+def _finalize_at_exit() -> None:
+    live = LLMDataDist._live
+    if live is None:
+        return
+    try:
+        live.finalize()
+    except LLMException as exc:  # logged, never raised, at interpreter exit
+        _log.error("llm_datadist.finalize_at_exit_failed", error=str(exc))

@@ -1,0 +1,167 @@
+"""Shared fixtures: engines through both faces, pool-leak and event-loop-blocking guards."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import pytest
+
+import aio_datadist as llm_datadist
+from aio_datadist import LLMConfig, LLMDataDist, LLMRole, Placement
+
+MiB = 1 << 20
+POOL_BYTES = 64 * MiB
+PAGE_SHIFT = 16
+
+
+def pool_cfg(memory_size: int = POOL_BYTES, page_shift: int | None = PAGE_SHIFT) -> str:
+    cfg: dict[str, int] = {"memory_size": memory_size}
+    if page_shift is not None:
+        cfg["page_shift"] = page_shift
+    return json.dumps(cfg)
+
+
+def make_options(
+    *,
+    device_pool: str | None = None,
+    host_pool: str | None = None,
+    remote_accessible: bool | None = None,
+    cache_manager: bool = True,
+) -> dict[str, str]:
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.enable_cache_manager = cache_manager
+    if device_pool is not None:
+        cfg.mem_pool_cfg = device_pool
+    if host_pool is not None:
+        cfg.host_mem_pool_cfg = host_pool
+    if remote_accessible is not None:
+        cfg.enable_remote_cache_accessible = remote_accessible
+    return dict(cfg.generate_options())
+
+
+class AwaitableProxy:
+    """Presents a blocking object with the async facade's calling convention.
+
+    Every method that is a coroutine on the async face becomes one here, running the blocking
+    call in place; so one scenario, written with ``await``, runs through both faces.
+    """
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._target, name)
+        if not callable(attr) or name == "pool_stats":
+            return attr
+
+        @functools.wraps(attr)
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class Face:
+    """One engine reached through the blocking API or the async facade."""
+
+    def __init__(self, kind: str, role: LLMRole = LLMRole.PROMPT, cluster_id: int = 1) -> None:
+        self.kind = kind
+        if kind == "sync":
+            self.dd: Any = LLMDataDist(role, cluster_id)
+        else:
+            self.dd = llm_datadist.AsyncLLMDataDist(role, cluster_id)
+
+    async def init(self, options: dict[str, str]) -> None:
+        result = self.dd.init(options)
+        if inspect.isawaitable(result):
+            await result
+
+    async def finalize(self) -> None:
+        result = self.dd.finalize()
+        if inspect.isawaitable(result):
+            await result
+
+    @property
+    def cm(self) -> Any:
+        cm = self.dd.cache_manager
+        return AwaitableProxy(cm) if self.kind == "sync" else cm
+
+    def pool_used(self) -> dict[Placement, int]:
+        cm = self.dd.cache_manager
+        used = {}
+        for placement in (Placement.DEVICE, Placement.HOST):
+            stats = cm.pool_stats(placement)
+            if stats is not None:
+                used[placement] = stats.used
+        return used
+
+
+@pytest.fixture(params=["sync", "async"])
+def face_kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+async def face(face_kind: str) -> AsyncIterator[Face]:
+    """An initialised engine with a 64 MiB device pool and a 64 MiB host pool.
+
+    At teardown every test must have returned all pool memory (leak guard).
+    """
+    f = Face(face_kind)
+    await f.init(make_options(device_pool=pool_cfg(), host_pool=pool_cfg()))
+    try:
+        yield f
+        leaked = {str(k): v for k, v in f.pool_used().items() if v}
+        assert not leaked, f"pool memory leaked: {leaked}"
+    finally:
+        await f.finalize()
+
+
+@pytest.fixture
+async def make_face(face_kind: str) -> AsyncIterator[Callable[..., Face]]:
+    """Build un-initialised engines of the parametrised face; all are finalized afterwards."""
+    made: list[Face] = []
+
+    def factory(role: LLMRole = LLMRole.PROMPT, cluster_id: int = 1) -> Face:
+        f = Face(face_kind, role, cluster_id)
+        made.append(f)
+        return f
+
+    yield factory
+    for f in made:
+        await f.finalize()
+
+
+@pytest.fixture(autouse=True)
+def _no_live_blocking_engine() -> Iterator[None]:
+    """Every test must finalize the blocking LLMDataDist it initialised."""
+    yield
+    live = LLMDataDist._live
+    if live is not None:
+        live.finalize()
+        pytest.fail("a test left a blocking LLMDataDist initialised")
+
+
+@pytest.fixture
+async def loop_lag() -> AsyncIterator[list[float]]:
+    """Samples event-loop lag (seconds) every millisecond while the test runs."""
+    lags: list[float] = []
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            await asyncio.sleep(0.001)
+            lags.append(time.perf_counter() - start - 0.001)
+
+    task = asyncio.create_task(ticker())
+    yield lags
+    stop.set()
+    await task
