@@ -35,33 +35,6 @@ from aio_datadist.types import (
     TransferWithCacheKeyConfig,
 )
 
-#: The documented v2 names, in the reference package's order.
-v2_list = [
-    "LLMClusterInfo",
-    "LLMStatusCode",
-    "LLMException",
-    "LLMRole",
-    "LlmConfig",
-    "LLMConfig",
-    "DataType",
-    "Status",
-    "CacheDesc",
-    "CacheKey",
-    "CacheKeyByIdAndIndex",
-    "KvCache",
-    "Cache",
-    "BlocksCacheKey",
-    "LLMDataDist",
-    "Placement",
-    "RegisterMemStatus",
-    "LayerSynchronizer",
-    "TransferConfig",
-    "CacheTask",
-    "TransferWithCacheKeyConfig",
-    "Memtype",
-    "MemInfo",
-]
-
 #: What this build can do: native kernels and the runtimes it knows.
 features: frozenset[str] = _native_features | {"runtime:host"}
 
@@ -98,6 +71,9 @@ __all__ = [
     "features",
     "__version__",
 ]
+
+#: The documented v2 names, in the reference package's order (the first 23 of ``__all__``).
+v2_list = __all__[:23]
 
 _V1_NAMES = frozenset({"TensorDesc", "Tensor", "KvCacheManager"})
 

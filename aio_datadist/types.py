@@ -71,6 +71,23 @@ def _check_kwargs(
     return merged
 
 
+class _KeyValue:
+    """Equality and hashing by ``_key()``, among instances of the same class."""
+
+    __slots__ = ()
+
+    def _key(self) -> tuple[int, ...]:
+        raise NotImplementedError
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash((type(self).__name__, *self._key()))
+
+
 class CacheDesc:
     """Description of a cache: ``num_tensors`` tensors of one ``shape`` and ``data_type``.
 
@@ -220,7 +237,7 @@ class CacheDesc:
         self._shape[dim_index] = dim_value
 
 
-class CacheKey:
+class CacheKey(_KeyValue):
     """Names one batch row of a remote batch cache: ``(cluster_id, req_id, model_id, prefix_id)``.
 
     ``CacheKey(cluster_id, req_id, model_id=0, prefix_id=2**64-1)`` by position, or by keyword
@@ -300,14 +317,6 @@ class CacheKey:
     def _key(self) -> tuple[int, int, int, int]:
         return (self._cluster_id, self._req_id, self._model_id, self._prefix_id)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CacheKey):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((CacheKey, *self._key()))
-
     def __repr__(self) -> str:
         return (
             f"CacheKey(cluster_id={self._cluster_id}, req_id={self._req_id}, "
@@ -315,7 +324,7 @@ class CacheKey:
         )
 
 
-class CacheKeyByIdAndIndex:
+class CacheKeyByIdAndIndex(_KeyValue):
     """Addresses batch row ``batch_index`` of cache ``cache_id`` on endpoint ``cluster_id``.
 
     Raises ``TypeError`` for non-ints and ``ValueError`` outside the C ranges: ``cluster_id``
@@ -350,14 +359,6 @@ class CacheKeyByIdAndIndex:
     def _key(self) -> tuple[int, int, int]:
         return (self._cluster_id, self._cache_id, self._batch_index)
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, CacheKeyByIdAndIndex):
-            return NotImplemented
-        return self._key() == other._key()
-
-    def __hash__(self) -> int:
-        return hash((CacheKeyByIdAndIndex, *self._key()))
-
     def __repr__(self) -> str:
         return (
             f"CacheKeyByIdAndIndex(cluster_id={self._cluster_id}, "
@@ -365,7 +366,7 @@ class CacheKeyByIdAndIndex:
         )
 
 
-class BlocksCacheKey:
+class BlocksCacheKey(_KeyValue):
     """Names a whole blocks (PA) cache: ``(cluster_id, model_id)``.
 
     ``BlocksCacheKey(cluster_id, model_id=0)`` by position, or by keyword with
@@ -407,13 +408,8 @@ class BlocksCacheKey:
         """Model id (default 0); lets one endpoint register several blocks caches."""
         return self._model_id
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, BlocksCacheKey):
-            return NotImplemented
-        return (self._cluster_id, self._model_id) == (other._cluster_id, other._model_id)
-
-    def __hash__(self) -> int:
-        return hash((BlocksCacheKey, self._cluster_id, self._model_id))
+    def _key(self) -> tuple[int, int]:
+        return (self._cluster_id, self._model_id)
 
     def __repr__(self) -> str:
         return (

@@ -16,7 +16,7 @@ import structlog
 
 from aio_datadist._engine.plan import CopyPlan, Ops, block_ops, row_ops, staged
 from aio_datadist._engine.registry import CacheEntry, CacheRegistry, KeyIdentity
-from aio_datadist._memory.pool import MemoryPool, PoolStats
+from aio_datadist._memory.pool import Allocation, MemoryPool, PoolStats
 from aio_datadist._runtime.base import CopyKind, DeviceRuntime
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
@@ -165,6 +165,50 @@ class CacheService:
         if key is not None and self.registry.blocks_key_bound(key.model_id):
             raise _invalid(f"blocks cache key {key} is already bound to a live cache")
 
+    def _names(
+        self, desc: CacheDesc, keys: Any, blocks_key: Any, is_blocks: bool
+    ) -> list[tuple[KeyIdentity, int]]:
+        """Check the names a new cache will take: row keys (batch) or a blocks key."""
+        if is_blocks:
+            self._check_blocks_key(blocks_key)
+            return []
+        return self._row_keys(desc, keys)
+
+    def _insert(
+        self,
+        desc: CacheDesc,
+        addrs: list[int],
+        rows: list[tuple[KeyIdentity, int]],
+        blocks_key: BlocksCacheKey | None,
+        *,
+        is_blocks: bool,
+        remote_accessible: bool,
+        stride: int,
+        pool: MemoryPool | None = None,
+        allocation: Allocation | None = None,
+    ) -> Cache:
+        """Create the ``Cache`` and its registry entry; the caller holds the registry lock."""
+        cache_id = self.registry.next_id()
+        if is_blocks:
+            desc._is_blocks = True
+        cache = Cache(cache_id, desc, list(addrs), None, pool is None, is_blocks)
+        cache._owner = self
+        cache._keepalive = None if pool is None else pool.arena
+        entry = CacheEntry(
+            cache_id=cache_id,
+            cache=cache,
+            desc=desc,
+            addrs=tuple(addrs),
+            is_blocks=is_blocks,
+            registered=pool is None,
+            remote_accessible=remote_accessible,
+            tensor_stride=stride,
+            pool=pool,
+            allocation=allocation,
+        )
+        self.registry.add(entry, rows, blocks_key if is_blocks else None)
+        return cache
+
     def _allocate(
         self,
         desc: Any,
@@ -180,33 +224,23 @@ class CacheService:
         pool = self._pool_for(desc, call)
         stride = pool.round_up(tensor_bytes)
         with self.registry.lock:
-            rows = [] if is_blocks else self._row_keys(desc, keys)
-            if is_blocks:
-                self._check_blocks_key(blocks_key)
+            rows = self._names(desc, keys, blocks_key, is_blocks)
             allocation = pool.allocate(stride * desc.num_tensors)
-            cache_id = self.registry.next_id()
             addrs = [allocation.addr + i * stride for i in range(desc.num_tensors)]
-            if is_blocks:
-                desc._is_blocks = True
-            cache = Cache(cache_id, desc, addrs, None, False, is_blocks)
-            cache._owner = self
-            cache._keepalive = pool.arena
-            entry = CacheEntry(
-                cache_id=cache_id,
-                cache=cache,
-                desc=desc,
-                addrs=tuple(addrs),
+            cache = self._insert(
+                desc,
+                addrs,
+                rows,
+                blocks_key,
                 is_blocks=is_blocks,
-                registered=False,
                 remote_accessible=True,
-                tensor_stride=stride,
+                stride=stride,
                 pool=pool,
                 allocation=allocation,
             )
-            self.registry.add(entry, rows, blocks_key)
         self._log.debug(
             "cache.allocated",
-            cache_id=cache_id,
+            cache_id=cache.cache_id,
             placement=str(desc.placement),
             nbytes=allocation.nbytes,
             keys=len(rows),
@@ -292,28 +326,19 @@ class CacheService:
         elif remote_accessible and self.two_sided_linked:
             raise _invalid("remote_accessible=True is refused after a two-sided link()")
         with self.registry.lock:
-            rows = [] if is_blocks else self._row_keys(desc, keys)
-            if is_blocks:
-                self._check_blocks_key(blocks_key)
-            cache_id = self.registry.next_id()
-            if is_blocks:
-                desc._is_blocks = True
-            cache = Cache(cache_id, desc, list(addrs), None, True, is_blocks)
-            cache._owner = self
-            entry = CacheEntry(
-                cache_id=cache_id,
-                cache=cache,
-                desc=desc,
-                addrs=tuple(addrs),
+            rows = self._names(desc, keys, blocks_key, is_blocks)
+            cache = self._insert(
+                desc,
+                addrs,
+                rows,
+                blocks_key,
                 is_blocks=is_blocks,
-                registered=True,
                 remote_accessible=remote_accessible,
-                tensor_stride=tensor_bytes,
+                stride=tensor_bytes,
             )
-            self.registry.add(entry, rows, blocks_key if is_blocks else None)
         self._log.debug(
             "cache.registered",
-            cache_id=cache_id,
+            cache_id=cache.cache_id,
             tensors=len(addrs),
             tensor_bytes=tensor_bytes,
             blocks=is_blocks,
