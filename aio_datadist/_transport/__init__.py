@@ -1,0 +1,1 @@
+"""Transports: how two endpoints exchange control frames and bulk KV bytes."""

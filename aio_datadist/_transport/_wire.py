@@ -1,0 +1,268 @@
+"""The wire format: a fixed frame header, bounded body codecs, and their limits. Pure functions.
+
+Every frame is a 40-byte little-endian header, then ``body_len`` bytes of control body, then
+``payload_len`` bytes of bulk payload (KV bytes, streamed straight to or from registered
+memory, never through Python objects)::
+
+    offset size field
+    0      4    magic        b"AIDD"
+    4      2    version      PROTOCOL_VERSION
+    6      2    kind         FrameKind
+    8      8    request_id   pairs a response with its request (0: none)
+    16     8    status       int64 LLMStatusCode of a response (0 in requests)
+    24     4    body_len     <= MAX_BODY
+    28     4    flags        per-kind bits
+    32     8    payload_len  <= MAX_PAYLOAD
+
+Decoders never read past what they were given and reject malformed, truncated or oversized
+input with :class:`WireError`, so one bad frame costs one error, never a crash or a hang.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+__all__ = (
+    "HEADER",
+    "MAGIC",
+    "MAX_BODY",
+    "MAX_PAYLOAD",
+    "PROTOCOL_VERSION",
+    "BodyReader",
+    "BodyWriter",
+    "FrameHeader",
+    "FrameKind",
+    "WireError",
+    "decode_header",
+    "encode_header",
+)
+
+MAGIC = b"AIDD"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<4sHHQqIIQ")
+#: Largest control body: block lists of a large batch fit many times over.
+MAX_BODY = 1 << 24
+#: Largest bulk payload of one frame (1 TiB); each request bounds it further.
+MAX_PAYLOAD = 1 << 40
+#: Largest array or string count a body may announce.
+MAX_ITEMS = MAX_BODY // 8
+
+
+class WireError(ValueError):
+    """A frame or body is malformed, truncated, oversized or of an unknown version."""
+
+
+class FrameKind(IntEnum):
+    """What a frame carries."""
+
+    HELLO = 1
+    HELLO_ACK = 2
+    BYE = 3
+    BYE_ACK = 4
+    PING = 5
+    PONG = 6
+    PULL = 16
+    PULL_DATA = 17
+    PULL_DONE = 18
+    PUSH = 19
+    PUSH_ACK = 20
+    ERROR = 31
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """A decoded frame header."""
+
+    kind: FrameKind
+    request_id: int = 0
+    status: int = 0
+    body_len: int = 0
+    flags: int = 0
+    payload_len: int = 0
+    version: int = PROTOCOL_VERSION
+
+
+def encode_header(header: FrameHeader) -> bytes:
+    """The 40 header bytes of ``header``.
+
+    :raises WireError: a field is outside its range or a length over its limit.
+    """
+    if not 0 <= header.body_len <= MAX_BODY:
+        raise WireError(f"body of {header.body_len} bytes exceeds {MAX_BODY}")
+    if not 0 <= header.payload_len <= MAX_PAYLOAD:
+        raise WireError(f"payload of {header.payload_len} bytes exceeds {MAX_PAYLOAD}")
+    try:
+        return HEADER.pack(
+            MAGIC,
+            header.version,
+            header.kind,
+            header.request_id,
+            header.status,
+            header.body_len,
+            header.flags,
+            header.payload_len,
+        )
+    except struct.error as exc:
+        raise WireError(f"header field out of range: {exc}") from None
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
+    """Decode exactly :data:`HEADER.size <HEADER>` bytes into a :class:`FrameHeader`.
+
+    :raises WireError: wrong size, bad magic, unknown version or kind, oversized lengths.
+    """
+    if len(data) != HEADER.size:
+        raise WireError(f"frame header needs {HEADER.size} bytes, got {len(data)}")
+    magic, version, kind, request_id, status, body_len, flags, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise WireError(f"bad magic {bytes(magic)!r}: not an aio_datadist peer")
+    if version != PROTOCOL_VERSION:
+        raise WireError(f"protocol version {version} is not supported (this side speaks 1)")
+    try:
+        frame_kind = FrameKind(kind)
+    except ValueError:
+        raise WireError(f"unknown frame kind {kind}") from None
+    if body_len > MAX_BODY:
+        raise WireError(f"body of {body_len} bytes exceeds {MAX_BODY}")
+    if payload_len > MAX_PAYLOAD:
+        raise WireError(f"payload of {payload_len} bytes exceeds {MAX_PAYLOAD}")
+    return FrameHeader(frame_kind, request_id, status, body_len, flags, payload_len, version)
+
+
+_U8, _U32, _U64, _I64 = (
+    struct.Struct("<B"),
+    struct.Struct("<I"),
+    struct.Struct("<Q"),
+    struct.Struct("<q"),
+)
+
+
+class BodyWriter:
+    """Builds a control body from typed fields; ``bytes()`` gives the encoded body."""
+
+    __slots__ = ("_parts", "_size")
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+
+    def _add(self, data: bytes) -> BodyWriter:
+        self._size += len(data)
+        if self._size > MAX_BODY:
+            raise WireError(f"body exceeds {MAX_BODY} bytes")
+        self._parts.append(data)
+        return self
+
+    def u8(self, value: int) -> BodyWriter:
+        """Append an unsigned 8-bit integer."""
+        return self._pack(_U8, value)
+
+    def u32(self, value: int) -> BodyWriter:
+        """Append an unsigned 32-bit integer."""
+        return self._pack(_U32, value)
+
+    def u64(self, value: int) -> BodyWriter:
+        """Append an unsigned 64-bit integer."""
+        return self._pack(_U64, value)
+
+    def i64(self, value: int) -> BodyWriter:
+        """Append a signed 64-bit integer."""
+        return self._pack(_I64, value)
+
+    def _pack(self, fmt: struct.Struct, value: int) -> BodyWriter:
+        try:
+            return self._add(fmt.pack(value))
+        except struct.error as exc:
+            raise WireError(f"value {value!r} does not fit: {exc}") from None
+
+    def u64_array(self, values: list[int] | tuple[int, ...]) -> BodyWriter:
+        """Append a count (u32) and that many unsigned 64-bit integers."""
+        if len(values) > MAX_ITEMS:
+            raise WireError(f"array of {len(values)} items exceeds {MAX_ITEMS}")
+        self.u32(len(values))
+        try:
+            return self._add(struct.pack(f"<{len(values)}Q", *values))
+        except struct.error as exc:
+            raise WireError(f"array item does not fit in u64: {exc}") from None
+
+    def blob(self, data: bytes) -> BodyWriter:
+        """Append a length (u32) and the bytes."""
+        self.u32(len(data))
+        return self._add(bytes(data))
+
+    def text(self, value: str) -> BodyWriter:
+        """Append a UTF-8 string as a blob."""
+        return self.blob(value.encode("utf-8"))
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self._parts)
+
+    def __len__(self) -> int:
+        return self._size
+
+
+class BodyReader:
+    """Reads typed fields from a control body, never past its end.
+
+    Call :meth:`end` after the last field: trailing bytes are a malformed body.
+    """
+
+    __slots__ = ("_data", "_pos")
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._data = memoryview(data).cast("B")
+        self._pos = 0
+
+    def _take(self, n: int) -> memoryview:
+        end = self._pos + n
+        if n < 0 or end > len(self._data):
+            raise WireError(
+                f"body truncated: needed {n} bytes at offset {self._pos} of {len(self._data)}"
+            )
+        view = self._data[self._pos : end]
+        self._pos = end
+        return view
+
+    def u8(self) -> int:
+        """Read an unsigned 8-bit integer."""
+        return int(_U8.unpack(self._take(1))[0])
+
+    def u32(self) -> int:
+        """Read an unsigned 32-bit integer."""
+        return int(_U32.unpack(self._take(4))[0])
+
+    def u64(self) -> int:
+        """Read an unsigned 64-bit integer."""
+        return int(_U64.unpack(self._take(8))[0])
+
+    def i64(self) -> int:
+        """Read a signed 64-bit integer."""
+        return int(_I64.unpack(self._take(8))[0])
+
+    def u64_array(self, max_items: int = MAX_ITEMS) -> list[int]:
+        """Read a counted array of unsigned 64-bit integers (at most ``max_items``)."""
+        count = self.u32()
+        if count > max_items:
+            raise WireError(f"array of {count} items exceeds the limit of {max_items}")
+        return list(struct.unpack(f"<{count}Q", self._take(8 * count)))
+
+    def blob(self, max_len: int = MAX_BODY) -> bytes:
+        """Read a counted byte string (at most ``max_len`` bytes)."""
+        size = self.u32()
+        if size > max_len:
+            raise WireError(f"blob of {size} bytes exceeds the limit of {max_len}")
+        return bytes(self._take(size))
+
+    def text(self, max_len: int = 4096) -> str:
+        """Read a counted UTF-8 string."""
+        try:
+            return self.blob(max_len).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WireError(f"string is not UTF-8: {exc}") from None
+
+    def end(self) -> None:
+        """Check that the whole body was read."""
+        if self._pos != len(self._data):
+            raise WireError(f"{len(self._data) - self._pos} unexpected trailing body bytes")
