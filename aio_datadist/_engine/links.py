@@ -1,0 +1,235 @@
+"""Links: the table of peers an engine is linked to, and the documented link/unlink rules.
+
+``link_clusters``/``unlink_clusters`` report per-cluster status codes instead of raising for
+link failures; argument errors still raise (``TypeError``/``ValueError``/``LLMException``).
+A link is usable in both directions whoever made it; the side with a listen address is the
+server. Graceful unlink (``force=False``) removes both ends; forced unlink only this end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from aio_datadist._transport.base import Channel, Hello, LinkRefused, Listener, Transport
+from aio_datadist._validate import check_int, check_type, param_invalid
+from aio_datadist.cluster import LLMClusterInfo, ip_int_to_str
+from aio_datadist.status import LLMStatusCode
+
+__all__ = ("MAX_CLUSTERS_PER_CALL", "Link", "LinkTable", "check_clusters", "overall_status")
+
+#: Most clusters one link_clusters/unlink_clusters call may name.
+MAX_CLUSTERS_PER_CALL = 16
+
+
+@dataclass(eq=False)
+class Link:
+    """One live link to a remote cluster."""
+
+    remote: Hello
+    channel: Channel
+    initiator: bool  # True when this side called link_clusters
+
+
+def check_clusters(clusters: Any, timeout: Any, *, need_local_ip: bool) -> None:
+    """Validate the arguments shared by link_clusters and unlink_clusters.
+
+    :raises TypeError: ``clusters`` is not a list/tuple of ``LLMClusterInfo``.
+    :raises ValueError: ``timeout`` outside int32.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0``, a cluster without
+        ``remote_cluster_id``, or (``need_local_ip``) without a local ip.
+    """
+    check_type("clusters", clusters, list, tuple)
+    for i, info in enumerate(clusters):
+        check_type(f"clusters[{i}]", info, LLMClusterInfo)
+    check_int("timeout", timeout, "int32")
+    if timeout <= 0:
+        param_invalid(f"timeout must be > 0 ms, but got {timeout}")
+    for i, info in enumerate(clusters):
+        if info.remote_cluster_id is None:
+            param_invalid(f"clusters[{i}].remote_cluster_id is not set")
+        if need_local_ip and not info.local_ip_info_list:
+            param_invalid(
+                f"clusters[{i}] has no local ip: call append_local_ip_info "
+                "(needed when local_comm_res is not set)"
+            )
+
+
+def overall_status(statuses: Sequence[LLMStatusCode]) -> LLMStatusCode:
+    """``LLM_SUCCESS`` if every cluster succeeded, else the last failure in input order."""
+    failures = [s for s in statuses if s != LLMStatusCode.LLM_SUCCESS]
+    return failures[-1] if failures else LLMStatusCode.LLM_SUCCESS
+
+
+class LinkTable:
+    """The links of one engine, its listener, and the link/unlink procedures."""
+
+    def __init__(
+        self, local: Hello, transport: Transport, log: structlog.stdlib.BoundLogger
+    ) -> None:
+        self.local = local
+        self.transport = transport
+        self._links: dict[int, Link] = {}
+        self._lock = threading.Lock()
+        self._listener: Listener | None = None
+        self._log = log
+
+    # -- listening ------------------------------------------------------------------------
+    def listen(self, host: str, port: int) -> None:
+        """Become a server on ``host:port`` (replacing any earlier listener)."""
+        self.stop_listening()
+        self._listener = self.transport.listen(host, port, self)
+        self._log.info("link.listening", transport=self.transport.name, address=f"{host}:{port}")
+
+    def stop_listening(self) -> None:
+        """Stop accepting links; existing links stay."""
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """Where this engine listens, or None for a pure client."""
+        return None if self._listener is None else self._listener.address
+
+    # -- lookup ---------------------------------------------------------------------------
+    def get(self, cluster_id: int) -> Link | None:
+        """The live link to ``cluster_id``."""
+        with self._lock:
+            link = self._links.get(cluster_id)
+        return None if link is None or link.channel.closed else link
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._links)
+
+    # -- serving side ---------------------------------------------------------------------
+    def accept(self, peer: Hello, channel: Channel) -> Hello:
+        """Register a link a peer made to us (called by the transport during its handshake)."""
+        if peer.cluster_id == self.local.cluster_id:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED, f"peer has our own cluster id {peer.cluster_id}"
+            )
+        if peer.to_cluster_id not in (None, self.local.cluster_id):
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"this is cluster {self.local.cluster_id}, not {peer.to_cluster_id}",
+            )
+        peer = Hello(peer.cluster_id, peer.role)
+        with self._lock:
+            existing = self._links.get(peer.cluster_id)
+            if existing is not None and not existing.channel.closed:
+                raise LinkRefused(
+                    LLMStatusCode.LLM_ALREADY_LINK, f"cluster {peer.cluster_id} is already linked"
+                )
+            self._links[peer.cluster_id] = Link(peer, channel, initiator=False)
+        channel.on_close(self._forget)
+        self._log.info("link.accepted", remote_cluster_id=peer.cluster_id)
+        return self.local
+
+    def _forget(self, channel: Channel) -> None:
+        with self._lock:
+            for cluster_id, link in list(self._links.items()):
+                if link.channel is channel:
+                    del self._links[cluster_id]
+                    self._log.info("link.closed", remote_cluster_id=cluster_id)
+
+    # -- client side ----------------------------------------------------------------------
+    def link_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout_ms: int
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to every cluster in parallel; arguments were checked by :func:`check_clusters`."""
+        if not clusters:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            return code, [code] * len(clusters)
+        if len(clusters) == 1:
+            results = [self._link_one(clusters[0], timeout_ms / 1000)]
+        else:
+            with ThreadPoolExecutor(min(len(clusters), MAX_CLUSTERS_PER_CALL)) as pool:
+                results = list(pool.map(lambda c: self._link_one(c, timeout_ms / 1000), clusters))
+        return overall_status(results), results
+
+    def _link_one(self, info: LLMClusterInfo, timeout: float) -> LLMStatusCode:
+        remote_id = info.remote_cluster_id
+        assert remote_id is not None
+        if self.get(remote_id) is not None:
+            return LLMStatusCode.LLM_ALREADY_LINK
+        if not info.remote_ip_info_list:
+            self._log.warning("link.failed", remote_cluster_id=remote_id, reason="no remote ip")
+            return LLMStatusCode.LLM_PARAM_INVALID
+        status = LLMStatusCode.LLM_LINK_FAILED
+        for ip, port in info.remote_ip_info_list:
+            host = ip_int_to_str(ip)
+            try:
+                hello = Hello(self.local.cluster_id, self.local.role, to_cluster_id=remote_id)
+                channel = self.transport.connect(host, port, hello, timeout)
+            except LinkRefused as exc:
+                status = exc.status
+                self._log.warning(
+                    "link.failed",
+                    remote_cluster_id=remote_id,
+                    address=f"{host}:{port}",
+                    status=str(exc.status),
+                    reason=str(exc),
+                )
+                continue
+            if channel.peer.cluster_id != remote_id:
+                channel.close(notify_peer=True, timeout=timeout)
+                self._log.warning(
+                    "link.failed",
+                    remote_cluster_id=remote_id,
+                    address=f"{host}:{port}",
+                    reason=f"the peer there is cluster {channel.peer.cluster_id}",
+                )
+                status = LLMStatusCode.LLM_LINK_FAILED
+                continue
+            with self._lock:
+                self._links[remote_id] = Link(channel.peer, channel, initiator=True)
+            channel.on_close(self._forget)
+            self._log.info(
+                "link.established", remote_cluster_id=remote_id, address=f"{host}:{port}"
+            )
+            return LLMStatusCode.LLM_SUCCESS
+        return status
+
+    def unlink_clusters(
+        self, clusters: Sequence[LLMClusterInfo], timeout_ms: int, force: bool
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlink every cluster; arguments were checked by :func:`check_clusters`."""
+        if not clusters:
+            return LLMStatusCode.LLM_PARAM_INVALID, []
+        if len(clusters) > MAX_CLUSTERS_PER_CALL:
+            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+            return code, [code] * len(clusters)
+        results = [self._unlink_one(info, timeout_ms / 1000, force) for info in clusters]
+        return overall_status(results), results
+
+    def _unlink_one(self, info: LLMClusterInfo, timeout: float, force: bool) -> LLMStatusCode:
+        remote_id = info.remote_cluster_id
+        assert remote_id is not None
+        if not force and len(info.remote_ip_info_list) != 1:
+            return LLMStatusCode.LLM_PARAM_INVALID
+        with self._lock:
+            link = self._links.pop(remote_id, None)
+        if link is None or link.channel.closed:
+            return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK
+        told = link.channel.close(notify_peer=not force, timeout=timeout)
+        self._log.info("link.unlinked", remote_cluster_id=remote_id, force=force, peer_told=told)
+        if not force and not told:
+            return LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
+        return LLMStatusCode.LLM_SUCCESS
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Stop listening and drop every link, telling peers (finalize)."""
+        self.stop_listening()
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.channel.close(notify_peer=True, timeout=timeout)
