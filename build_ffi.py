@@ -16,7 +16,7 @@ from cffi import FFI  # type: ignore[import-untyped,unused-ignore]
 
 ROOT = Path(__file__).resolve().parent
 NATIVE = Path("aio_datadist") / "_native"
-SOURCES = ["pool.c", "copy.c", "hostmem.c"]
+SOURCES = ["pool.c", "copy.c", "hostmem.c", "net.c"]
 
 
 def read_cdef(header: Path) -> str:

@@ -28,5 +28,6 @@ except ImportError as exc:
 impl: str = "cffi"
 """Which native implementation is loaded."""
 
-features: frozenset[str] = frozenset({"pool", "copy_batch", "copy_threads", "hostmem"})
-"""What the loaded implementation can do: page pool, batched copy, threaded copy, host memory."""
+features: frozenset[str] = frozenset({"pool", "copy_batch", "copy_threads", "hostmem", "net"})
+"""What the loaded implementation can do: page pool, batched copy, threaded copy, host memory,
+scatter-gather socket I/O."""

@@ -5,12 +5,20 @@ Every C return code goes through ``_check``, which turns it into the documented
 and no C function calls back into Python, so a long copy never stalls other threads.
 
 Addresses are plain ``int``s: the pool hands out offsets in an arena it never touches (so
-the arena may be device memory); the copy functions dereference them, so they must name
-host memory that stays valid for the whole call.
+the arena may be device memory); the copy and socket functions dereference them, so they
+must name host memory that stays valid for the whole call.
+
+The socket functions raise errors of their own that are NOT ``LLMException``s, so the
+transport layer decides at its edge what a timeout or a lost peer means: ``NetTimeout``,
+``PeerClosed``, or ``OSError`` for any other failed system call. The C side returns
+``DD_ESYS`` and leaves ``errno`` as the failing call set it; cffi saves ``errno`` right after
+every call, and ``ffi.errno`` reads that saved value in the calling thread.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,14 +31,25 @@ from ._ffi import ffi, lib
 __all__ = (
     "SPLIT_THRESHOLD",
     "NativePool",
+    "NetTimeout",
+    "PeerClosed",
     "PoolStats",
     "copy",
     "copy_batch",
     "copy_threads",
+    "deadline_after",
     "host_alloc",
     "host_free",
     "host_page_size",
+    "monotonic_ns",
     "set_copy_threads",
+    "sock_recv",
+    "sock_recv_into",
+    "sock_recvv",
+    "sock_send",
+    "sock_send_bytes",
+    "sock_sendv",
+    "sock_tune",
 )
 
 _U64_LIMIT = 1 << 64
@@ -41,6 +60,8 @@ _STATUS: dict[int, LLMStatusCode] = {
     lib.DD_EINVAL: LLMStatusCode.LLM_PARAM_INVALID,
     lib.DD_ECLOSED: LLMStatusCode.LLM_FAILED,
     lib.DD_ESYS: LLMStatusCode.LLM_FAILED,
+    lib.DD_ETIMEDOUT: LLMStatusCode.LLM_TIMEOUT,
+    lib.DD_ECLOSED_PEER: LLMStatusCode.LLM_LINK_FAILED,
 }
 
 _REASON: dict[int, str] = {
@@ -49,6 +70,8 @@ _REASON: dict[int, str] = {
     lib.DD_EINVAL: "invalid argument",
     lib.DD_ECLOSED: "pool is closed",
     lib.DD_ESYS: "system call failed",
+    lib.DD_ETIMEDOUT: "deadline passed",
+    lib.DD_ECLOSED_PEER: "peer closed the connection",
 }
 
 SPLIT_THRESHOLD: int = int(lib.dd_copy_split_threshold())
@@ -322,3 +345,249 @@ def set_copy_threads(n: int) -> None:
 def copy_threads() -> int:
     """The default thread count of ``copy_batch``: ``min(os.cpu_count(), 8)`` unless set."""
     return int(lib.dd_copy_get_threads())
+
+
+# --- sockets ------------------------------------------------------------------------------
+
+_I64_MAX = (1 << 63) - 1
+_INT_MAX = (1 << 31) - 1
+
+
+class NetTimeout(TimeoutError):
+    """A socket transfer's deadline passed; ``transferred`` bytes had moved by then."""
+
+    def __init__(self, message: str, transferred: int) -> None:
+        """Carry ``message`` and the bytes moved before the deadline passed."""
+        super().__init__(message)
+        self.transferred: int = transferred
+        """Bytes sent or received before the failure."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.transferred))
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection (EOF, reset or broken pipe) mid-transfer."""
+
+    def __init__(self, message: str, transferred: int) -> None:
+        """Carry ``message`` and the bytes moved before the connection was lost."""
+        super().__init__(message)
+        self.transferred: int = transferred
+        """Bytes sent or received before the failure."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.transferred))
+
+
+def monotonic_ns() -> int:
+    """``CLOCK_MONOTONIC`` now in ns, as the native layer reads it: the clock of deadlines."""
+    return int(lib.dd_monotonic_ns())
+
+
+def deadline_after(timeout_s: float | None) -> int:
+    """The absolute deadline ``timeout_s`` seconds from now, for the ``sock_*`` functions.
+
+    ``None`` (or ``+inf``) gives 0, meaning no deadline. A timeout <= 0 gives a deadline that
+    has already passed: a transfer then completes only as far as it can without waiting.
+
+    Raises:
+        TypeError: ``timeout_s`` is not a number or None.
+        ValueError: ``timeout_s`` is NaN.
+    """
+    if timeout_s is None:
+        return 0
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float):
+        raise TypeError(f"timeout_s must be a number or None, got {type(timeout_s).__name__}")
+    if math.isnan(timeout_s):
+        raise ValueError("timeout_s must not be NaN")
+    if timeout_s == math.inf:
+        return 0
+    now = monotonic_ns()
+    if timeout_s == -math.inf:
+        return 1
+    # Never 0 or below: those mean "no deadline" to the C side.
+    return max(1, min(_I64_MAX, now + math.ceil(timeout_s * 1e9)))
+
+
+def _fd(fd: object) -> int:
+    if isinstance(fd, bool) or not isinstance(fd, int):
+        raise TypeError(f"fd must be an int, got {type(fd).__name__}")
+    if not 0 <= fd <= _INT_MAX:
+        _check(lib.DD_EINVAL, f"fd={fd} is not a file descriptor")
+    return fd
+
+
+def _deadline(deadline_ns: object) -> int:
+    if isinstance(deadline_ns, bool) or not isinstance(deadline_ns, int):
+        raise TypeError(f"deadline_ns must be an int, got {type(deadline_ns).__name__}")
+    if not -_I64_MAX - 1 <= deadline_ns <= _I64_MAX:
+        _check(lib.DD_EINVAL, f"deadline_ns={deadline_ns} does not fit in int64")
+    return deadline_ns
+
+
+def _iov(iov: object) -> npt.NDArray[np.uint64]:
+    if not isinstance(iov, np.ndarray):
+        raise TypeError(f"iov must be a numpy.ndarray, got {type(iov).__name__}")
+    if iov.dtype != np.uint64:
+        raise TypeError(f"iov must have dtype uint64, got {iov.dtype}")
+    if iov.ndim != 2 or iov.shape[1] != 2:
+        raise ValueError(f"iov must have shape (n, 2), got {iov.shape}")
+    if not (iov.flags.c_contiguous and iov.flags.aligned):
+        raise ValueError("iov must be C-contiguous and aligned")
+    return iov
+
+
+def _net_check(rc: int, done: int, what: str) -> None:
+    """Raise for a socket call's return code; read ``ffi.errno`` before any other C call."""
+    if rc == 0:
+        return
+    if rc == lib.DD_ESYS:
+        err = ffi.errno
+        raise OSError(err, f"{os.strerror(err)} ({what}, {done} bytes moved)")
+    if rc == lib.DD_ETIMEDOUT:
+        raise NetTimeout(f"{what}: deadline passed after {done} bytes", done)
+    if rc == lib.DD_ECLOSED_PEER:
+        raise PeerClosed(f"{what}: peer closed the connection after {done} bytes", done)
+    _check(rc, f"{what} (a row with bytes has a null address or wraps around)")
+
+
+def sock_sendv(fd: int, iov: npt.NDArray[np.uint64], deadline_ns: int = 0) -> None:
+    """Send every byte of the rows ``(addr, len)`` of ``iov``, in order, in one native call.
+
+    Uses ``sendmsg`` with up to IOV_MAX entries a call and never copies the payload.
+    Blocking and non-blocking sockets behave alike (the socket's mode is left alone).
+    ``deadline_ns`` is an absolute ``monotonic_ns()`` time (see ``deadline_after``); 0 means
+    none. Zero-length rows are skipped; ``iov`` is read in place, never copied. A closed
+    peer never raises SIGPIPE.
+
+    Raises:
+        TypeError: ``iov`` is not a numpy array of dtype uint64, or ``fd``/``deadline_ns``
+            is not an int.
+        ValueError: ``iov`` is not C-contiguous and aligned, or not of shape ``(n, 2)``.
+        ParamInvalidError: ``fd`` is negative, or a row with bytes has a null address or
+            wraps around; nothing is sent then.
+        NetTimeout: the deadline passed; ``.transferred`` bytes were sent.
+        PeerClosed: the peer reset or closed the connection; ``.transferred`` bytes were sent.
+        OSError: another system error (its ``errno`` is the kernel's).
+    """
+    _fd(fd)
+    _deadline(deadline_ns)
+    _iov(iov)
+    n = iov.shape[0]
+    done = ffi.new("uint64_t *")
+    rc = lib.dd_sock_sendv(fd, ffi.from_buffer("uint64_t[]", iov), n, deadline_ns, done)
+    _net_check(rc, int(done[0]), f"sock_sendv of {n} rows")
+
+
+def sock_recvv(fd: int, iov: npt.NDArray[np.uint64], deadline_ns: int = 0) -> None:
+    """Receive exactly the bytes the rows ``(addr, len)`` of ``iov`` describe, in order.
+
+    The mirror of ``sock_sendv`` (``recvmsg``, scatter into the rows, no copy).
+
+    Raises:
+        TypeError, ValueError, ParamInvalidError: as for ``sock_sendv``.
+        NetTimeout: the deadline passed; ``.transferred`` bytes were received.
+        PeerClosed: EOF or reset before every byte came; ``.transferred`` bytes were received.
+        OSError: another system error.
+    """
+    _fd(fd)
+    _deadline(deadline_ns)
+    _iov(iov)
+    n = iov.shape[0]
+    done = ffi.new("uint64_t *")
+    rc = lib.dd_sock_recvv(fd, ffi.from_buffer("uint64_t[]", iov), n, deadline_ns, done)
+    _net_check(rc, int(done[0]), f"sock_recvv of {n} rows")
+
+
+def sock_send(fd: int, addr: int, nbytes: int, deadline_ns: int = 0) -> None:
+    """Send ``nbytes`` from address ``addr``: ``sock_sendv`` of one row.
+
+    Raises:
+        TypeError: an argument is not an int.
+        ParamInvalidError: ``fd`` or a size is negative, or ``addr`` is null with
+            ``nbytes > 0``.
+        NetTimeout, PeerClosed, OSError: as for ``sock_sendv``.
+    """
+    _fd(fd)
+    _u64(addr, "addr")
+    _u64(nbytes, "nbytes")
+    _deadline(deadline_ns)
+    done = ffi.new("uint64_t *")
+    rc = lib.dd_sock_send(fd, addr, nbytes, deadline_ns, done)
+    _net_check(rc, int(done[0]), f"sock_send of {nbytes} bytes")
+
+
+def sock_recv(fd: int, addr: int, nbytes: int, deadline_ns: int = 0) -> None:
+    """Receive exactly ``nbytes`` into address ``addr``: ``sock_recvv`` of one row.
+
+    Raises:
+        TypeError, ParamInvalidError: as for ``sock_send``.
+        NetTimeout, PeerClosed, OSError: as for ``sock_recvv``.
+    """
+    _fd(fd)
+    _u64(addr, "addr")
+    _u64(nbytes, "nbytes")
+    _deadline(deadline_ns)
+    done = ffi.new("uint64_t *")
+    rc = lib.dd_sock_recv(fd, addr, nbytes, deadline_ns, done)
+    _net_check(rc, int(done[0]), f"sock_recv of {nbytes} bytes")
+
+
+def sock_send_bytes(fd: int, data: bytes | bytearray | memoryview, deadline_ns: int = 0) -> None:
+    """Send all of ``data`` (a small control frame, say) without copying it.
+
+    Raises:
+        TypeError: ``data`` does not support the buffer protocol or is not contiguous.
+        NetTimeout, PeerClosed, OSError: as for ``sock_sendv``.
+    """
+    _fd(fd)
+    _deadline(deadline_ns)
+    try:
+        buf = ffi.from_buffer(data)  # keeps data's buffer exported until buf is dropped
+    except BufferError as exc:
+        raise TypeError(f"data must be a contiguous buffer: {exc}") from exc
+    nbytes = ffi.sizeof(buf)
+    done = ffi.new("uint64_t *")
+    rc = lib.dd_sock_send(fd, int(ffi.cast("uintptr_t", buf)), nbytes, deadline_ns, done)
+    _net_check(rc, int(done[0]), f"sock_send_bytes of {nbytes} bytes")
+
+
+def sock_recv_into(fd: int, buf: bytearray | memoryview, deadline_ns: int = 0) -> None:
+    """Fill the writable buffer ``buf`` exactly, receiving ``len`` of its bytes.
+
+    Raises:
+        TypeError: ``buf`` is read-only, not contiguous or not a buffer.
+        NetTimeout, PeerClosed, OSError: as for ``sock_recvv``.
+    """
+    _fd(fd)
+    _deadline(deadline_ns)
+    try:
+        cbuf = ffi.from_buffer(buf, require_writable=True)
+    except BufferError as exc:
+        raise TypeError(f"buf must be a writable contiguous buffer: {exc}") from exc
+    nbytes = ffi.sizeof(cbuf)
+    done = ffi.new("uint64_t *")
+    rc = lib.dd_sock_recv(fd, int(ffi.cast("uintptr_t", cbuf)), nbytes, deadline_ns, done)
+    _net_check(rc, int(done[0]), f"sock_recv_into of {nbytes} bytes")
+
+
+def sock_tune(fd: int, *, nodelay: bool | None = True, sndbuf: int = 0, rcvbuf: int = 0) -> None:
+    """Set TCP_NODELAY (``None`` leaves it; non-TCP sockets ignore it) and, when > 0, the
+    kernel's send and receive buffer sizes (Linux doubles them and enforces a minimum).
+
+    Raises:
+        TypeError: an argument has the wrong type.
+        ParamInvalidError: ``fd`` or a buffer size is negative or too big.
+        OSError: the kernel refused an option.
+    """
+    _fd(fd)
+    if nodelay is not None and not isinstance(nodelay, bool):
+        raise TypeError(f"nodelay must be a bool or None, got {type(nodelay).__name__}")
+    for name, value in (("sndbuf", sndbuf), ("rcvbuf", rcvbuf)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if not 0 <= value <= _INT_MAX:
+            _check(lib.DD_EINVAL, f"sock_tune {name}={value}")
+    flag = -1 if nodelay is None else int(nodelay)
+    rc = lib.dd_sock_tune(fd, flag, sndbuf, rcvbuf)
+    _net_check(rc, 0, f"sock_tune of fd {fd}")

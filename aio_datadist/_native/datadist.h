@@ -25,7 +25,9 @@ enum {
     DD_EHANDLE = -2,  /* unknown, stale or already freed pool handle */
     DD_EINVAL = -3,   /* argument out of range */
     DD_ECLOSED = -4,  /* pool used after dd_pool_close */
-    DD_ESYS = -5      /* a system call failed (errno says why) */
+    DD_ESYS = -5,     /* a system call failed (errno says why) */
+    DD_ETIMEDOUT = -6,   /* the deadline passed before the transfer finished */
+    DD_ECLOSED_PEER = -7 /* the peer closed the connection: EOF, ECONNRESET or EPIPE */
 };
 
 enum {
@@ -77,6 +79,27 @@ uint64_t dd_copy_split_threshold(void);
 int dd_host_alloc(uint64_t nbytes, uint64_t *addr);
 int dd_host_free(uint64_t addr, uint64_t nbytes);
 uint64_t dd_host_page_size(void);
+
+/* ---- net.c: scatter-gather socket I/O ----
+ *
+ * iov holds n rows of (addr, len); the rows are one stream of bytes, sent or received in
+ * order, zero-length rows skipped. deadline_ns is an absolute dd_monotonic_ns() time;
+ * <= 0 means no deadline. Every call uses MSG_DONTWAIT and waits in poll() when the
+ * socket is not ready, so blocking and non-blocking sockets behave alike and the fd's
+ * mode is left alone. Returns DD_OK, DD_EINVAL (fd < 0, or a row with len > 0 has a null
+ * address or wraps; checked before any I/O), DD_ETIMEDOUT, DD_ECLOSED_PEER, or DD_ESYS
+ * with errno set by the failing call. *done (may be NULL) receives the bytes moved, also
+ * on failure. Sends use MSG_NOSIGNAL: a closed peer never raises SIGPIPE. */
+int dd_sock_sendv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done);
+int dd_sock_recvv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done);
+/* One-row conveniences of the above. */
+int dd_sock_send(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done);
+int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done);
+/* CLOCK_MONOTONIC now, in ns: the clock of deadline_ns. */
+int64_t dd_monotonic_ns(void);
+/* TCP_NODELAY when nodelay >= 0 (ignored by non-TCP sockets); SO_SNDBUF / SO_RCVBUF when
+ * > 0; negative sizes are DD_EINVAL. */
+int dd_sock_tune(int fd, int nodelay, int sndbuf, int rcvbuf);
 
 /* cdef-end */
 
