@@ -66,6 +66,18 @@ def overall_status(statuses: Sequence[LLMStatusCode]) -> LLMStatusCode:
     return failures[-1] if failures else LLMStatusCode.LLM_SUCCESS
 
 
+def _refuse_batch(
+    clusters: Sequence[LLMClusterInfo],
+) -> tuple[LLMStatusCode, list[LLMStatusCode]] | None:
+    """The result for a call naming no cluster or too many; None when the size is fine."""
+    if not clusters:
+        return LLMStatusCode.LLM_PARAM_INVALID, []
+    if len(clusters) > MAX_CLUSTERS_PER_CALL:
+        code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
+        return code, [code] * len(clusters)
+    return None
+
+
 class LinkTable:
     """The links of one engine, its listener, and the link/unlink procedures."""
 
@@ -144,11 +156,9 @@ class LinkTable:
         self, clusters: Sequence[LLMClusterInfo], timeout_ms: int
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Link to every cluster in parallel; arguments were checked by :func:`check_clusters`."""
-        if not clusters:
-            return LLMStatusCode.LLM_PARAM_INVALID, []
-        if len(clusters) > MAX_CLUSTERS_PER_CALL:
-            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
-            return code, [code] * len(clusters)
+        refused = _refuse_batch(clusters)
+        if refused is not None:
+            return refused
         if len(clusters) == 1:
             results = [self._link_one(clusters[0], timeout_ms / 1000)]
         else:
@@ -203,11 +213,9 @@ class LinkTable:
         self, clusters: Sequence[LLMClusterInfo], timeout_ms: int, force: bool
     ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
         """Unlink every cluster; arguments were checked by :func:`check_clusters`."""
-        if not clusters:
-            return LLMStatusCode.LLM_PARAM_INVALID, []
-        if len(clusters) > MAX_CLUSTERS_PER_CALL:
-            code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
-            return code, [code] * len(clusters)
+        refused = _refuse_batch(clusters)
+        if refused is not None:
+            return refused
         results = [self._unlink_one(info, timeout_ms / 1000, force) for info in clusters]
         return overall_status(results), results
 
