@@ -353,30 +353,25 @@ _I64_MAX = (1 << 63) - 1
 _INT_MAX = (1 << 31) - 1
 
 
-class NetTimeout(TimeoutError):
+class _PartialTransfer(Exception):
+    """A socket transfer that failed part way; ``transferred`` bytes had moved by then."""
+
+    def __init__(self, message: str, transferred: int) -> None:
+        """Carry ``message`` and the bytes moved before the failure."""
+        super().__init__(message)
+        self.transferred: int = transferred
+        """Bytes sent or received before the failure."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.transferred))
+
+
+class NetTimeout(_PartialTransfer, TimeoutError):
     """A socket transfer's deadline passed; ``transferred`` bytes had moved by then."""
 
-    def __init__(self, message: str, transferred: int) -> None:
-        """Carry ``message`` and the bytes moved before the deadline passed."""
-        super().__init__(message)
-        self.transferred: int = transferred
-        """Bytes sent or received before the failure."""
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.transferred))
-
-
-class PeerClosed(ConnectionError):
+class PeerClosed(_PartialTransfer, ConnectionError):
     """The peer closed the connection (EOF, reset or broken pipe) mid-transfer."""
-
-    def __init__(self, message: str, transferred: int) -> None:
-        """Carry ``message`` and the bytes moved before the connection was lost."""
-        super().__init__(message)
-        self.transferred: int = transferred
-        """Bytes sent or received before the failure."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (str(self), self.transferred))
 
 
 def monotonic_ns() -> int:
