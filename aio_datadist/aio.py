@@ -8,6 +8,10 @@ worker thread, and waits for busy memory without blocking the loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from functools import partial
 from types import TracebackType
 from typing import Any
 
@@ -15,11 +19,16 @@ import anyio.to_thread
 
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.engine import Engine
-from aio_datadist._engine.offload import run_native
+from aio_datadist._engine.layerwise import LayerJob, plan_layer_job
+from aio_datadist._engine.offload import INLINE_BYTES, run_native
 from aio_datadist._engine.plan import CopyPlan
+from aio_datadist._engine.transfers import GRACE_S, Step, TransferPlan, TransferService
 from aio_datadist._memory.pool import PoolStats
+from aio_datadist._native import api
 from aio_datadist.cache import Cache
-from aio_datadist.enums import LLMRole, Placement
+from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
+from aio_datadist.status import LLMException, LLMStatusCode, LLMTimeoutError
+from aio_datadist.task import CacheTask
 
 __all__ = ("AsyncLLMDataDist", "AsyncCacheManager")
 
@@ -41,12 +50,62 @@ class _LoopBound:
             )
 
 
-class AsyncCacheManager(_LoopBound):
-    """The cache manager of an ``AsyncLLMDataDist``: every call is a coroutine."""
+async def _wait(future: Future[None], deadline_ns: int) -> None:
+    """Await a request's future without cancelling it; raise its ``LLMException``."""
+    if not future.done():
+        remaining = max(0.0, (deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), remaining)
+        except TimeoutError:
+            raise LLMTimeoutError(
+                "transfer did not complete within sync_kv_timeout",
+                status_code=LLMStatusCode.LLM_TIMEOUT,
+            ) from None
+        return
+    future.result()
 
-    def __init__(self, service: CacheService, loop: asyncio.AbstractEventLoop) -> None:
+
+class AsyncCacheManager(_LoopBound):
+    """The cache manager of an ``AsyncLLMDataDist``: every call is a coroutine.
+
+    ``push_blocks`` and ``transfer_cache_async`` return a ``CacheTask`` at once.
+    """
+
+    def __init__(
+        self, service: CacheService, transfers: TransferService, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._service = service
+        self._transfers = transfers
         self._loop = loop
+        self._bound_loop = loop
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._bound_loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _start(self, plan: TransferPlan, step: Step) -> Future[None]:
+        """Start a step; payload moved by the caller goes to a worker thread when large."""
+        if step.in_caller and step.nbytes > INLINE_BYTES:
+            return await run_native(partial(self._transfers.start, plan, step), nbytes=step.nbytes)
+        return self._transfers.start(plan, step)
+
+    async def _transfer(self, plan: TransferPlan) -> None:
+        futures: list[Future[None]] = []
+        try:
+            for step in plan.steps:
+                futures.append(await self._start(plan, step))
+        finally:
+            plan.seal()
+        first: LLMException | None = None
+        for future in futures:
+            try:
+                await _wait(future, plan.deadline_ns)
+            except LLMException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     async def _run(self, plan: CopyPlan) -> None:
         try:
@@ -139,9 +198,204 @@ class AsyncCacheManager(_LoopBound):
         self._check_loop()
         self._service.remap_registered_memory(mem_infos)
 
+    async def pull_cache(
+        self, cache_key: Any, cache: Any, batch_index: Any = 0, size: Any = -1, **kwargs: Any
+    ) -> None:
+        """As ``CacheManager.pull_cache``."""
+        self._check_loop()
+        await self._transfer(
+            self._transfers.plan_pull_cache(cache_key, cache, batch_index, size, kwargs)
+        )
+
+    async def pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: Any = (),
+        dst_blocks: Any = (),
+        **kwargs: Any,
+    ) -> None:
+        """As ``CacheManager.pull_blocks``."""
+        self._check_loop()
+        await self._transfer(
+            self._transfers.plan_pull_blocks(
+                src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
+            )
+        )
+
+    async def push_cache(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_batch_index: Any = 0,
+        src_layer_range: Any = None,
+        dst_layer_range: Any = None,
+        size: Any = -1,
+        tensor_num_per_layer: Any = 2,
+    ) -> None:
+        """As ``CacheManager.push_cache``."""
+        self._check_loop()
+        await self._transfer(
+            self._transfers.plan_push_cache(
+                dst_cache_key,
+                src_cache,
+                src_batch_index,
+                src_layer_range,
+                dst_layer_range,
+                size,
+                tensor_num_per_layer,
+            )
+        )
+
+    def push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_blocks: Any = (),
+        dst_blocks: Any = (),
+        src_layer_range: Any = None,
+        dst_layer_range: Any = None,
+        tensor_num_per_layer: Any = 2,
+    ) -> CacheTask:
+        """As ``CacheManager.push_blocks``, returning an awaitable ``CacheTask`` at once.
+
+        Bad arguments raise here; transfer failures become the task's status.
+        """
+        self._check_loop()
+        plan = self._transfers.plan_push_blocks(
+            dst_cache_key,
+            src_cache,
+            src_blocks,
+            dst_blocks,
+            src_layer_range,
+            dst_layer_range,
+            tensor_num_per_layer,
+        )
+        task = CacheTask(1, self._loop)
+        step = plan.steps[0]
+        if step.in_caller and step.nbytes > INLINE_BYTES:
+            self._spawn(self._settle(task, plan, None))
+            return task
+        try:
+            future = self._transfers.start(plan, step)
+        finally:
+            plan.seal()
+        if future.done():
+            _record(task, 0, future)
+            task._finish()
+        else:
+            self._spawn(self._settle(task, plan, future))
+        return task
+
+    async def _settle(
+        self, task: CacheTask, plan: TransferPlan, future: Future[None] | None
+    ) -> None:
+        try:
+            if future is None:
+                try:
+                    future = await self._start(plan, plan.steps[0])
+                finally:
+                    plan.seal()
+            try:
+                await _wait(future, plan.deadline_ns)
+                task._set_result(0, LLMStatusCode.LLM_SUCCESS)
+            except LLMException as exc:
+                task._set_result(0, exc.status_code)
+        finally:
+            task._finish()
+
+    def transfer_cache_async(
+        self,
+        src_cache: Any,
+        layer_synchronizer: Any,
+        transfer_configs: Any,
+        src_block_indices: Any = None,
+        dst_block_indices: Any = None,
+        dst_block_memory_size: Any = None,
+    ) -> CacheTask:
+        """As ``CacheManager.transfer_cache_async``, driven on this event loop.
+
+        An ``async def`` ``synchronize_layer`` is awaited here; a plain one runs on a worker
+        thread. ``task.cancel()`` stops before the next layer.
+        """
+        self._check_loop()
+        job = plan_layer_job(
+            self._transfers,
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+            allow_async=True,
+        )
+        task = CacheTask(len(job.configs), self._loop)
+        self._spawn(self._drive(job, task))
+        return task
+
+    async def _synchronize(self, job: LayerJob, layer: int, cancelled: asyncio.Event) -> bool:
+        """Wait for the model to finish ``layer``; False when it failed or was cancelled."""
+        sync = job.synchronizer.synchronize_layer
+        if job.is_async:
+            waiter: asyncio.Future[Any] = asyncio.ensure_future(sync(layer, None))
+        else:
+            waiter = asyncio.ensure_future(
+                anyio.to_thread.run_sync(partial(sync, layer, None), abandon_on_cancel=True)
+            )
+        stop = asyncio.ensure_future(cancelled.wait())
+        try:
+            await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            return False
+        try:
+            return bool(waiter.result())
+        except Exception:  # a raising synchroniser fails the task like False
+            return False
+
+    async def _drive(self, job: LayerJob, task: CacheTask) -> None:
+        cancelled = asyncio.Event()
+        loop = self._bound_loop
+        task._on_cancel(lambda: _call_soon(loop, cancelled.set))
+        try:
+            for layer in range(job.num_layers):
+                indices = job.targets(layer)
+                if not indices:
+                    continue
+                if cancelled.is_set() or job.stopped:
+                    break
+                if not await self._synchronize(job, layer, cancelled):
+                    if not cancelled.is_set():
+                        job.fail(indices, LLMStatusCode.LLM_PARAM_INVALID)
+                    break
+                for i, step in job.steps(layer, indices):
+                    job.track(i, layer, await self._start(job.plan, step))
+            for future in job.futures:
+                with contextlib.suppress(LLMException):  # recorded by the job
+                    await _wait(future, job.plan.deadline_ns)
+        finally:
+            job.finish(task)
+
     def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
         """Usage of the memory pool for ``placement`` (None when not configured)."""
         return self._service.pool_stats(placement)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to wake
+        loop.call_soon_threadsafe(callback)
+
+
+def _record(task: CacheTask, index: int, future: Future[None]) -> None:
+    exc = future.exception()
+    if exc is None:
+        task._set_result(index, LLMStatusCode.LLM_SUCCESS)
+    else:
+        task._set_result(
+            index, exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
+        )
 
 
 class AsyncLLMDataDist(_LoopBound):
@@ -192,8 +446,52 @@ class AsyncLLMDataDist(_LoopBound):
         self._check_loop()
         assert self._loop is not None
         if self._cache_manager is None or self._cache_manager._service is not service:
-            self._cache_manager = AsyncCacheManager(service, self._loop)
+            transfers = self._engine.transfers
+            assert transfers is not None
+            self._cache_manager = AsyncCacheManager(service, transfers, self._loop)
         return self._cache_manager
+
+    async def link_clusters(
+        self, clusters: Any, timeout: Any = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """As ``LLMDataDist.link_clusters``; the handshakes run on a worker thread."""
+        self._check_init_loop()
+        return await anyio.to_thread.run_sync(self._engine.link_clusters, clusters, timeout)
+
+    async def unlink_clusters(
+        self, clusters: Any, timeout: Any = 3000, force: Any = False
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """As ``LLMDataDist.unlink_clusters``."""
+        self._check_init_loop()
+        return await anyio.to_thread.run_sync(
+            self._engine.unlink_clusters, clusters, timeout, force
+        )
+
+    async def switch_role(self, role: Any, switch_options: Any = None) -> None:
+        """As ``LLMDataDist.switch_role``."""
+        self._check_init_loop()
+        self._engine.switch_role(role, switch_options)
+
+    async def link(self, comm_name: Any, cluster_rank_info: Any, rank_table: Any) -> int:
+        """As ``LLMDataDist.link``; waits for the other members on a worker thread."""
+        self._check_init_loop()
+        return await anyio.to_thread.run_sync(
+            self._engine.link, comm_name, cluster_rank_info, rank_table
+        )
+
+    async def unlink(self, comm_id: Any) -> None:
+        """As ``LLMDataDist.unlink``."""
+        self._check_init_loop()
+        await anyio.to_thread.run_sync(self._engine.unlink, comm_id)
+
+    async def query_register_mem_status(self, comm_id: Any) -> RegisterMemStatus:
+        """As ``LLMDataDist.query_register_mem_status``."""
+        self._check_init_loop()
+        return self._engine.query_register_mem_status(comm_id)
+
+    def _check_init_loop(self) -> None:
+        self._engine.link_table()
+        self._check_loop()
 
     @property
     def cluster_id(self) -> int:

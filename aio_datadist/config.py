@@ -46,6 +46,7 @@ __all__ = (
     "OPTION_SYNC_KV_TIMEOUT",
     "OPTION_TRANSFER_BACKEND",
     "OPTION_TRANSPORT",
+    "OPTION_COMM_BASE_PORT",
     "DEFAULT_MEM_UTILIZATION",
     "DEFAULT_PAGE_SHIFT",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
@@ -86,6 +87,8 @@ OPTION_CLUSTER_INFO = "llm.ClusterInfo"
 # aio_datadist's own choice of transport. Deliberately not llm.TransferBackend, which keeps
 # the reference's meaning.
 OPTION_TRANSPORT = "aio.Transport"
+#: First port of rank-table endpoints for ``link`` (aio_datadist's own option).
+OPTION_COMM_BASE_PORT = "aio.CommBasePort"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,

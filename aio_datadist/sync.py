@@ -12,11 +12,14 @@ from typing import Any, ClassVar
 
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.engine import Engine
+from aio_datadist._engine.layerwise import plan_layer_job, run_blocking
+from aio_datadist._engine.transfers import TransferService
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import PoolStats
 from aio_datadist.cache import Cache
-from aio_datadist.enums import LLMRole, Placement
+from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import LLMException, LLMFailedError, LLMStatusCode, ParamInvalidError
+from aio_datadist.task import CacheTask
 
 __all__ = ("LLMDataDist", "CacheManager")
 
@@ -26,8 +29,9 @@ _log = get_logger("sync")
 class CacheManager:
     """Allocates, registers and copies the caches of one ``LLMDataDist`` (``cache_manager``)."""
 
-    def __init__(self, service: CacheService) -> None:
+    def __init__(self, service: CacheService, transfers: TransferService) -> None:
         self._service = service
+        self._transfers = transfers
 
     def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
         """Allocate a batch cache from the pool of its placement, one key per batch row.
@@ -108,6 +112,122 @@ class CacheManager:
         """Reserved in the documented API: validates, then raises ``LLM_FEATURE_NOT_ENABLED``."""
         self._service.remap_registered_memory(mem_infos)
 
+    def pull_cache(
+        self, cache_key: Any, cache: Any, batch_index: Any = 0, size: Any = -1, **kwargs: Any
+    ) -> None:
+        """Pull one batch row of a remote cache into row ``batch_index`` of ``cache``.
+
+        A pull by a ``CacheKey`` with a req_id drops that key on the remote side when the
+        remote cache was pool-allocated. Keyword arguments: ``src_layer_range``,
+        ``dst_layer_range``, ``tensor_num_per_layer``.
+
+        :raises LLMException: ``LLM_NOT_YET_LINK``, ``LLM_KV_CACHE_NOT_EXIST``,
+            ``LLM_TIMEOUT`` (``sync_kv_timeout``), ``LLM_LINK_FAILED``, ``LLM_PARAM_INVALID``.
+        """
+        self._transfers.run(
+            self._transfers.plan_pull_cache(cache_key, cache, batch_index, size, kwargs)
+        )
+
+    def pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: Any = (),
+        dst_blocks: Any = (),
+        **kwargs: Any,
+    ) -> None:
+        """Pull remote blocks (``BlocksCacheKey``) or one remote row (cache key) into blocks.
+
+        Block ``src_blocks[i]`` lands in local block ``dst_blocks[i]``; errors as ``pull_cache``.
+        """
+        self._transfers.run(
+            self._transfers.plan_pull_blocks(
+                src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
+            )
+        )
+
+    def push_cache(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_batch_index: Any = 0,
+        src_layer_range: Any = None,
+        dst_layer_range: Any = None,
+        size: Any = -1,
+        tensor_num_per_layer: Any = 2,
+    ) -> None:
+        """Push one local batch row into the remote row named by a ``CacheKeyByIdAndIndex``.
+
+        Needs ``enable_remote_cache_accessible``; returns once the bytes are in remote memory.
+        """
+        self._transfers.run(
+            self._transfers.plan_push_cache(
+                dst_cache_key,
+                src_cache,
+                src_batch_index,
+                src_layer_range,
+                dst_layer_range,
+                size,
+                tensor_num_per_layer,
+            )
+        )
+
+    def push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_blocks: Any = (),
+        dst_blocks: Any = (),
+        src_layer_range: Any = None,
+        dst_layer_range: Any = None,
+        tensor_num_per_layer: Any = 2,
+    ) -> None:
+        """Push local blocks ``src_blocks[i]`` into remote blocks ``dst_blocks[i]``.
+
+        Needs ``enable_remote_cache_accessible``; returns once the bytes are in remote memory.
+        """
+        self._transfers.run(
+            self._transfers.plan_push_blocks(
+                dst_cache_key,
+                src_cache,
+                src_blocks,
+                dst_blocks,
+                src_layer_range,
+                dst_layer_range,
+                tensor_num_per_layer,
+            )
+        )
+
+    def transfer_cache_async(
+        self,
+        src_cache: Any,
+        layer_synchronizer: Any,
+        transfer_configs: Any,
+        src_block_indices: Any = None,
+        dst_block_indices: Any = None,
+        dst_block_memory_size: Any = None,
+    ) -> CacheTask:
+        """Push ``src_cache`` layer by layer in a background thread; returns its ``CacheTask``.
+
+        Each layer starts once ``layer_synchronizer.synchronize_layer(layer, None)`` returned
+        True. Arguments are checked before returning; transfer errors go to the task.
+        """
+        job = plan_layer_job(
+            self._transfers,
+            src_cache,
+            layer_synchronizer,
+            transfer_configs,
+            src_block_indices,
+            dst_block_indices,
+            dst_block_memory_size,
+            allow_async=False,
+        )
+        task = CacheTask(len(job.configs))
+        threading.Thread(
+            target=run_blocking, args=(job, task), name="aio_datadist-layers", daemon=True
+        ).start()
+        return task
+
     def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
         """Usage of the memory pool for ``placement`` (None when not configured)."""
         return self._service.pool_stats(placement)
@@ -165,8 +285,48 @@ class LLMDataDist:
         """
         service = self._engine.cache_service()
         if self._cache_manager is None or self._cache_manager._service is not service:
-            self._cache_manager = CacheManager(service)
+            transfers = self._engine.transfers
+            assert transfers is not None
+            self._cache_manager = CacheManager(service, transfers)
         return self._cache_manager
+
+    def link_clusters(
+        self, clusters: Any, timeout: Any = 3000
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Link to each listed server (in parallel); returns ``(overall, per_cluster)``.
+
+        Link failures are reported in the result, never raised. ``timeout`` is in ms (> 0).
+        """
+        return self._engine.link_clusters(clusters, timeout)
+
+    def unlink_clusters(
+        self, clusters: Any, timeout: Any = 3000, force: Any = False
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """Unlink clusters: gracefully (both ends) or with ``force`` (this end only)."""
+        return self._engine.unlink_clusters(clusters, timeout, force)
+
+    def switch_role(self, role: Any, switch_options: Any = None) -> None:
+        """Switch role; ``llm.listenIpInfo`` in ``switch_options`` makes this a server there.
+
+        :raises LLMException: ``LLM_EXIST_LINK`` while links exist.
+        """
+        self._engine.switch_role(role, switch_options)
+
+    def link(self, comm_name: Any, cluster_rank_info: Any, rank_table: Any) -> int:
+        """Two-sided link with the members of a rank table's domain; returns its comm id.
+
+        Every member calls it at the same time; see ``docs/design.md`` for how a rank's
+        endpoint is found on TCP.
+        """
+        return self._engine.link(comm_name, cluster_rank_info, rank_table)
+
+    def unlink(self, comm_id: Any) -> None:
+        """Unlink a communication domain made by ``link``."""
+        self._engine.unlink(comm_id)
+
+    def query_register_mem_status(self, comm_id: Any) -> RegisterMemStatus:
+        """``RegisterMemStatus.OK`` once the domain is linked (``FAILED`` if a link broke)."""
+        return self._engine.query_register_mem_status(comm_id)
 
     @property
     def kv_cache_manager(self) -> Any:

@@ -33,10 +33,18 @@ def make_options(
     host_pool: str | None = None,
     remote_accessible: bool | None = None,
     cache_manager: bool = True,
+    transport: str = "loopback",
+    listen: str | None = None,
+    sync_kv_timeout: int | None = None,
 ) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = cache_manager
+    cfg.transport = transport
+    if listen is not None:
+        cfg.listen_ip_info = listen
+    if sync_kv_timeout is not None:
+        cfg.sync_kv_timeout = sync_kv_timeout
     if device_pool is not None:
         cfg.mem_pool_cfg = device_pool
     if host_pool is not None:
@@ -82,6 +90,13 @@ class Face:
         result = self.dd.init(options)
         if inspect.isawaitable(result):
             await result
+
+    async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call a method of either face, awaiting it when it is a coroutine."""
+        result = fn(*args, **kwargs)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
 
     async def finalize(self) -> None:
         result = self.dd.finalize()

@@ -9,8 +9,9 @@ import pytest
 from aio_datadist import LLMClusterInfo, LLMException, LLMRole, LLMStatusCode
 from aio_datadist._engine.links import LinkTable, check_clusters, overall_status
 from aio_datadist._log import get_logger
-from aio_datadist._transport.base import Hello
+from aio_datadist._transport.base import Hello, RequestKind, Served
 from aio_datadist._transport.loopback import LoopbackTransport
+from aio_datadist.status import KvCacheNotExistError
 
 S = LLMStatusCode.LLM_SUCCESS
 
@@ -25,12 +26,21 @@ def info(remote: int, port: int | None = None, *, local: bool = True) -> LLMClus
     return c
 
 
+class _Refuse:
+    """A request handler with no memory to serve."""
+
+    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
+        raise KvCacheNotExistError("nothing here", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
 @pytest.fixture
 def tables() -> Iterator[dict[int, LinkTable]]:
     made: dict[int, LinkTable] = {}
     transport = LoopbackTransport()
     for cluster_id, role in ((1, LLMRole.PROMPT), (2, LLMRole.DECODER), (3, LLMRole.DECODER)):
-        made[cluster_id] = LinkTable(Hello(cluster_id, role), transport, get_logger("test"))
+        made[cluster_id] = LinkTable(
+            Hello(cluster_id, role), transport, _Refuse(), get_logger("test")
+        )
     made[1].listen("127.0.0.1", 26001)
     yield made
     for table in made.values():

@@ -6,25 +6,44 @@ import threading
 from typing import Any
 
 from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
+from aio_datadist._engine.links import LinkTable, check_clusters
+from aio_datadist._engine.serving import Server
+from aio_datadist._engine.transfers import TransferService
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import MemoryPool
 from aio_datadist._runtime import select_runtime
 from aio_datadist._runtime.base import DeviceRuntime
+from aio_datadist._transport import make_transport
+from aio_datadist._transport.base import Hello
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.config import (
     DEFAULT_SYNC_KV_TIMEOUT_MS,
+    OPTION_COMM_BASE_PORT,
     OPTION_DEVICE_ID,
     OPTION_ENABLE_CACHE_MANAGER,
     OPTION_ENABLE_REMOTE_CACHE_ACCESSIBLE,
     OPTION_HOST_MEM_POOL_CONFIG,
+    OPTION_LINK_TOTAL_TIME,
+    OPTION_LISTEN_IP,
+    OPTION_LISTEN_IP_INFO,
+    OPTION_LISTEN_PORT,
+    OPTION_LOCAL_COMM_RES,
     OPTION_MEM_POOL_CONFIG,
     OPTION_SESSION_DEVICE_ID,
     OPTION_SYNC_KV_TIMEOUT,
+    OPTION_TRANSPORT,
+    parse_listen_ip_info,
     parse_mem_pool_cfg,
     prepare_init_options,
 )
-from aio_datadist.enums import LLMRole, Placement
-from aio_datadist.status import LLMStatusCode, ParamInvalidError
+from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
+from aio_datadist.status import (
+    ExistLinkError,
+    LLMFailedError,
+    LLMStatusCode,
+    ParamInvalidError,
+)
 
 __all__ = ("Engine", "EngineSettings")
 
@@ -54,6 +73,25 @@ class EngineSettings:
         self.sync_kv_timeout_ms = int(timeout) if timeout else DEFAULT_SYNC_KV_TIMEOUT_MS
         self.device_pool = _pool_cfg(options.get(OPTION_MEM_POOL_CONFIG), host=False)
         self.host_pool = _pool_cfg(options.get(OPTION_HOST_MEM_POOL_CONFIG), host=True)
+        self.transport = options.get(OPTION_TRANSPORT)
+        self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
+        self.link_total_time_s = _int_option(options, OPTION_LINK_TOTAL_TIME, 0)
+        self.local_comm_res = options.get(OPTION_LOCAL_COMM_RES)
+        ip, port = options.get(OPTION_LISTEN_IP), options.get(OPTION_LISTEN_PORT)
+        self.listen: tuple[str, int] | None = None if ip is None else (ip, int(port or 0))
+
+
+def _int_option(options: dict[str, str], key: str, default: int) -> int:
+    value = options.get(key)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ParamInvalidError(
+            f"option {key}={value!r} is not an integer",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        ) from None
 
 
 def _pool_cfg(value: str | None, *, host: bool) -> tuple[int, int] | None:
@@ -70,6 +108,9 @@ class Engine:
         self.cluster_id: int = cluster_id
         self.settings: EngineSettings | None = None
         self.caches: CacheService | None = None
+        self.links: LinkTable | None = None
+        self.transfers: TransferService | None = None
+        self.comms: CommDomains | None = None
         self._lock = threading.Lock()
         self._log = get_logger("engine", cluster_id=cluster_id, role=role.name)
 
@@ -104,11 +145,35 @@ class Engine:
                 _close_all(pools, runtime)
                 raise
             log = self._log.bind(device_id=settings.device_id)
-            self.caches = CacheService(
+            caches = CacheService(
                 runtime,
                 pools,
                 remote_cache_accessible=settings.remote_cache_accessible,
                 log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
+            )
+            links = LinkTable(
+                Hello(self.cluster_id, self.role),
+                make_transport(settings.transport),
+                Server(caches),
+                get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
+            )
+            if settings.listen is not None:
+                try:
+                    links.listen(*settings.listen)
+                except OSError as exc:
+                    caches.close()
+                    host, port = settings.listen
+                    raise LLMFailedError(
+                        f"cannot listen on {host}:{port}: {exc}",
+                        status_code=LLMStatusCode.LLM_FAILED,
+                    ) from None
+            self.caches, self.links = caches, links
+            self.comms = CommDomains(links, settings.comm_base_port, settings.link_total_time_s)
+            self.transfers = TransferService(
+                caches,
+                links,
+                timeout_ms=settings.sync_kv_timeout_ms,
+                remote_cache_accessible=settings.remote_cache_accessible,
             )
             self.settings = settings
         log.info(
@@ -136,10 +201,98 @@ class Engine:
             )
         return caches
 
+    def link_table(self) -> LinkTable:
+        """The link table of the initialised engine.
+
+        :raises RuntimeError: not initialised.
+        """
+        links = self.links
+        if links is None:
+            raise RuntimeError("llm datadist is not initialized")
+        return links
+
+    def link_clusters(
+        self, clusters: Any, timeout: Any
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """``link_clusters``: link to servers; per-cluster results, link failures never raise."""
+        links = self.link_table()
+        settings = self.settings
+        assert settings is not None
+        need_local_ip = settings.cache_manager_mode and not settings.local_comm_res
+        check_clusters(clusters, timeout, need_local_ip=need_local_ip)
+        return links.link_clusters(clusters, timeout)
+
+    def unlink_clusters(
+        self, clusters: Any, timeout: Any, force: Any
+    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+        """``unlink_clusters``: graceful (both ends) or forced (this end) unlink."""
+        links = self.link_table()
+        check_type("force", force, bool)
+        check_clusters(clusters, timeout, need_local_ip=False)
+        return links.unlink_clusters(clusters, timeout, force)
+
+    def switch_role(self, role: Any, switch_options: Any) -> None:
+        """``switch_role``: change role, and listen on ``llm.listenIpInfo`` or stop listening.
+
+        :raises LLMException: ``LLM_EXIST_LINK`` while any link exists.
+        """
+        check_type("role", role, LLMRole)
+        check_type("switch_options", switch_options, dict, allow_none=True)
+        links = self.link_table()
+        options = switch_options or {}
+        listen = options.get(OPTION_LISTEN_IP_INFO)
+        address = None if listen is None else parse_listen_ip_info(listen)
+        if len(links):
+            raise ExistLinkError(
+                f"cannot switch role while {len(links)} link(s) exist: unlink them first",
+                status_code=LLMStatusCode.LLM_EXIST_LINK,
+            )
+        if address is None:
+            links.stop_listening()
+        else:
+            try:
+                links.listen(*address)
+            except OSError as exc:
+                raise LLMFailedError(
+                    f"cannot listen on {address[0]}:{address[1]}: {exc}",
+                    status_code=LLMStatusCode.LLM_FAILED,
+                ) from None
+        self.role = role
+        links.local = Hello(self.cluster_id, role)
+        self._log.info("engine.role_switched", new_role=role.name, listen=listen)
+
+    def comm_domains(self) -> CommDomains:
+        """The communication domains of the initialised engine (RuntimeError before init)."""
+        comms, caches = self.comms, self.caches
+        if comms is None or caches is None:
+            raise RuntimeError("llm datadist is not initialized")
+        return comms
+
+    def link(self, comm_name: Any, cluster_rank_info: Any, rank_table: Any) -> int:
+        """``link``: a two-sided link with every member of a rank table's domain."""
+        comms = self.comm_domains()
+        check_link_args(comm_name, cluster_rank_info, rank_table)
+        comm_id = comms.link(comm_name, cluster_rank_info, rank_table)
+        if self.caches is not None:
+            self.caches.two_sided_linked = True
+        return comm_id
+
+    def unlink(self, comm_id: Any) -> None:
+        """``unlink``: drop the links of a communication domain."""
+        self.comm_domains().unlink(comm_id)
+
+    def query_register_mem_status(self, comm_id: Any) -> RegisterMemStatus:
+        """``query_register_mem_status``: ``OK`` once (and while) the domain is linked."""
+        return self.comm_domains().status(comm_id)
+
     def finalize(self) -> None:
-        """Release every cache, pool and runtime resource; a no-op when not initialised."""
+        """Release every link, cache, pool and runtime resource; a no-op when not initialised."""
         with self._lock:
             caches, self.caches, self.settings = self.caches, None, None
+            links, self.links, self.transfers = self.links, None, None
+            self.comms = None
+        if links is not None:
+            links.close()
         if caches is not None:
             caches.close()
             self._log.info("engine.finalized")

@@ -16,7 +16,14 @@ from typing import Any
 
 import structlog
 
-from aio_datadist._transport.base import Channel, Hello, LinkRefused, Listener, Transport
+from aio_datadist._transport.base import (
+    Channel,
+    Hello,
+    LinkRefused,
+    Listener,
+    RequestHandler,
+    Transport,
+)
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import LLMClusterInfo, ip_int_to_str
 from aio_datadist.status import LLMStatusCode
@@ -82,10 +89,15 @@ class LinkTable:
     """The links of one engine, its listener, and the link/unlink procedures."""
 
     def __init__(
-        self, local: Hello, transport: Transport, log: structlog.stdlib.BoundLogger
+        self,
+        local: Hello,
+        transport: Transport,
+        handler: RequestHandler,
+        log: structlog.stdlib.BoundLogger,
     ) -> None:
         self.local = local
         self.transport = transport
+        self._handler = handler
         self._links: dict[int, Link] = {}
         self._lock = threading.Lock()
         self._listener: Listener | None = None
@@ -121,6 +133,11 @@ class LinkTable:
             return len(self._links)
 
     # -- serving side ---------------------------------------------------------------------
+    @property
+    def handler(self) -> RequestHandler:
+        """Serves the requests that arrive on this engine's channels."""
+        return self._handler
+
     def accept(self, peer: Hello, channel: Channel) -> Hello:
         """Register a link a peer made to us (called by the transport during its handshake)."""
         if peer.cluster_id == self.local.cluster_id:
@@ -179,7 +196,7 @@ class LinkTable:
             host = ip_int_to_str(ip)
             try:
                 hello = Hello(self.local.cluster_id, self.local.role, to_cluster_id=remote_id)
-                channel = self.transport.connect(host, port, hello, timeout)
+                channel = self.transport.connect(host, port, hello, self._handler, timeout)
             except LinkRefused as exc:
                 status = exc.status
                 self._log.warning(
@@ -233,6 +250,16 @@ class LinkTable:
         if not force and not told:
             return LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
         return LLMStatusCode.LLM_SUCCESS
+
+    def drop(self, cluster_id: int, timeout: float) -> bool:
+        """Remove the link to ``cluster_id`` at both ends; False when there was none."""
+        with self._lock:
+            link = self._links.pop(cluster_id, None)
+        if link is None:
+            return False
+        told = link.channel.close(notify_peer=True, timeout=timeout)
+        self._log.info("link.unlinked", remote_cluster_id=cluster_id, peer_told=told)
+        return True
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop listening and drop every link, telling peers (finalize)."""

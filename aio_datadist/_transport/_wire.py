@@ -28,15 +28,22 @@ __all__ = (
     "HEADER",
     "MAGIC",
     "MAX_BODY",
+    "MAX_ERROR_TEXT",
+    "MAX_HELLO_BODY",
     "MAX_PAYLOAD",
     "PROTOCOL_VERSION",
     "BodyReader",
     "BodyWriter",
     "FrameHeader",
     "FrameKind",
+    "HelloBody",
     "WireError",
+    "decode_error_text",
     "decode_header",
+    "decode_hello",
+    "encode_error_text",
     "encode_header",
+    "encode_hello",
 )
 
 MAGIC = b"AIDD"
@@ -266,3 +273,74 @@ class BodyReader:
         """Check that the whole body was read."""
         if self._pos != len(self._data):
             raise WireError(f"{len(self._data) - self._pos} unexpected trailing body bytes")
+
+
+#: Largest HELLO/HELLO_ACK body a peer may send.
+MAX_HELLO_BODY = 1 << 16
+
+
+@dataclass(frozen=True, slots=True)
+class HelloBody:
+    """The body of a HELLO or HELLO_ACK frame.
+
+    Layout: ``u64 cluster_id, u32 role, u8 has_to, u64 to_cluster_id`` (0 unless ``has_to``),
+    then a blob of extensions (``u32`` length and bytes). The extension blob is reserved for
+    later fields (same-host identity, authentication); decoders accept any content in it.
+    """
+
+    cluster_id: int
+    role: int
+    to_cluster_id: int | None = None
+    extensions: bytes = b""
+
+
+def encode_hello(hello: HelloBody) -> bytes:
+    """The body bytes of ``hello``.
+
+    :raises WireError: a field does not fit or the body exceeds :data:`MAX_HELLO_BODY`.
+    """
+    writer = BodyWriter().u64(hello.cluster_id).u32(hello.role)
+    if hello.to_cluster_id is None:
+        writer.u8(0).u64(0)
+    else:
+        writer.u8(1).u64(hello.to_cluster_id)
+    writer.blob(hello.extensions)
+    if len(writer) > MAX_HELLO_BODY:
+        raise WireError(f"hello body of {len(writer)} bytes exceeds {MAX_HELLO_BODY}")
+    return bytes(writer)
+
+
+def decode_hello(data: bytes | bytearray | memoryview) -> HelloBody:
+    """Decode a HELLO or HELLO_ACK body.
+
+    :raises WireError: truncated, oversized, trailing bytes, or ``has_to`` not 0 or 1.
+    """
+    if len(data) > MAX_HELLO_BODY:
+        raise WireError(f"hello body of {len(data)} bytes exceeds {MAX_HELLO_BODY}")
+    reader = BodyReader(data)
+    cluster_id = reader.u64()
+    role = reader.u32()
+    has_to = reader.u8()
+    to_cluster_id = reader.u64()
+    extensions = reader.blob(MAX_HELLO_BODY)
+    reader.end()
+    if has_to not in (0, 1):
+        raise WireError(f"hello has_to flag is {has_to}, expected 0 or 1")
+    return HelloBody(cluster_id, role, to_cluster_id if has_to else None, extensions)
+
+
+#: Longest ERROR message a sender puts on the wire, in bytes.
+MAX_ERROR_TEXT = 4096
+
+
+def encode_error_text(message: str) -> bytes:
+    """The body of an ERROR frame: the message as UTF-8, cut to :data:`MAX_ERROR_TEXT` bytes."""
+    data = message.encode("utf-8", "replace")
+    if len(data) > MAX_ERROR_TEXT:
+        data = data[:MAX_ERROR_TEXT].decode("utf-8", "ignore").encode("utf-8")
+    return data
+
+
+def decode_error_text(data: bytes | bytearray | memoryview) -> str:
+    """The message of an ERROR body; never raises (invalid UTF-8 is replaced)."""
+    return bytes(data[:MAX_ERROR_TEXT]).decode("utf-8", "replace")

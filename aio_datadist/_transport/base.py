@@ -1,21 +1,47 @@
 """The transport contract: listeners, connections (channels) and the handshake they carry.
 
 A transport connects two engines. The engine decides everything (which links exist, what may
-be read); a transport only establishes channels, carries the handshake, and reports a channel
-that closed. Implementations: ``loopback`` (in-process, no sockets) and ``tcp``.
+be read); a transport establishes channels, carries the handshake, moves request payloads
+between memory described by ``(addr, len)`` rows, and reports a channel that closed.
+Implementations: ``loopback`` (in-process, no sockets) and ``tcp``.
+
+Requests on a channel: the requesting side calls :meth:`Channel.pull` or :meth:`Channel.push`
+with an opaque request body (the engine's encoding of which remote memory it means) and the
+local memory rows; the serving side's :class:`RequestHandler` turns the body into its own
+memory rows (checking every bound) and the transport moves the bytes. Both ends of a channel
+serve and request.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMStatusCode
 
-__all__ = ("Acceptor", "Channel", "Hello", "LinkRefused", "Listener", "Transport")
+__all__ = (
+    "Acceptor",
+    "Channel",
+    "Hello",
+    "Iov",
+    "LinkRefused",
+    "Listener",
+    "RequestHandler",
+    "RequestKind",
+    "Served",
+    "Transport",
+)
+
+#: Memory rows ``(addr, len)``: a C-contiguous ``(n, 2)`` uint64 array, in payload order.
+Iov = npt.NDArray[np.uint64]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,11 +63,74 @@ class LinkRefused(Exception):
         self.status = status
 
 
+class RequestKind(Enum):
+    """What a request asks of the serving side's memory."""
+
+    PULL = "pull"  # read: the serving side sends the bytes of its rows
+    PUSH = "push"  # write: the serving side receives the bytes into its rows
+
+
+@dataclass(eq=False)
+class Served:
+    """The serving side's answer to a request: which of its memory rows move.
+
+    ``done(ok)`` is called exactly once, when the transport no longer touches ``iov``
+    (``ok``: every byte moved). ``commit`` (pulls only) is called at most once, after the
+    requester confirmed that every byte landed; a pull that drops the remote key uses it.
+    """
+
+    iov: Iov
+    nbytes: int
+    done: Callable[[bool], None]
+    commit: Callable[[], None] | None = field(default=None)
+
+
+class RequestHandler(Protocol):
+    """The engine's serving side, handed to the transport with every channel."""
+
+    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
+        """Resolve a request ``body`` from ``peer`` into this side's memory rows.
+
+        ``nbytes`` is the payload size the requester expects; the rows must add up to it.
+
+        :raises LLMException: the request is refused; its ``status_code`` is answered to the
+            requester (``LLM_KV_CACHE_NOT_EXIST``, ``LLM_PARAM_INVALID``, ...).
+        """
+        ...
+
+
 class Channel(ABC):
     """One established connection between two engines, usable in both directions."""
 
     #: The peer's handshake.
     peer: Hello
+    #: True when :meth:`pull` moves the payload in the calling thread before it returns
+    #: (so an event loop should call it from a worker thread for large payloads).
+    pull_in_caller: bool = False
+    #: The same for :meth:`push`.
+    push_in_caller: bool = False
+
+    @abstractmethod
+    def pull(
+        self, body: bytes, dst: Iov, nbytes: int, deadline_ns: int, *, commit: bool = False
+    ) -> Future[None]:
+        """Ask the peer for the memory ``body`` names and land its bytes in the rows ``dst``.
+
+        ``nbytes`` is the sum of ``dst``'s lengths; ``deadline_ns`` an absolute
+        ``monotonic_ns()`` time. With ``commit`` the peer's ``Served.commit`` runs once every
+        byte landed here. The future completes only when the transport no longer touches
+        ``dst``: with None on success, else with an ``LLMException`` carrying the peer's
+        refusal code, ``LLM_TIMEOUT`` (deadline), or ``LLM_LINK_FAILED`` (channel broke).
+        """
+
+    @abstractmethod
+    def push(self, body: bytes, src: Iov, nbytes: int, deadline_ns: int) -> Future[None]:
+        """Write the bytes of the rows ``src`` into the peer memory ``body`` names.
+
+        The future completes with None once the peer confirmed that every byte is in its
+        memory, or with an ``LLMException`` as for :meth:`pull`. ``src`` is no longer read
+        once the future completed.
+        """
 
     @abstractmethod
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
@@ -62,7 +151,12 @@ class Channel(ABC):
 
 
 class Acceptor(Protocol):
-    """The serving engine's side of a handshake."""
+    """The serving engine's side of a handshake, and the handler of its channels' requests."""
+
+    @property
+    def handler(self) -> RequestHandler:
+        """Serves requests arriving on accepted channels."""
+        ...
 
     def accept(self, peer: Hello, channel: Channel) -> Hello:
         """Register ``channel`` as a link to ``peer`` and return this side's handshake.
@@ -97,8 +191,12 @@ class Transport(ABC):
         """
 
     @abstractmethod
-    def connect(self, host: str, port: int, hello: Hello, timeout: float) -> Channel:
+    def connect(
+        self, host: str, port: int, hello: Hello, handler: RequestHandler, timeout: float
+    ) -> Channel:
         """Connect to the listener at ``host:port`` and exchange handshakes.
+
+        ``handler`` serves the requests the peer sends on the new channel.
 
         :raises LinkRefused: with ``LLM_LINK_FAILED`` (nobody listens, handshake refused or
             broken) or ``LLM_TIMEOUT`` (no answer within ``timeout`` seconds), or the code

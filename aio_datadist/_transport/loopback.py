@@ -9,9 +9,28 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
-from aio_datadist._transport.base import Acceptor, Channel, Hello, LinkRefused, Listener, Transport
-from aio_datadist.status import LLMStatusCode
+import numpy as np
+import numpy.typing as npt
+
+from aio_datadist._memory.rows import pair_rows
+from aio_datadist._native import api
+from aio_datadist._transport.base import (
+    Acceptor,
+    Channel,
+    Hello,
+    Iov,
+    LinkRefused,
+    Listener,
+    RequestHandler,
+    RequestKind,
+    Transport,
+)
+from aio_datadist.status import LLMException, LLMStatusCode
+
+#: Runs one batch of ``(dst, src, nbytes)`` copy rows.
+CopyBatch = Callable[[npt.NDArray[np.uint64]], None]
 
 __all__ = ("LoopbackChannel", "LoopbackTransport")
 
@@ -20,11 +39,16 @@ _listeners: dict[tuple[str, int], LoopbackListener] = {}
 
 
 class LoopbackChannel(Channel):
-    """One end of an in-process channel."""
+    """One end of an in-process channel: requests run the peer's handler and one copy."""
 
-    def __init__(self, peer: Hello) -> None:
+    pull_in_caller = True
+    push_in_caller = True
+
+    def __init__(self, peer: Hello, handler: RequestHandler, copy: CopyBatch) -> None:
         self.peer = peer
+        self.handler = handler
         self.other: LoopbackChannel | None = None
+        self._copy = copy
         self._closed = False
         self._callbacks: list[Callable[[Channel], None]] = []
         self._lock = threading.Lock()
@@ -47,6 +71,45 @@ class LoopbackChannel(Channel):
             self._closed = True
             callbacks, self._callbacks = self._callbacks, []
         return callbacks
+
+    def _request(
+        self, kind: RequestKind, body: bytes, local: Iov, nbytes: int, commit: bool
+    ) -> Future[None]:
+        future: Future[None] = Future()
+        other = self.other
+        try:
+            if self._closed or other is None or other._closed:
+                raise LLMException(
+                    f"link to cluster {self.peer.cluster_id} is closed",
+                    status_code=LLMStatusCode.LLM_LINK_FAILED,
+                )
+            served = other.handler.serve(other.peer, kind, body, nbytes)
+            ok = False
+            try:
+                if kind is RequestKind.PULL:
+                    ops = pair_rows(local, served.iov)
+                else:
+                    ops = pair_rows(served.iov, local)
+                if len(ops):
+                    self._copy(ops)
+                ok = True
+            finally:
+                served.done(ok)
+            if commit and served.commit is not None:
+                served.commit()
+        except LLMException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(None)
+        return future
+
+    def pull(
+        self, body: bytes, dst: Iov, nbytes: int, deadline_ns: int, *, commit: bool = False
+    ) -> Future[None]:
+        return self._request(RequestKind.PULL, body, dst, nbytes, commit)
+
+    def push(self, body: bytes, src: Iov, nbytes: int, deadline_ns: int) -> Future[None]:
+        return self._request(RequestKind.PUSH, body, src, nbytes, False)
 
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
         self._shut()
@@ -72,9 +135,15 @@ class LoopbackListener(Listener):
 
 
 class LoopbackTransport(Transport):
-    """In-process links between engines, found by their listen address."""
+    """In-process links between engines, found by their listen address.
+
+    ``copy`` runs the byte copies of requests (default: the native host batch copy).
+    """
 
     name = "loopback"
+
+    def __init__(self, copy: CopyBatch | None = None) -> None:
+        self._copy: CopyBatch = copy or api.copy_batch
 
     def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
         address = (host, port)
@@ -84,15 +153,17 @@ class LoopbackTransport(Transport):
             listener = _listeners[address] = LoopbackListener(address, acceptor)
         return listener
 
-    def connect(self, host: str, port: int, hello: Hello, timeout: float) -> Channel:
+    def connect(
+        self, host: str, port: int, hello: Hello, handler: RequestHandler, timeout: float
+    ) -> Channel:
         with _lock:
             listener = _listeners.get((host, port))
         if listener is None:
             raise LinkRefused(
                 LLMStatusCode.LLM_LINK_FAILED, f"nobody listens on loopback {host}:{port}"
             )
-        client = LoopbackChannel(peer=hello)  # peer filled in below
-        server = LoopbackChannel(peer=hello)
+        client = LoopbackChannel(hello, handler, self._copy)  # peer filled in below
+        server = LoopbackChannel(hello, listener.acceptor.handler, self._copy)
         client.other, server.other = server, client
         client.peer = listener.acceptor.accept(hello, server)
         return client

@@ -1,0 +1,145 @@
+"""Remote access requests: which bytes of a peer's memory a pull reads or a push writes.
+
+An :class:`Access` names a cache on the serving side (by key, by cache id and batch index, by
+blocks key, or by raw addresses) and the segments of it to move, in payload order. The
+requester builds it; the serving side decodes it and checks every bound against what it
+allocated or registered before touching memory. Pure encoding and decoding, no I/O.
+
+Segment layout, in payload order:
+
+* raw addresses (``ADDRESSES``): the explicit rows of ``rows``;
+* with ``blocks``: for each tensor of ``[tensor_start, tensor_start + tensor_count)``, for each
+  block ``b``, ``seg_bytes`` at block ``b`` (the last block of each tensor ``tail_bytes``);
+* otherwise one segment per tensor: ``seg_bytes`` at ``row * row_bytes + offset``.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+import numpy.typing as npt
+
+from aio_datadist._transport._wire import WireError
+
+__all__ = ("Access", "Target", "decode_access", "encode_access")
+
+U64s = npt.NDArray[np.uint64]
+_EMPTY: U64s = np.empty(0, dtype=np.uint64)
+_EMPTY_ROWS: U64s = np.empty((0, 2), dtype=np.uint64)
+
+#: Most blocks or address rows one request may name.
+MAX_ROWS = 1 << 20
+
+
+class Target(IntEnum):
+    """How an access names the serving side's cache."""
+
+    REQ_KEY = 1  # CacheKey by req_id: ident = req_id
+    PREFIX_KEY = 2  # CacheKey by prefix_id: ident = prefix_id
+    CACHE_INDEX = 3  # CacheKeyByIdAndIndex: ident = cache_id, row = batch_index
+    BLOCKS_KEY = 4  # BlocksCacheKey: ident = model_id
+    ADDRESSES = 5  # raw addresses of registered or allocated memory (TransferConfig)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Access:
+    """One request's view of the serving side's memory (see the module docstring)."""
+
+    target: Target
+    ident: int = 0
+    model_id: int = 0
+    row: int = 0
+    tensor_start: int = 0
+    tensor_count: int = 0
+    offset: int = 0
+    seg_bytes: int = 0
+    tail_bytes: int = 0
+    #: Drop the named key once the requester confirmed every byte landed (pull by req key).
+    drop_key: bool = False
+    blocks: U64s = field(default_factory=lambda: _EMPTY)
+    rows: U64s = field(default_factory=lambda: _EMPTY_ROWS)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes this access moves."""
+        if self.target is Target.ADDRESSES:
+            return int(self.rows[:, 1].sum()) if len(self.rows) else 0
+        if len(self.blocks):
+            per_tensor = (len(self.blocks) - 1) * self.seg_bytes + self.last_bytes
+            return self.tensor_count * per_tensor
+        return self.tensor_count * self.seg_bytes
+
+    @property
+    def last_bytes(self) -> int:
+        """Bytes of the last block of each tensor."""
+        return self.tail_bytes or self.seg_bytes
+
+
+_FIXED = struct.Struct("<BBQQQIIQQQ")
+
+
+def encode_access(access: Access) -> bytes:
+    """The request body of ``access``."""
+    blocks = np.ascontiguousarray(access.blocks, dtype="<u8")
+    rows = np.ascontiguousarray(access.rows, dtype="<u8").reshape(-1)
+    fixed = _FIXED.pack(
+        access.target,
+        int(access.drop_key),
+        access.ident,
+        access.model_id,
+        access.row,
+        access.tensor_start,
+        access.tensor_count,
+        access.offset,
+        access.seg_bytes,
+        access.tail_bytes,
+    )
+    counts = struct.pack("<II", len(blocks), len(rows) // 2)
+    return b"".join((fixed, counts, blocks.tobytes(), rows.tobytes()))
+
+
+def decode_access(body: bytes | bytearray | memoryview) -> Access:
+    """Decode a request body, rejecting anything malformed.
+
+    :raises WireError: truncated, oversized, trailing bytes or an unknown target.
+    """
+    view = memoryview(body).cast("B")
+    head = _FIXED.size + 8
+    if len(view) < head:
+        raise WireError(f"access body of {len(view)} bytes is shorter than {head}")
+    fields = _FIXED.unpack_from(view)
+    n_blocks, n_rows = struct.unpack_from("<II", view, _FIXED.size)
+    if n_blocks > MAX_ROWS or n_rows > MAX_ROWS:
+        raise WireError(f"access names {n_blocks} blocks and {n_rows} rows (limit {MAX_ROWS})")
+    expected = head + 8 * n_blocks + 16 * n_rows
+    if len(view) != expected:
+        raise WireError(f"access body has {len(view)} bytes, its counts need {expected}")
+    try:
+        target = Target(fields[0])
+    except ValueError:
+        raise WireError(f"unknown access target {fields[0]}") from None
+    if fields[1] > 1:
+        raise WireError(f"bad access flags {fields[1]}")
+    blocks = np.frombuffer(view, dtype="<u8", count=n_blocks, offset=head).astype(np.uint64)
+    rows = (
+        np.frombuffer(view, dtype="<u8", count=2 * n_rows, offset=head + 8 * n_blocks)
+        .astype(np.uint64)
+        .reshape(n_rows, 2)
+    )
+    return Access(
+        target,
+        ident=fields[2],
+        model_id=fields[3],
+        row=fields[4],
+        tensor_start=fields[5],
+        tensor_count=fields[6],
+        offset=fields[7],
+        seg_bytes=fields[8],
+        tail_bytes=fields[9],
+        drop_key=bool(fields[1]),
+        blocks=blocks,
+        rows=rows,
+    )

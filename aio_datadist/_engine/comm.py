@@ -1,0 +1,199 @@
+"""Two-sided links through a rank table (``link``/``unlink``/``query_register_mem_status``).
+
+Every member of a communication domain calls ``link`` with the same rank table and the same
+``{cluster_id: rank}`` map. On TCP and loopback a rank's endpoint is found in the table:
+
+* the address is the ``host_ip`` of the rank's server entry when given, else the device's
+  ``device_ip``;
+* the port is the device entry's ``port`` when given, else ``aio.CommBasePort`` (default
+  27000) plus the rank.
+
+Each member listens on its own endpoint while ``link`` runs, connects to every member of a
+lower rank (retrying until the peer listens) and accepts every member of a higher rank. The
+resulting links are ordinary links: ``pull_*``/``push_*`` reach the members by cluster id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aio_datadist._engine.links import LinkTable
+from aio_datadist._transport.base import Channel, Hello, LinkRefused, RequestHandler
+from aio_datadist._validate import check_int, check_type, param_invalid
+from aio_datadist.cluster import LLMClusterInfo
+from aio_datadist.enums import RegisterMemStatus
+from aio_datadist.status import LinkFailedError, LLMStatusCode, ParamInvalidError
+
+__all__ = ("DEFAULT_COMM_BASE_PORT", "CommDomains", "check_link_args", "rank_endpoints")
+
+#: First port of rank endpoints when the rank table gives none (option ``aio.CommBasePort``).
+DEFAULT_COMM_BASE_PORT = 27000
+#: Seconds ``link`` waits for the other members when ``link_total_time`` is 0 (like HCCL).
+DEFAULT_CONNECT_TIMEOUT_S = 120
+
+
+def check_link_args(comm_name: Any, cluster_rank_info: Any, rank_table: Any) -> None:
+    """Validate the arguments of ``link`` as documented."""
+    check_type("comm_name", comm_name, str)
+    check_type("cluster_rank_info", cluster_rank_info, dict)
+    check_type("rank_table", rank_table, str)
+    if not comm_name or len(comm_name) >= 128:
+        param_invalid(f"comm_name must have 1 to 127 characters, got {len(comm_name)}")
+    if not 2 <= len(cluster_rank_info) <= 4:
+        param_invalid(f"cluster_rank_info needs 2 to 4 members, got {len(cluster_rank_info)}")
+    previous = -1
+    for cluster_id, rank in cluster_rank_info.items():
+        check_int("cluster_rank_info key", cluster_id, "uint64")
+        check_int("cluster_rank_info value", rank, "uint32")
+        if rank <= previous:
+            param_invalid("cluster_rank_info ranks must be ascending in dict order")
+        previous = rank
+
+
+def rank_endpoints(rank_table: str, base_port: int) -> dict[int, tuple[str, int]]:
+    """Each rank's ``(host, port)`` from a rank table (see the module docstring).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` for a table that is not JSON of the
+        documented shape.
+    """
+    try:
+        table = json.loads(rank_table)
+        endpoints: dict[int, tuple[str, int]] = {}
+        for server in table["server_list"]:
+            for device in server["device"]:
+                rank = int(device["rank_id"])
+                host = server.get("host_ip") or device["device_ip"]
+                port = int(device.get("port", base_port + rank))
+                endpoints[rank] = (str(host), port)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ParamInvalidError(
+            f"rank_table is not a valid rank table: {exc!r}",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        ) from None
+    return endpoints
+
+
+@dataclass
+class _Domain:
+    name: str
+    members: list[int]
+
+
+class _CommAcceptor:
+    """Accepts only the members of one domain, registering them in the link table."""
+
+    def __init__(self, links: LinkTable, members: set[int]) -> None:
+        self._links = links
+        self._members = members
+
+    @property
+    def handler(self) -> RequestHandler:
+        return self._links.handler
+
+    def accept(self, peer: Hello, channel: Channel) -> Hello:
+        if peer.cluster_id not in self._members:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED,
+                f"cluster {peer.cluster_id} is not a member of this communication domain",
+            )
+        return self._links.accept(peer, channel)
+
+
+class CommDomains:
+    """The communication domains of one engine; comm ids start at 1."""
+
+    def __init__(self, links: LinkTable, base_port: int, total_time_s: int) -> None:
+        self._links = links
+        self._base_port = base_port
+        env = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
+        default = int(env) if env.isdigit() else DEFAULT_CONNECT_TIMEOUT_S
+        self._total_time = total_time_s or default
+        self._domains: dict[int, _Domain] = {}
+        self._next_id = 1
+        self._lock = threading.Lock()
+
+    def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
+        """Link with every other member; returns the comm id.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` (this cluster not a member, rank not in
+            the table), ``LLM_LINK_FAILED`` (members did not all link in time).
+        """
+        me = self._links.local.cluster_id
+        if me not in cluster_rank_info:
+            param_invalid(f"this cluster ({me}) is not in cluster_rank_info")
+        endpoints = rank_endpoints(rank_table, self._base_port)
+        for cluster_id, rank in cluster_rank_info.items():
+            if rank not in endpoints:
+                param_invalid(f"rank {rank} of cluster {cluster_id} is not in the rank table")
+        my_rank = cluster_rank_info[me]
+        others = {c: r for c, r in cluster_rank_info.items() if c != me}
+        deadline = time.monotonic() + self._total_time
+        listener = self._links.transport.listen(
+            *endpoints[my_rank], _CommAcceptor(self._links, set(others))
+        )
+        try:
+            for cluster_id, rank in others.items():
+                if rank < my_rank:
+                    self._connect(cluster_id, endpoints[rank], deadline)
+            while any(self._links.get(c) is None for c in others):
+                if time.monotonic() > deadline:
+                    missing = [c for c in others if self._links.get(c) is None]
+                    raise LinkFailedError(
+                        f"communication domain {comm_name!r}: clusters {missing} did not link "
+                        f"within {self._total_time} s",
+                        status_code=LLMStatusCode.LLM_LINK_FAILED,
+                    )
+                time.sleep(0.005)
+        finally:
+            listener.close()
+        with self._lock:
+            comm_id = self._next_id
+            self._next_id += 1
+            self._domains[comm_id] = _Domain(comm_name, list(others))
+        return comm_id
+
+    def _connect(self, cluster_id: int, endpoint: tuple[str, int], deadline: float) -> None:
+        info = LLMClusterInfo()
+        info.remote_cluster_id = cluster_id
+        info.append_remote_ip_info(*endpoint)
+        while True:
+            remaining = deadline - time.monotonic()
+            status = self._links.link_clusters([info], max(1, int(remaining * 1000)))[0]
+            if status in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
+                return
+            if time.monotonic() > deadline:
+                raise LinkFailedError(
+                    f"cannot link to cluster {cluster_id} at {endpoint[0]}:{endpoint[1]} "
+                    f"({status})",
+                    status_code=LLMStatusCode.LLM_LINK_FAILED,
+                )
+            time.sleep(0.02)
+
+    def _domain(self, comm_id: Any) -> _Domain:
+        check_int("comm_id", comm_id, "uint64")
+        with self._lock:
+            domain = self._domains.get(comm_id)
+        if domain is None:
+            param_invalid(f"comm_id {comm_id} is not a linked communication domain")
+        assert domain is not None
+        return domain
+
+    def unlink(self, comm_id: Any) -> None:
+        """Unlink every member of the domain (both ends)."""
+        domain = self._domain(comm_id)
+        with self._lock:
+            self._domains.pop(comm_id, None)
+        for cluster_id in domain.members:
+            self._links.drop(cluster_id, timeout=3.0)
+
+    def status(self, comm_id: Any) -> RegisterMemStatus:
+        """``OK`` while every member is linked, ``FAILED`` once a member's link broke."""
+        domain = self._domain(comm_id)
+        if all(self._links.get(c) is not None for c in domain.members):
+            return RegisterMemStatus.OK
+        return RegisterMemStatus.FAILED

@@ -1,0 +1,342 @@
+"""Layer-wise ``transfer_cache_async``: validation, per-layer requests and task results.
+
+A :class:`LayerJob` holds what both drivers share: the validated configs, the request of each
+(config, layer), and the result rules. The blocking face drives it from a background thread,
+the async face from a task on its event loop; both call the synchroniser for a layer, submit
+that layer's requests without waiting for them, and go on with the next layer, so layer k
+moves while the model finishes layer k+1. Cancellation and failures stop the job at a layer
+edge; a request already sent completes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.registry import CacheEntry
+from aio_datadist._engine.transfers import (
+    Step,
+    TransferPlan,
+    TransferService,
+    local_rows,
+    wait_blocking,
+)
+from aio_datadist._native import api
+from aio_datadist._transport.base import RequestKind
+from aio_datadist._validate import check_int, check_int_list, check_type
+from aio_datadist.cache import Cache
+from aio_datadist.enums import Placement
+from aio_datadist.status import LLMException, LLMStatusCode, ParamInvalidError
+from aio_datadist.synchronizer import LayerSynchronizer, is_async_synchronizer
+from aio_datadist.task import CacheTask
+from aio_datadist.types import BlocksCacheKey, TransferConfig, TransferWithCacheKeyConfig
+
+__all__ = ("LayerJob", "plan_layer_job", "run_blocking")
+
+_S = LLMStatusCode
+
+
+def _invalid(message: str) -> ParamInvalidError:
+    return ParamInvalidError(message, status_code=_S.LLM_PARAM_INVALID)
+
+
+@dataclass(eq=False)
+class _Config:
+    """One validated transfer config and its progress."""
+
+    config: TransferConfig | TransferWithCacheKeyConfig
+    src: range
+    dst_start: int
+    started: bool = False
+    submitted_last: bool = False
+    failure: LLMStatusCode | None = None
+
+
+class LayerJob:
+    """One ``transfer_cache_async`` call: its configs, requests and results."""
+
+    def __init__(
+        self,
+        service: TransferService,
+        entry: CacheEntry,
+        synchronizer: LayerSynchronizer,
+        configs: list[_Config],
+        num_layers: int,
+        src_blocks: list[int],
+        dst_blocks: list[int],
+        dst_block_bytes: int,
+        plan: TransferPlan,
+    ) -> None:
+        self.service = service
+        self.entry = entry
+        self.synchronizer = synchronizer
+        self.is_async = is_async_synchronizer(synchronizer)
+        self.configs = configs
+        self.num_layers = num_layers
+        self.src_blocks = src_blocks
+        self.dst_blocks = dst_blocks
+        self.dst_block_bytes = dst_block_bytes
+        self.plan = plan
+        self.stopped = False
+        self._lock = threading.Lock()
+        self._futures: list[Future[None]] = []
+
+    # -- per layer ------------------------------------------------------------------------
+    def targets(self, layer: int) -> list[int]:
+        """Indices of the configs that transfer ``layer``."""
+        return [i for i, c in enumerate(self.configs) if layer in c.src]
+
+    def fail(self, indices: Sequence[int], status: LLMStatusCode) -> None:
+        """Record ``status`` for configs and stop the job."""
+        with self._lock:
+            for i in indices:
+                cfg = self.configs[i]
+                cfg.started = True
+                if cfg.failure is None:
+                    cfg.failure = status
+            self.stopped = True
+
+    def steps(self, layer: int, indices: Sequence[int]) -> list[tuple[int, Step]]:
+        """The requests of ``layer`` for the configs ``indices``; failures stop the job."""
+        self.plan.deadline_ns = api.deadline_after(self.service.timeout_ms / 1000)
+        out: list[tuple[int, Step]] = []
+        for i in indices:
+            try:
+                out.append((i, self._step(self.configs[i], layer)))
+            except LLMException as exc:
+                self.fail([i], exc.status_code)
+                break
+        return out
+
+    def track(self, index: int, layer: int, future: Future[None]) -> None:
+        """Record a started request of config ``index``."""
+        cfg = self.configs[index]
+        with self._lock:
+            cfg.started = True
+            if layer == cfg.src.stop - 1:
+                cfg.submitted_last = True
+            self._futures.append(future)
+
+        def done(fut: Future[None]) -> None:
+            exc = fut.exception()
+            if exc is not None:
+                status = exc.status_code if isinstance(exc, LLMException) else _S.LLM_FAILED
+                self.fail([index], status)
+
+        future.add_done_callback(done)
+
+    @property
+    def futures(self) -> list[Future[None]]:
+        """Every request started so far."""
+        with self._lock:
+            return list(self._futures)
+
+    def finish(self, task: CacheTask) -> None:
+        """Fill the task's results and finish it; the pins go once every request completed."""
+        for i, cfg in enumerate(self.configs):
+            if cfg.failure is not None:
+                task._set_result(i, cfg.failure)
+            elif cfg.started:
+                task._set_result(i, _S.LLM_SUCCESS if cfg.submitted_last else _S.LLM_FAILED)
+        self.plan.seal()
+        task._finish()
+
+    # -- requests -------------------------------------------------------------------------
+    def _source(self, layer: int, row: int) -> tuple[Any, int, list[int] | None]:
+        """Local rows of ``layer`` (K and V), their segment size and the source blocks.
+
+        A PA source without block indices sends its first block of each tensor.
+        """
+        entry, tensors, seg = self.entry, (2 * layer, 2), self.entry.row_bytes
+        if entry.is_blocks:
+            blocks = self.src_blocks or [0]
+            return local_rows(entry, tensors, seg=seg, blocks=blocks), seg, blocks
+        return local_rows(entry, tensors, row=row, seg=seg), seg, None
+
+    def _step(self, cfg: _Config, layer: int) -> Step:
+        config = cfg.config
+        dst_layer = cfg.dst_start + (layer - cfg.src.start)
+        rows, seg, blocks = self._source(layer, config.src_batch_index)
+        n_src = len(blocks) if blocks is not None else 1
+        if self.dst_blocks:
+            chunk = self.dst_block_bytes
+            if blocks is not None:
+                count, seg_bytes, tail = n_src, seg, seg
+            else:
+                count = -(-seg // chunk)
+                seg_bytes, tail = chunk, seg - (count - 1) * chunk
+                if count > len(self.dst_blocks):
+                    raise _invalid(
+                        f"a row of {seg} bytes needs {count} destination blocks of {chunk} "
+                        f"bytes, but dst_block_indices has {len(self.dst_blocks)}"
+                    )
+            dst_blocks = np.asarray(self.dst_blocks[:count], dtype=np.uint64)
+        else:
+            count, seg_bytes, tail, dst_blocks = 1, seg * n_src, 0, None
+        if isinstance(config, TransferConfig):
+            cluster = config.dst_cluster_id
+            k = 2 * (layer - cfg.src.start)
+            bases = np.asarray(config.dst_addrs[k : k + 2], dtype=np.uint64)
+            if dst_blocks is None:
+                remote = np.stack([bases, np.full(2, seg * n_src, dtype=np.uint64)], axis=1)
+            else:
+                lens = np.full(count, seg_bytes, dtype=np.uint64)
+                lens[-1] = tail
+                starts = bases[:, None] + dst_blocks[None, :] * np.uint64(chunk)
+                remote = np.stack([starts.reshape(-1), np.tile(lens, 2)], axis=1)
+            access = Access(Target.ADDRESSES, rows=np.ascontiguousarray(remote, dtype=np.uint64))
+        else:
+            key = config.cache_key
+            cluster = key.cluster_id
+            fields: dict[str, Any] = {
+                "tensor_start": 2 * dst_layer,
+                "tensor_count": 2,
+                "seg_bytes": seg_bytes,
+                "tail_bytes": tail if dst_blocks is not None else 0,
+                "blocks": dst_blocks if dst_blocks is not None else np.empty(0, np.uint64),
+            }
+            if isinstance(key, BlocksCacheKey):
+                if dst_blocks is None:
+                    fields["blocks"] = np.zeros(1, dtype=np.uint64)
+                    fields["tail_bytes"] = 0
+                access = Access(Target.BLOCKS_KEY, ident=key.model_id, **fields)
+            else:
+                access = Access(
+                    Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields
+                )
+        channel = self.service.channel(cluster)
+        return Step(channel, RequestKind.PUSH, access, rows)
+
+
+def plan_layer_job(
+    service: TransferService,
+    src_cache: Any,
+    layer_synchronizer: Any,
+    transfer_configs: Any,
+    src_block_indices: Any,
+    dst_block_indices: Any,
+    dst_block_memory_size: Any,
+    *,
+    allow_async: bool,
+) -> LayerJob:
+    """Validate a ``transfer_cache_async`` call (synchronously) and build its job."""
+    check_type("src_cache", src_cache, Cache)
+    if src_cache.cache_desc.placement is Placement.HOST:
+        raise _invalid("transfer_cache_async does not take a HOST source cache")
+    src_blocks = [] if src_block_indices is None else src_block_indices
+    dst_blocks = [] if dst_block_indices is None else dst_block_indices
+    check_int_list("src_block_indices", src_blocks, "uint64")
+    check_int_list("dst_block_indices", dst_blocks, "uint64")
+    check_int("dst_block_memory_size", dst_block_memory_size, "uint64", allow_none=True)
+    check_type("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
+    if not allow_async and is_async_synchronizer(layer_synchronizer):
+        raise TypeError(
+            "the blocking transfer_cache_async needs a plain synchronize_layer; an async def "
+            "synchroniser needs AsyncLLMDataDist"
+        )
+    check_type("transfer_configs", transfer_configs, list, tuple)
+    wanted = TransferWithCacheKeyConfig if service.remote_cache_accessible else TransferConfig
+    for i, config in enumerate(transfer_configs):
+        if not isinstance(config, wanted):
+            raise TypeError(
+                f"transfer_configs[{i}] must be a {wanted.__name__} "
+                f"({'with' if service.remote_cache_accessible else 'without'} "
+                "enable_remote_cache_accessible)"
+            )
+    if src_blocks and not dst_blocks:
+        raise _invalid("a PA source needs dst_block_indices (PA to non-PA is not supported)")
+    if src_blocks and len(src_blocks) != len(dst_blocks):
+        raise _invalid(
+            f"src_block_indices has {len(src_blocks)} entries but dst_block_indices has "
+            f"{len(dst_blocks)}"
+        )
+    with service.caches.registry.lock:
+        entry = service.caches.entry(src_cache, "src_cache")
+        if src_blocks:
+            if not entry.is_blocks:
+                raise _invalid("src_block_indices needs a blocks (PA) source cache")
+            for b in src_blocks:
+                if b >= entry.desc.batch_size:
+                    raise _invalid(f"src block index {b} is outside [0, {entry.desc.batch_size})")
+        dst_bytes = dst_block_memory_size or 0
+        if dst_blocks and not dst_bytes:
+            if not entry.is_blocks:
+                raise _invalid(
+                    "dst_block_memory_size is needed when a batch source goes to dst blocks"
+                )
+            dst_bytes = entry.row_bytes
+        if not dst_blocks and dst_bytes:
+            raise _invalid("dst_block_memory_size must be None or 0 for a non-PA destination")
+        num = entry.desc.num_tensors
+        if num % 2:
+            raise _invalid(f"transfer_cache_async needs an even num_tensors, got {num}")
+        layers = num // 2
+        configs: list[_Config] = []
+        for i, config in enumerate(transfer_configs):
+            src = config.src_layer_range
+            src = range(0, layers) if src is None else src
+            if not 0 <= src.start < src.stop <= layers:
+                raise _invalid(f"transfer_configs[{i}] layer range {src} is outside [0, {layers})")
+            if isinstance(config, TransferConfig):
+                if len(config.dst_addrs) != 2 * len(src):
+                    raise _invalid(
+                        f"transfer_configs[{i}] has {len(config.dst_addrs)} dst_addrs for "
+                        f"{len(src)} layers (two per layer)"
+                    )
+                dst_start = src.start
+            else:
+                dst_start = config.dst_layer_range.start
+            if entry.is_blocks and config.src_batch_index != 0:
+                raise _invalid(f"transfer_configs[{i}].src_batch_index must be 0 for a PA source")
+            if not entry.is_blocks and config.src_batch_index >= entry.desc.batch_size:
+                raise _invalid(
+                    f"transfer_configs[{i}].src_batch_index {config.src_batch_index} >= batch "
+                    f"size {entry.desc.batch_size}"
+                )
+            configs.append(_Config(config, src, dst_start))
+        plan = service._plan([], [entry])
+    return LayerJob(
+        service,
+        entry,
+        layer_synchronizer,
+        configs,
+        layers,
+        list(src_blocks),
+        list(dst_blocks),
+        dst_bytes,
+        plan,
+    )
+
+
+def run_blocking(job: LayerJob, task: CacheTask) -> None:
+    """Drive ``job`` in this thread (the blocking face's background thread)."""
+    try:
+        for layer in range(job.num_layers):
+            indices = job.targets(layer)
+            if not indices:
+                continue
+            if task._cancelled or job.stopped:
+                break
+            try:
+                ok = bool(job.synchronizer.synchronize_layer(layer, None))
+            except Exception:  # a raising synchroniser fails the task like False
+                ok = False
+            if not ok:
+                job.fail(indices, _S.LLM_PARAM_INVALID)
+                break
+            if task._cancelled:
+                break
+            for i, step in job.steps(layer, indices):
+                job.track(i, layer, job.service.start(job.plan, step))
+        for future in job.futures:
+            with contextlib.suppress(LLMException):  # recorded by the future's callback
+                wait_blocking(future, job.plan.deadline_ns)
+    finally:
+        job.finish(task)

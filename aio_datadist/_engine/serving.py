@@ -1,0 +1,181 @@
+"""The serving side of transfers: a peer's request resolved into this engine's memory rows.
+
+Every request is checked before memory is touched: the named cache must exist here, every
+tensor, row, block, offset and size must lie inside it, raw addresses must lie inside memory
+this engine allocated or registered, and the rows must add up to the size the requester
+expects. A violation refuses that request (``LLM_PARAM_INVALID`` or
+``LLM_KV_CACHE_NOT_EXIST``) and leaves the link usable. Memory being served is pinned, so a
+cache released meanwhile keeps its memory until the transfer ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from aio_datadist._engine.access import Access, Target, decode_access
+from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.registry import CacheEntry, KeyIdentity
+from aio_datadist._transport._wire import WireError
+from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
+from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
+
+__all__ = ("Server", "access_rows")
+
+
+def _invalid(message: str) -> ParamInvalidError:
+    return ParamInvalidError(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def _not_exist(message: str) -> KvCacheNotExistError:
+    return KvCacheNotExistError(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+
+
+def access_rows(
+    addrs: tuple[int, ...] | list[int],
+    block_bytes: int,
+    num_blocks: int,
+    access: Access,
+    row: int,
+) -> Iov:
+    """The ``(addr, len)`` rows of ``access`` over a cache whose tensors start at ``addrs``.
+
+    ``block_bytes`` is the size of one batch row or block of a tensor and ``num_blocks`` their
+    count; ``row`` is the batch row of a row access.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
+    """
+    start, count = access.tensor_start, access.tensor_count
+    if count < 1 or start + count > len(addrs):
+        raise _invalid(
+            f"tensors [{start}, {start + count}) are outside the cache's {len(addrs)} tensors"
+        )
+    bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
+    blocks = access.blocks
+    if len(blocks):
+        if (
+            access.seg_bytes < 1
+            or access.seg_bytes > block_bytes
+            or access.last_bytes > block_bytes
+        ):
+            raise _invalid(
+                f"block segments of {access.seg_bytes}/{access.last_bytes} bytes do not fit "
+                f"blocks of {block_bytes} bytes"
+            )
+        if int(blocks.max()) >= num_blocks:
+            bad = int(blocks[blocks >= num_blocks][0])
+            raise _invalid(f"block index {bad} is outside [0, {num_blocks})")
+        rows = np.empty((count, len(blocks), 2), dtype=np.uint64)
+        rows[:, :, 0] = bases[:, None] + blocks[None, :] * np.uint64(block_bytes)
+        rows[:, :, 1] = access.seg_bytes
+        rows[:, -1, 1] = access.last_bytes
+        return rows.reshape(-1, 2)
+    if row >= num_blocks:
+        raise _invalid(f"batch index {row} is outside [0, {num_blocks})")
+    if access.seg_bytes < 1 or access.offset + access.seg_bytes > block_bytes:
+        raise _invalid(
+            f"{access.seg_bytes} bytes at offset {access.offset} do not fit a row of "
+            f"{block_bytes} bytes"
+        )
+    rows = np.empty((count, 2), dtype=np.uint64)
+    rows[:, 0] = bases + np.uint64(row * block_bytes + access.offset)
+    rows[:, 1] = access.seg_bytes
+    return rows
+
+
+class Server:
+    """Serves the peers' pulls and pushes from one engine's caches (a ``RequestHandler``)."""
+
+    def __init__(self, caches: CacheService) -> None:
+        self._caches = caches
+
+    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
+        """Resolve a request into memory rows, pinning what they touch."""
+        try:
+            access = decode_access(body)
+        except WireError as exc:
+            raise _invalid(f"malformed request from cluster {peer.cluster_id}: {exc}") from None
+        caches = self._caches
+        caches.check_open()
+        registry = caches.registry
+        commit: Callable[[], None] | None = None
+        with registry.lock:
+            if access.target is Target.ADDRESSES:
+                entries, iov = self._address_rows(access)
+            else:
+                entry, row = self._resolve(access)
+                entries = [entry]
+                iov = access_rows(entry.addrs, entry.row_bytes, entry.desc.batch_size, access, row)
+            total = int(iov[:, 1].sum()) if len(iov) else 0
+            if total != nbytes:
+                raise _invalid(
+                    f"the request moves {nbytes} bytes but names {total} bytes of cache here"
+                )
+            if kind is RequestKind.PULL and access.drop_key and not entries[0].registered:
+                commit = self._dropper(("req", access.ident, access.model_id), entries[0])
+            registry.pin(entries)
+
+        def done(ok: bool) -> None:
+            registry.unpin(entries)
+
+        return Served(iov, nbytes, done, commit)
+
+    def _resolve(self, access: Access) -> tuple[CacheEntry, int]:
+        registry = self._caches.registry
+        target = access.target
+        if target in (Target.REQ_KEY, Target.PREFIX_KEY):
+            kind = "req" if target is Target.REQ_KEY else "prefix"
+            found = registry.entry_for_key((kind, access.ident, access.model_id))
+            if found is None:
+                raise _not_exist(
+                    f"no cache holds the key {kind}_id={access.ident} model_id={access.model_id}"
+                )
+            return found
+        if target is Target.CACHE_INDEX:
+            entry = registry.get(access.ident)
+            if entry is None:
+                raise _not_exist(f"cache {access.ident} does not exist")
+            return entry, access.row
+        entry = registry.entry_for_blocks_key(access.ident)
+        if entry is None:
+            raise _not_exist(f"no blocks cache is registered under model_id={access.ident}")
+        return entry, 0
+
+    def _address_rows(self, access: Access) -> tuple[list[CacheEntry], Iov]:
+        rows = access.rows
+        if not len(rows):
+            raise _invalid("the request names no memory")
+        spans = [
+            (addr, addr + entry.desc.size, entry)
+            for entry in self._caches.registry.entries()
+            for addr in entry.addrs
+        ]
+        spans.sort(key=lambda span: span[0])
+        starts = np.asarray([s for s, _, _ in spans], dtype=np.uint64)
+        ends = np.asarray([e for _, e, _ in spans], dtype=np.uint64)
+        idx = np.searchsorted(starts, rows[:, 0], side="right").astype(np.int64) - 1
+        inside = idx >= 0
+        if len(spans):
+            safe = np.maximum(idx, 0)
+            inside &= rows[:, 0] + rows[:, 1] <= ends[safe]
+            inside &= rows[:, 0] + rows[:, 1] >= rows[:, 0]
+        if not bool(inside.all()):
+            bad = int(np.flatnonzero(~inside)[0])
+            raise _invalid(
+                f"address {int(rows[bad, 0]):#x} (+{int(rows[bad, 1])} bytes) is not inside "
+                "memory allocated or registered here"
+            )
+        entries = list({id(spans[i][2]): spans[i][2] for i in set(idx.tolist())}.values())
+        return entries, np.ascontiguousarray(rows)
+
+    def _dropper(self, identity: KeyIdentity, entry: CacheEntry) -> Callable[[], None]:
+        registry = self._caches.registry
+
+        def commit() -> None:
+            with registry.lock:
+                found = registry.entry_for_key(identity)
+                if found is not None and found[0] is entry:
+                    registry.drop_key(identity)
+
+        return commit

@@ -1,0 +1,513 @@
+"""The requesting side of transfers: pulls and pushes planned, started and completed.
+
+Every transfer call is split like the local copies: ``plan_*`` validates the arguments,
+resolves the local cache, checks the link, pins local memory and builds one :class:`Step`
+per request (the local memory rows plus an :class:`~aio_datadist._engine.access.Access` that
+names the peer's memory). :meth:`TransferService.start` hands a step to its channel; the
+faces wait for the returned futures (blocking, or awaited). Pins are released once every
+started request has completed, whoever waits, so a caller that gives up never frees memory
+a transfer still writes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from aio_datadist._engine.access import Access, Target, encode_access
+from aio_datadist._engine.caches import CacheService, key_identity
+from aio_datadist._engine.links import LinkTable
+from aio_datadist._engine.registry import CacheEntry
+from aio_datadist._native import api
+from aio_datadist._transport.base import Channel, Iov, RequestKind
+from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
+from aio_datadist.cache import Cache
+from aio_datadist.status import (
+    FeatureNotEnabledError,
+    KvCacheNotExistError,
+    LLMException,
+    LLMStatusCode,
+    LLMTimeoutError,
+    NotYetLinkError,
+    ParamInvalidError,
+)
+from aio_datadist.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+
+__all__ = (
+    "GRACE_S",
+    "Step",
+    "TransferPlan",
+    "TransferService",
+    "local_rows",
+    "tensor_span",
+    "wait_blocking",
+)
+
+#: Extra time a waiter gives a transport past the deadline before reporting a timeout itself.
+GRACE_S = 5.0
+_PULL_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
+
+
+def _invalid(message: str) -> ParamInvalidError:
+    return ParamInvalidError(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def tensor_span(
+    name: str, layers: Any, per_layer: int, num_tensors: int, *, local: bool
+) -> tuple[int, int] | None:
+    """Tensor ``(start, count)`` of a layer range; None for a None or empty range (all).
+
+    :raises TypeError: not a range.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for a step other than 1, a negative start,
+        or (``local``) tensors past ``num_tensors``.
+    """
+    if layers is None:
+        return None
+    check_type(name, layers, range)
+    if len(layers) == 0 and layers.step == 1 and layers.start >= 0:
+        return None
+    if layers.step != 1 or not 0 <= layers.start < layers.stop or layers.stop > 2**32:
+        raise _invalid(f"{name} must have step 1 and 0 <= start < stop, but got {layers}")
+    start, count = layers.start * per_layer, len(layers) * per_layer
+    if local and start + count > num_tensors:
+        raise _invalid(
+            f"{name} {layers} with {per_layer} tensors per layer needs tensors up to "
+            f"{start + count}, but the cache has {num_tensors}"
+        )
+    return start, count
+
+
+def local_rows(
+    entry: CacheEntry, tensors: tuple[int, int], *, row: int = 0, seg: int, blocks: Any = None
+) -> Iov:
+    """Rows of a local cache: one segment per tensor at batch ``row``, or the listed blocks."""
+    start, count = tensors
+    bases = np.asarray(entry.addrs[start : start + count], dtype=np.uint64)
+    if blocks is not None:
+        idx = np.asarray(blocks, dtype=np.uint64)
+        rows = np.empty((count, len(idx), 2), dtype=np.uint64)
+        rows[:, :, 0] = bases[:, None] + idx[None, :] * np.uint64(entry.row_bytes)
+        rows[:, :, 1] = seg
+        return rows.reshape(-1, 2)
+    rows = np.empty((count, 2), dtype=np.uint64)
+    rows[:, 0] = bases + np.uint64(row * entry.row_bytes)
+    rows[:, 1] = seg
+    return rows
+
+
+def check_blocks(name: str, blocks: Sequence[int], num_blocks: int) -> None:
+    """Refuse a block index outside ``[0, num_blocks)`` with ``LLM_PARAM_INVALID``."""
+    for b in blocks:
+        if b >= num_blocks:
+            raise _invalid(f"{name} block index {b} is outside [0, {num_blocks})")
+
+
+@dataclass(eq=False)
+class Step:
+    """One request: local rows and the access naming the peer's memory."""
+
+    channel: Channel
+    kind: RequestKind
+    access: Access
+    local: Iov
+    commit: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of this request."""
+        return int(self.local[:, 1].sum()) if len(self.local) else 0
+
+    @property
+    def in_caller(self) -> bool:
+        """True when starting the step moves its payload in the calling thread."""
+        return (
+            self.channel.pull_in_caller
+            if self.kind is RequestKind.PULL
+            else self.channel.push_in_caller
+        )
+
+
+@dataclass(eq=False)
+class TransferPlan:
+    """The requests of one transfer call and the local pins they hold until all complete."""
+
+    steps: list[Step]
+    deadline_ns: int
+    release: Callable[[], None]
+    _pending: int = 1
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of every step."""
+        return sum(step.nbytes for step in self.steps)
+
+    def track(self, future: Future[None]) -> None:
+        """Hold the pins until ``future`` completes."""
+        with self._lock:
+            self._pending += 1
+        future.add_done_callback(self._one_done)
+
+    def seal(self) -> None:
+        """No more steps will start: release the pins once the started ones completed."""
+        self._one_done(None)
+
+    def _one_done(self, _: object) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self.release()
+
+
+def wait_blocking(future: Future[None], deadline_ns: int) -> None:
+    """Wait for a request's future in this thread; raise its ``LLMException``."""
+    remaining = max(0.0, (deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
+    try:
+        future.result(timeout=remaining)
+    except FutureTimeout:
+        raise LLMTimeoutError(
+            "transfer did not complete within sync_kv_timeout",
+            status_code=LLMStatusCode.LLM_TIMEOUT,
+        ) from None
+
+
+class TransferService:
+    """Plans and starts the transfer calls of one initialised engine."""
+
+    def __init__(
+        self,
+        caches: CacheService,
+        links: LinkTable,
+        *,
+        timeout_ms: int,
+        remote_cache_accessible: bool,
+    ) -> None:
+        self.caches = caches
+        self.links = links
+        self.timeout_ms = timeout_ms
+        self.remote_cache_accessible = remote_cache_accessible
+
+    # -- common ---------------------------------------------------------------------------
+    def channel(self, cluster_id: int) -> Channel:
+        """The live channel to ``cluster_id``.
+
+        :raises LLMException: ``LLM_NOT_YET_LINK`` when there is no link.
+        """
+        link = self.links.get(cluster_id)
+        if link is None:
+            raise NotYetLinkError(
+                f"cluster {cluster_id} is not linked: call link_clusters first",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+            )
+        return link.channel
+
+    def _plan(self, steps: list[Step], entries: list[CacheEntry]) -> TransferPlan:
+        """Pin ``entries`` (registry lock held) for a plan of ``steps``."""
+        registry = self.caches.registry
+        registry.pin(entries)
+        return TransferPlan(
+            steps,
+            api.deadline_after(self.timeout_ms / 1000),
+            lambda: registry.unpin(entries),
+        )
+
+    def start(self, plan: TransferPlan, step: Step) -> Future[None]:
+        """Send one step's request; the plan holds its pins until the request completes."""
+        body = encode_access(step.access)
+        try:
+            if step.kind is RequestKind.PULL:
+                future = step.channel.pull(
+                    body, step.local, step.nbytes, plan.deadline_ns, commit=step.commit
+                )
+            else:
+                future = step.channel.push(body, step.local, step.nbytes, plan.deadline_ns)
+        except LLMException as exc:
+            future = Future()
+            future.set_exception(exc)
+        plan.track(future)
+        return future
+
+    def run(self, plan: TransferPlan) -> None:
+        """Run every step in this thread and wait for all (the blocking face)."""
+        futures: list[Future[None]] = []
+        try:
+            for step in plan.steps:
+                futures.append(self.start(plan, step))
+        finally:
+            plan.seal()
+        first: LLMException | None = None
+        for future in futures:
+            try:
+                wait_blocking(future, plan.deadline_ns)
+            except LLMException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _local(self, cache: Any, name: str) -> CacheEntry:
+        return self.caches.entry(cache, name)
+
+    def _require_remote_access(self, call: str) -> None:
+        if not self.remote_cache_accessible:
+            raise FeatureNotEnabledError(
+                f"{call} needs enable_remote_cache_accessible=True in LLMConfig",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+
+    @staticmethod
+    def _pull_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+        unknown = set(kwargs) - _PULL_KWARGS
+        if unknown:
+            raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
+        per_layer = kwargs.get("tensor_num_per_layer", 2)
+        check_int("tensor_num_per_layer", per_layer, "uint32")
+        if per_layer < 1:
+            raise _invalid(f"tensor_num_per_layer must be >= 1, but got {per_layer}")
+        return kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"), per_layer
+
+    @staticmethod
+    def _spans(
+        src_layers: Any, dst_layers: Any, per_layer: int, entry: CacheEntry, *, local_is_dst: bool
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(remote, local) tensor spans of a pull or push; None ranges mean all tensors."""
+        num = entry.desc.num_tensors
+        local_layers, remote_layers = (
+            (dst_layers, src_layers) if local_is_dst else (src_layers, dst_layers)
+        )
+        local_name, remote_name = (
+            ("dst_layer_range", "src_layer_range")
+            if local_is_dst
+            else ("src_layer_range", "dst_layer_range")
+        )
+        local = tensor_span(local_name, local_layers, per_layer, num, local=True) or (0, num)
+        remote = tensor_span(remote_name, remote_layers, per_layer, 0, local=False)
+        if remote is None:
+            remote = local if remote_layers is None and local_layers is not None else (0, local[1])
+        if remote[1] != local[1]:
+            raise _invalid(
+                f"{remote_name} names {remote[1]} tensors but {local_name} names {local[1]}"
+            )
+        return remote, local
+
+    @staticmethod
+    def _key_access(key: CacheKey | CacheKeyByIdAndIndex, **fields: Any) -> Access:
+        if isinstance(key, CacheKeyByIdAndIndex):
+            return Access(Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields)
+        has_req, has_prefix = key.req_id != INVALID_ID, key.prefix_id != INVALID_ID
+        if has_req == has_prefix:
+            raise _invalid(f"cache key {key} needs exactly one valid id of req_id and prefix_id")
+        identity = key_identity(key)
+        assert identity is not None
+        if has_req:
+            return Access(Target.REQ_KEY, ident=key.req_id, model_id=key.model_id, **fields)
+        return Access(Target.PREFIX_KEY, ident=key.prefix_id, model_id=key.model_id, **fields)
+
+    # -- pulls ----------------------------------------------------------------------------
+    def plan_pull_cache(
+        self, cache_key: Any, cache: Any, batch_index: Any, size: Any, kwargs: dict[str, Any]
+    ) -> TransferPlan:
+        """Plan ``pull_cache``: one remote batch row into row ``batch_index`` of ``cache``."""
+        check_type("cache_key", cache_key, CacheKey, CacheKeyByIdAndIndex)
+        if self.remote_cache_accessible and not isinstance(cache_key, CacheKeyByIdAndIndex):
+            raise TypeError(
+                "with enable_remote_cache_accessible, pull_cache takes a CacheKeyByIdAndIndex"
+            )
+        check_type("cache", cache, Cache)
+        check_int("batch_index", batch_index, "uint32")
+        check_int("size", size, "int64")
+        if size != -1 and size <= 0:
+            raise _invalid(f"size must be -1 or > 0, but got {size}")
+        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
+        with self.caches.registry.lock:
+            entry = self._local(cache, "cache")
+            if entry.is_blocks:
+                raise _invalid("pull_cache does not take a blocks cache; use pull_blocks")
+            if batch_index >= entry.desc.batch_size:
+                raise _invalid(f"batch_index {batch_index} >= batch size {entry.desc.batch_size}")
+            seg = entry.row_bytes if size == -1 else size
+            if seg > entry.row_bytes:
+                raise _invalid(f"size {size} exceeds a row of {entry.row_bytes} bytes")
+            remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
+            access = self._key_access(
+                cache_key, tensor_start=remote[0], tensor_count=remote[1], seg_bytes=seg
+            )
+            drop = access.target is Target.REQ_KEY
+            if drop:
+                access = Access(
+                    access.target,
+                    ident=access.ident,
+                    model_id=access.model_id,
+                    tensor_start=access.tensor_start,
+                    tensor_count=access.tensor_count,
+                    seg_bytes=seg,
+                    drop_key=True,
+                )
+            channel = self.channel(cache_key.cluster_id)
+            rows = local_rows(entry, local, row=batch_index, seg=seg)
+            step = Step(channel, RequestKind.PULL, access, rows, commit=drop)
+            return self._plan([step], [entry])
+
+    def plan_pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        kwargs: dict[str, Any],
+    ) -> TransferPlan:
+        """Plan ``pull_blocks``: remote blocks (or one remote row) into local blocks."""
+        check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
+        check_type("dst_cache", dst_cache, Cache)
+        src_blocks = () if src_blocks is None else src_blocks
+        check_int_list("src_blocks", src_blocks, "uint64")
+        check_int_list("dst_blocks", dst_blocks, "uint64")
+        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
+        if not dst_blocks:
+            raise _invalid("dst_blocks must not be empty")
+        with self.caches.registry.lock:
+            entry = self._local(dst_cache, "dst_cache")
+            if not entry.is_blocks:
+                raise _invalid("pull_blocks needs a blocks cache as dst_cache")
+            check_blocks("dst_blocks", dst_blocks, entry.desc.batch_size)
+            remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
+            block = entry.row_bytes
+            if isinstance(src_cache_key, BlocksCacheKey):
+                if len(src_blocks) != len(dst_blocks):
+                    raise _invalid(
+                        f"src_blocks has {len(src_blocks)} blocks but dst_blocks has "
+                        f"{len(dst_blocks)}"
+                    )
+                access = Access(
+                    Target.BLOCKS_KEY,
+                    ident=src_cache_key.model_id,
+                    tensor_start=remote[0],
+                    tensor_count=remote[1],
+                    seg_bytes=block,
+                    blocks=np.asarray(src_blocks, dtype=np.uint64),
+                )
+            else:
+                if src_blocks:
+                    raise _invalid("src_blocks must be empty when the source is a batch cache key")
+                access = self._key_access(
+                    src_cache_key,
+                    tensor_start=remote[0],
+                    tensor_count=remote[1],
+                    seg_bytes=block * len(dst_blocks),
+                )
+            channel = self.channel(src_cache_key.cluster_id)
+            rows = local_rows(entry, local, seg=block, blocks=list(dst_blocks))
+            return self._plan([Step(channel, RequestKind.PULL, access, rows)], [entry])
+
+    # -- pushes ---------------------------------------------------------------------------
+    def _push_spans(
+        self, entry: CacheEntry, src_layers: Any, dst_layers: Any, per_layer: Any
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        check_int("tensor_num_per_layer", per_layer, "uint32")
+        num = entry.desc.num_tensors
+        if not 1 <= per_layer <= num:
+            raise _invalid(f"tensor_num_per_layer must be in [1, {num}], but got {per_layer}")
+        if (src_layers is not None or dst_layers is not None) and num % per_layer:
+            raise _invalid(
+                f"tensor_num_per_layer {per_layer} does not divide the {num} tensors of the cache"
+            )
+        every = range(0, num // per_layer)
+        src = every if src_layers is None else src_layers
+        dst = every if dst_layers is None else dst_layers
+        local = tensor_span("src_layer_range", src, per_layer, num, local=True) or (0, num)
+        remote = tensor_span("dst_layer_range", dst, per_layer, 0, local=False) or (0, num)
+        if len(src) != len(dst):
+            raise _invalid(f"src_layer_range {src} and dst_layer_range {dst} differ in length")
+        return remote, local
+
+    def plan_push_cache(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_batch_index: Any,
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        size: Any,
+        tensor_num_per_layer: Any,
+    ) -> TransferPlan:
+        """Plan ``push_cache``: one local batch row into the remote row ``dst_cache_key`` names."""
+        self._require_remote_access("push_cache")
+        check_type("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        check_type("src_cache", src_cache, Cache)
+        check_int("src_batch_index", src_batch_index, "uint32")
+        check_int("size", size, "int64")
+        if size != -1:
+            raise _invalid(f"push_cache supports size=-1 only, but got {size}")
+        with self.caches.registry.lock:
+            entry = self._local(src_cache, "src_cache")
+            if entry.is_blocks:
+                raise _invalid("push_cache does not take a blocks cache; use push_blocks")
+            if src_batch_index >= entry.desc.batch_size:
+                raise _invalid(
+                    f"src_batch_index {src_batch_index} >= batch size {entry.desc.batch_size}"
+                )
+            remote, local = self._push_spans(
+                entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+            )
+            seg = entry.row_bytes
+            access = self._key_access(
+                dst_cache_key, tensor_start=remote[0], tensor_count=remote[1], seg_bytes=seg
+            )
+            channel = self.channel(dst_cache_key.cluster_id)
+            rows = local_rows(entry, local, row=src_batch_index, seg=seg)
+            return self._plan([Step(channel, RequestKind.PUSH, access, rows)], [entry])
+
+    def plan_push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        tensor_num_per_layer: Any,
+    ) -> TransferPlan:
+        """Plan ``push_blocks``: local blocks into the remote blocks cache of ``dst_cache_key``."""
+        self._require_remote_access("push_blocks")
+        check_type("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        check_type("src_cache", src_cache, Cache)
+        src_blocks = () if src_blocks is None else src_blocks
+        check_int_list("src_blocks", src_blocks, "uint64")
+        check_int_list("dst_blocks", dst_blocks, "uint64")
+        if not dst_blocks:
+            raise _invalid("dst_blocks must not be empty")
+        if len(src_blocks) != len(dst_blocks):
+            raise _invalid(
+                f"src_blocks has {len(src_blocks)} blocks but dst_blocks has {len(dst_blocks)}"
+            )
+        with self.caches.registry.lock:
+            entry = self._local(src_cache, "src_cache")
+            if not entry.is_blocks:
+                raise _invalid("push_blocks needs a blocks cache as src_cache")
+            check_blocks("src_blocks", src_blocks, entry.desc.batch_size)
+            remote, local = self._push_spans(
+                entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+            )
+            block = entry.row_bytes
+            access = Access(
+                Target.BLOCKS_KEY,
+                ident=dst_cache_key.model_id,
+                tensor_start=remote[0],
+                tensor_count=remote[1],
+                seg_bytes=block,
+                blocks=np.asarray(dst_blocks, dtype=np.uint64),
+            )
+            channel = self.channel(dst_cache_key.cluster_id)
+            rows = local_rows(entry, local, seg=block, blocks=list(src_blocks))
+            return self._plan([Step(channel, RequestKind.PUSH, access, rows)], [entry])
+
+
+def not_exist(message: str) -> KvCacheNotExistError:
+    """``LLMException(LLM_KV_CACHE_NOT_EXIST)``."""
+    return KvCacheNotExistError(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)

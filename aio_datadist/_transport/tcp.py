@@ -1,0 +1,1222 @@
+"""The TCP transport: links between engines in different processes or on different hosts.
+
+Every frame is the 40-byte header of ``_wire``, its control body, then its bulk payload,
+which moves with one scatter-gather native call straight from or into the memory rows of
+the request (no copy through Python objects; the GIL is released while bytes move).
+
+Frames and what they carry (``rid``: the header's ``request_id``)::
+
+    HELLO      client -> server   body: HelloBody (cluster id, role, to_cluster_id, extensions)
+    HELLO_ACK  server -> client   body: the server's HelloBody
+    ERROR      rid 0 answers a HELLO: status = the refusal code, body = UTF-8 message;
+               rid n answers request n: status = the LLMStatusCode, body = UTF-8 message
+    PULL       rid, body: u64 nbytes (the payload the requester expects), then the engine's
+               opaque request body; payload_len 0
+    PULL_DATA  rid, payload_len = nbytes, payload: the bytes of the served rows
+    PULL_DONE  rid of a pull asked with ``commit``; sent once every byte landed
+    PUSH       rid, body: the engine's request body, payload_len = nbytes, payload: the bytes
+    PUSH_ACK   rid; sent once every byte is in the serving side's memory
+    BYE        the sender closes the link; answered with BYE_ACK, then both ends close
+    PING/PONG  liveness (answered, never sent by this module)
+
+Threads: each channel has one reader thread (reads headers with no deadline between frames,
+Python once per frame) and one sender thread. The reader never blocks on a send: an answer
+it produces is sent inline only while nothing else waits to send and only as far as the
+socket takes it without waiting; the rest (and every answer while the sender thread is
+busy) goes to the sender thread, which then owns the send lock. Two readers blocked sending
+to each other would deadlock; this rule makes that impossible. Requests are sent by the
+caller's thread under the per-channel send lock (a push sends its payload there too).
+
+Deadlines: a request carries an absolute ``monotonic_ns()`` deadline (0: none); the
+process-wide reaper (``deadlines``) fails a request nobody answered in time with
+``LLM_TIMEOUT``. A payload that arrives too late fails its request with ``LLM_TIMEOUT`` and
+is drained into scratch memory, so the stream stays in sync and the link stays up. Frames
+in progress are bounded by a stall timeout (no byte moved for ``stall_timeout`` seconds):
+a stalled peer breaks the channel, which fails every pending request with
+``LLM_LINK_FAILED``. A request's future completes only once the transport no longer
+touches its memory rows.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import functools
+import itertools
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, InvalidStateError
+
+import numpy as np
+import structlog
+
+from aio_datadist._log import get_logger
+from aio_datadist._native.api import (
+    NetTimeout,
+    PeerClosed,
+    sock_recv_into,
+    sock_recvv,
+    sock_send_bytes,
+    sock_sendv,
+    sock_tune,
+)
+from aio_datadist._transport._wire import (
+    HEADER,
+    MAGIC,
+    MAX_HELLO_BODY,
+    FrameHeader,
+    FrameKind,
+    HelloBody,
+    WireError,
+    decode_error_text,
+    decode_header,
+    decode_hello,
+    encode_error_text,
+    encode_header,
+    encode_hello,
+)
+from aio_datadist._transport.base import (
+    Acceptor,
+    Channel,
+    Hello,
+    Iov,
+    LinkRefused,
+    Listener,
+    RequestHandler,
+    RequestKind,
+    Served,
+    Transport,
+)
+from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
+from aio_datadist.enums import LLMRole
+from aio_datadist.status import LLMException, LLMStatusCode
+
+__all__ = ("TcpChannel", "TcpListener", "TcpTransport")
+
+#: Seconds a new connection has to complete its handshake.
+HANDSHAKE_TIMEOUT = 5.0
+#: Seconds without a byte moving, mid-frame, after which the channel breaks.
+STALL_TIMEOUT = 30.0
+#: Seconds ``close(notify_peer=True)`` waits for BYE_ACK when no timeout is given.
+BYE_TIMEOUT = 5.0
+#: Served pulls waiting for their PULL_DONE; beyond this the oldest is forgotten.
+MAX_UNCOMMITTED = 4096
+#: How long an idle reader sleeps in one native call (it just calls again).
+_IDLE_S = 60.0
+#: Scratch buffer for draining unwanted payloads.
+_SCRATCH = 1 << 20
+#: Seconds a refused handshake waits for the client to close before dropping it.
+_LINGER_S = 1.0
+
+_U64 = struct.Struct("<Q")
+_HEADER_SIZE = HEADER.size
+_NO_PAYLOAD = (FrameKind.PULL, FrameKind.PULL_DONE, FrameKind.PUSH_ACK, FrameKind.ERROR)
+_NO_BODY = (
+    FrameKind.PULL_DATA,
+    FrameKind.PULL_DONE,
+    FrameKind.PUSH_ACK,
+    FrameKind.BYE,
+    FrameKind.BYE_ACK,
+    FrameKind.PING,
+    FrameKind.PONG,
+)
+_IO_ERRORS = (NetTimeout, PeerClosed, OSError)
+
+
+def _error(status: LLMStatusCode, message: str) -> LLMException:
+    return LLMException(message, status_code=status)
+
+
+def _status(value: int) -> LLMStatusCode:
+    """The code of a received status; unknown or success values read as ``LLM_FAILED``."""
+    try:
+        code = LLMStatusCode(value)
+    except ValueError:
+        return LLMStatusCode.LLM_FAILED
+    return LLMStatusCode.LLM_FAILED if code is LLMStatusCode.LLM_SUCCESS else code
+
+
+def _new_future() -> Future[None]:
+    # Running futures cannot be cancelled: a cancelled one would report "done" while the
+    # transport may still write into its memory.
+    future: Future[None] = Future()
+    future.set_running_or_notify_cancel()
+    return future
+
+
+def _failed(future: Future[None], status: LLMStatusCode, message: str) -> Future[None]:
+    future.set_exception(_error(status, message))
+    return future
+
+
+def _frame(
+    kind: FrameKind, rid: int = 0, *, status: int = 0, body_len: int = 0, payload_len: int = 0
+) -> bytes:
+    return encode_header(
+        FrameHeader(kind, rid, status=status, body_len=body_len, payload_len=payload_len)
+    )
+
+
+def _iov_problem(iov: object, nbytes: int) -> str | None:
+    """None when ``iov`` is well-formed rows that add up to ``nbytes``; else what is wrong."""
+    if not isinstance(iov, np.ndarray) or iov.dtype != np.uint64:
+        return "memory rows must be a uint64 numpy array"
+    if iov.ndim != 2 or iov.shape[1] != 2:
+        return f"memory rows must have shape (n, 2), not {iov.shape}"
+    if not (iov.flags.c_contiguous and iov.flags.aligned):
+        return "memory rows must be C-contiguous"
+    total = int(iov[:, 1].sum()) if iov.shape[0] else 0
+    if total != nbytes:
+        return f"memory rows add up to {total} bytes, not {nbytes}"
+    return None
+
+
+def _iov_skip(iov: Iov, k: int) -> Iov:
+    """The rows left after the first ``k`` bytes of ``iov`` moved."""
+    if k <= 0:
+        return iov
+    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+    i = int(np.searchsorted(ends, np.uint64(k), side="right"))
+    rest: Iov = iov[i:].copy()
+    if rest.shape[0]:
+        off = k - (int(ends[i - 1]) if i else 0)
+        rest[0, 0] += np.uint64(off)
+        rest[0, 1] -= np.uint64(off)
+    return rest
+
+
+def _sendv_all(fd: int, iov: Iov, stall_s: float) -> None:
+    """Send every byte of ``iov``; NetTimeout only after ``stall_s`` seconds of no progress."""
+    while True:
+        try:
+            sock_sendv(fd, iov, after_s(stall_s))
+            return
+        except NetTimeout as exc:
+            if exc.transferred == 0:
+                raise
+            iov = _iov_skip(iov, exc.transferred)
+
+
+def _recvv_all(fd: int, iov: Iov, stall_s: float) -> None:
+    """Receive exactly the bytes of ``iov``; NetTimeout only after a stall of ``stall_s``."""
+    while True:
+        try:
+            sock_recvv(fd, iov, after_s(stall_s))
+            return
+        except NetTimeout as exc:
+            if exc.transferred == 0:
+                raise
+            iov = _iov_skip(iov, exc.transferred)
+
+
+def _recv_view(fd: int, view: memoryview, stall_s: float) -> None:
+    """Fill ``view``; NetTimeout only after ``stall_s`` seconds of no progress."""
+    while len(view):
+        try:
+            sock_recv_into(fd, view, after_s(stall_s))
+            return
+        except NetTimeout as exc:
+            if exc.transferred == 0:
+                raise
+            view = view[exc.transferred :]
+
+
+def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
+    """``n`` bytes from ``fd`` by the absolute deadline."""
+    buf = bytearray(n)
+    if n:
+        sock_recv_into(fd, buf, deadline_ns)
+    return buf
+
+
+def _hello_to_wire(hello: Hello) -> bytes:
+    return encode_hello(HelloBody(hello.cluster_id, int(hello.role), hello.to_cluster_id))
+
+
+def _hello_from_wire(data: bytes | bytearray) -> Hello:
+    body = decode_hello(data)
+    try:
+        role = LLMRole(body.role)
+    except ValueError:
+        raise WireError(f"unknown role {body.role} in hello") from None
+    return Hello(body.cluster_id, role, body.to_cluster_id)
+
+
+def _tune(sock: socket.socket, sndbuf: int, rcvbuf: int) -> None:
+    sock_tune(sock.fileno(), nodelay=True, sndbuf=sndbuf, rcvbuf=rcvbuf)
+    # A vanished host (no FIN, no RST) is noticed within about a minute.
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, 30)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 10)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+
+class _Request:
+    """A request of this side waiting for its answer."""
+
+    __slots__ = (
+        "busy",
+        "commit",
+        "deadline_ns",
+        "dst",
+        "future",
+        "has_outcome",
+        "kind",
+        "nbytes",
+        "outcome",
+        "rid",
+        "timer",
+    )
+
+    def __init__(
+        self,
+        rid: int,
+        kind: RequestKind,
+        dst: Iov | None,
+        nbytes: int,
+        deadline_ns: int,
+        commit: bool = False,
+        busy: bool = False,
+    ) -> None:
+        self.rid = rid
+        self.kind = kind
+        self.dst = dst
+        self.nbytes = nbytes
+        self.deadline_ns = deadline_ns
+        self.commit = commit
+        self.future = _new_future()
+        # While busy (a push still sending its payload) the sender completes the future;
+        # whoever settles it meanwhile only records the outcome.
+        self.busy = busy
+        self.has_outcome = False
+        self.outcome: LLMException | None = None
+        self.timer: Timer | None = None
+
+
+class _Send:
+    """One frame (control bytes, then optional payload rows) for the sender thread."""
+
+    __slots__ = ("_finished", "after", "iov", "keep", "lock_held")
+
+    def __init__(
+        self,
+        ctl: bytes,
+        payload: Iov | None = None,
+        after: Callable[[bool], None] | None = None,
+    ) -> None:
+        self.keep = np.frombuffer(ctl, dtype=np.uint8)  # the iov points into it
+        n = 0 if payload is None else payload.shape[0]
+        iov: Iov = np.empty((n + 1, 2), dtype=np.uint64)
+        iov[0, 0] = int(self.keep.__array_interface__["data"][0])
+        iov[0, 1] = len(ctl)
+        if payload is not None:
+            iov[1:] = payload
+        self.iov = iov
+        self.after = after
+        self.lock_held = False  # the send lock is held for this job (a partial inline send)
+        self._finished = False
+
+    def finish(self, ok: bool, log: structlog.stdlib.BoundLogger) -> None:
+        """Run ``after(ok)`` once."""
+        if self._finished:
+            return
+        self._finished = True
+        if self.after is not None:
+            try:
+                self.after(ok)
+            except Exception:
+                log.warning("tcp.callback_failed", exc_info=True)
+
+
+class _Commit:
+    """A served pull whose commit waits for the requester's PULL_DONE."""
+
+    __slots__ = ("asked", "fn", "sent")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self.fn = fn
+        self.sent: bool | None = None  # None while the payload is still being sent
+        self.asked = False  # PULL_DONE arrived before the send finished
+
+
+class TcpChannel(Channel):
+    """One end of a TCP link; both ends request and serve."""
+
+    pull_in_caller = False
+    push_in_caller = True
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        peer: Hello,
+        handler: RequestHandler,
+        *,
+        remote: str,
+        stall_timeout: float = STALL_TIMEOUT,
+    ) -> None:
+        self.peer = peer
+        self.remote = remote
+        self._sock = sock
+        self._fd = sock.fileno()
+        self._handler = handler
+        self._stall_s = stall_timeout
+        self._log = get_logger("tcp", remote=remote, remote_cluster_id=peer.cluster_id)
+        self._ids = itertools.count(1)
+        # Lock order: _slock, then _lock; never the other way round.
+        self._slock = threading.Lock()  # one frame at a time on the socket
+        self._lock = threading.Lock()  # state below
+        self._pending: dict[int, _Request] = {}
+        self._commits: dict[int, _Commit] = {}
+        self._callbacks: list[Callable[[Channel], None]] = []
+        self._broken = False
+        self._closing = False  # no new requests
+        self._local_close = False  # this end closes: its own on_close callbacks do not run
+        self._peer_knows = False  # BYE exchanged (either way)
+        self._bye_acked = threading.Event()
+        self._gone = threading.Event()
+        self._sendq: collections.deque[_Send] = collections.deque()
+        self._qcond = threading.Condition(threading.Lock())
+        self._sender_active = False
+        self._sender_stop = False
+        self._sender_exited = False
+        self._hdr = bytearray(_HEADER_SIZE)
+        self._scratch: bytearray | None = None
+        self._reader: threading.Thread | None = None
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<TcpChannel {self.remote} cluster={self.peer.cluster_id} {state}>"
+
+    def start(self) -> None:
+        """Start the reader and sender threads (once the handshake is done)."""
+        self._reader = threading.Thread(
+            target=self._read_loop, name=f"aio-dd-tcp-read-{self.remote}", daemon=True
+        )
+        sender = threading.Thread(
+            target=self._send_loop, name=f"aio-dd-tcp-send-{self.remote}", daemon=True
+        )
+        sender.start()
+        self._reader.start()
+
+    # -- Channel contract --------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closing or self._broken
+
+    def on_close(self, callback: Callable[[Channel], None]) -> None:
+        with self._lock:
+            if not self._broken and not self._local_close:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def pull(
+        self, body: bytes, dst: Iov, nbytes: int, deadline_ns: int, *, commit: bool = False
+    ) -> Future[None]:
+        problem = _iov_problem(dst, nbytes)
+        if problem is not None:
+            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {problem}")
+        rid = next(self._ids)
+        try:
+            ctl = _frame(FrameKind.PULL, rid, body_len=8 + len(body)) + _U64.pack(nbytes) + body
+        except (WireError, struct.error) as exc:
+            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {exc}")
+        req = _Request(rid, RequestKind.PULL, dst, nbytes, deadline_ns, commit=commit)
+        if not self._register(req):
+            return req.future
+        acquired = self._acquire_send(deadline_ns)
+        failure: LLMException | None = None
+        broke = ""
+        if not acquired:
+            failure = _error(
+                LLMStatusCode.LLM_TIMEOUT, "pull: the link stayed busy past the deadline"
+            )
+        else:
+            try:
+                if self._broken:
+                    failure = self._link_failed()
+                else:
+                    sock_send_bytes(self._fd, ctl, self._send_deadline(deadline_ns))
+            except NetTimeout as exc:
+                failure = _error(
+                    LLMStatusCode.LLM_TIMEOUT, "pull: request not sent by the deadline"
+                )
+                if exc.transferred:
+                    broke = "a request was cut off by its deadline"
+            except _IO_ERRORS as exc:
+                failure = self._link_failed()
+                broke = f"send failed: {exc}"
+            finally:
+                self._slock.release()
+        if failure is not None:
+            self._settle(rid, failure)
+        if broke:
+            self._break(broke)
+        return req.future
+
+    def push(self, body: bytes, src: Iov, nbytes: int, deadline_ns: int) -> Future[None]:
+        problem = _iov_problem(src, nbytes)
+        if problem is not None:
+            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {problem}")
+        rid = next(self._ids)
+        try:
+            ctl = _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes) + body
+        except WireError as exc:
+            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {exc}")
+        req = _Request(rid, RequestKind.PUSH, None, nbytes, deadline_ns, busy=True)
+        if not self._register(req):
+            return req.future
+        frame = _Send(ctl, src)
+        failure: LLMException | None = None
+        broke = ""
+        if not self._acquire_send(deadline_ns):
+            failure = _error(
+                LLMStatusCode.LLM_TIMEOUT, "push: the link stayed busy past the deadline"
+            )
+        else:
+            try:
+                if self._broken:
+                    failure = self._link_failed()
+                else:
+                    sock_sendv(self._fd, frame.iov, self._send_deadline(deadline_ns))
+            except NetTimeout as exc:
+                failure = _error(
+                    LLMStatusCode.LLM_TIMEOUT, "push: payload not sent by the deadline"
+                )
+                if exc.transferred:
+                    broke = "a push was cut off by its deadline"
+            except _IO_ERRORS as exc:
+                failure = self._link_failed()
+                broke = f"send failed: {exc}"
+            finally:
+                self._slock.release()
+        # Unless failed, the request now waits for PUSH_ACK like any other.
+        with self._lock:
+            req.busy = False
+            if failure is not None:
+                if self._pending.get(rid) is req:
+                    del self._pending[rid]
+                if not req.has_outcome:
+                    req.has_outcome, req.outcome = True, failure
+            done = req.has_outcome
+        if done:
+            self._complete(req)
+        if broke:
+            self._break(broke)
+        return req.future
+
+    def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
+        limit = BYE_TIMEOUT if timeout is None else max(0.0, timeout)
+        with self._lock:
+            if self._broken:
+                return self._peer_knows
+            first = not self._local_close
+            self._local_close = self._closing = True
+        if not first:  # another thread is closing it
+            self._gone.wait(limit)
+            return self._peer_knows
+        told = False
+        if notify_peer:
+            deadline = after_s(limit)
+            sent = False
+            if self._slock.acquire(timeout=limit):
+                try:
+                    if not self._broken:
+                        sock_send_bytes(self._fd, _frame(FrameKind.BYE), deadline)
+                        sent = True
+                except _IO_ERRORS as exc:
+                    self._log.info("tcp.bye_failed", reason=str(exc))
+                finally:
+                    self._slock.release()
+            if sent:
+                if threading.current_thread() is self._reader:
+                    told = True  # our own reader would read the BYE_ACK: do not wait for it
+                else:
+                    left = max(0.0, (deadline - now_ns()) / 1e9)
+                    told = self._bye_acked.wait(left)
+        with self._lock:
+            self._peer_knows = self._peer_knows or told
+        self._break("closed by this side")
+        return told
+
+    # -- requests: bookkeeping ---------------------------------------------------------------
+    def _link_failed(self) -> LLMException:
+        return _error(
+            LLMStatusCode.LLM_LINK_FAILED,
+            f"link to cluster {self.peer.cluster_id} at {self.remote} is closed",
+        )
+
+    def _register(self, req: _Request) -> bool:
+        """Add ``req`` to the pending table; False (future failed) when that cannot be."""
+        if req.deadline_ns > 0 and req.deadline_ns <= now_ns():
+            req.future.set_exception(
+                _error(LLMStatusCode.LLM_TIMEOUT, "the deadline passed before the request")
+            )
+            return False
+        with self._lock:
+            if self._closing or self._broken:
+                refused = True
+            else:
+                refused = False
+                self._pending[req.rid] = req
+        if refused:
+            req.future.set_exception(self._link_failed())
+            return False
+        if req.deadline_ns > 0:
+            req.timer = reaper.schedule(req.deadline_ns, functools.partial(self._expire, req.rid))
+        return True
+
+    def _acquire_send(self, deadline_ns: int) -> bool:
+        if deadline_ns <= 0:
+            return self._slock.acquire()
+        return self._slock.acquire(timeout=max(0.0, (deadline_ns - now_ns()) / 1e9))
+
+    def _send_deadline(self, deadline_ns: int) -> int:
+        return deadline_ns if deadline_ns > 0 else after_s(self._stall_s)
+
+    def _expire(self, rid: int) -> None:
+        self._settle(
+            rid, _error(LLMStatusCode.LLM_TIMEOUT, f"request {rid} was not answered in time")
+        )
+
+    def _settle(
+        self, rid: int, outcome: LLMException | None, kind: RequestKind | None = None
+    ) -> bool:
+        """Complete pending request ``rid`` (of ``kind``) with ``outcome``; False if none."""
+        with self._lock:
+            req = self._pending.get(rid)
+            if req is None or (kind is not None and req.kind is not kind):
+                return False
+            del self._pending[rid]
+            if not req.has_outcome:
+                req.has_outcome, req.outcome = True, outcome
+            if req.busy:
+                return True
+        self._complete(req)
+        return True
+
+    def _claim(self, rid: int, kind: RequestKind) -> _Request | None:
+        """Take request ``rid`` out of the table to move its payload (nothing else may end it)."""
+        with self._lock:
+            req = self._pending.get(rid)
+            if req is None or req.kind is not kind or req.busy:
+                return None
+            del self._pending[rid]
+            return req
+
+    def _complete(self, req: _Request) -> None:
+        if req.timer is not None:
+            req.timer.cancel()
+        with contextlib.suppress(InvalidStateError):
+            if req.outcome is None:
+                req.future.set_result(None)
+            else:
+                req.future.set_exception(req.outcome)
+
+    # -- breaking ----------------------------------------------------------------------------
+    def _break(self, reason: str) -> None:
+        """Close this end now: fail pending requests, stop the sender, run on_close callbacks."""
+        with self._lock:
+            if self._broken:
+                return
+            self._broken = self._closing = True
+            local = self._local_close
+            callbacks, self._callbacks = ([] if local else self._callbacks), []
+            pending, self._pending = self._pending, {}
+            self._commits.clear()
+            # Wakes the reader and any sender; the reader closes the descriptor on its way out.
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)
+        with self._qcond:
+            self._sender_stop = True
+            self._qcond.notify()
+        if local or self._peer_knows:
+            self._log.info("tcp.closed", reason=reason, failed_requests=len(pending))
+        else:
+            self._log.warning("tcp.broken", reason=reason, failed_requests=len(pending))
+        to_complete = []
+        with self._lock:
+            for req in pending.values():
+                if not req.has_outcome:
+                    req.has_outcome, req.outcome = True, self._link_failed()
+                if not req.busy:
+                    to_complete.append(req)
+        for req in to_complete:
+            self._complete(req)
+        self._gone.set()
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:
+                self._log.warning("tcp.on_close_failed", exc_info=True)
+
+    # -- sending answers ---------------------------------------------------------------------
+    def _reader_send(self, job: _Send) -> None:
+        """Send an answer from the reader thread without ever waiting on the socket."""
+        with self._qcond:
+            idle = not self._sendq and not self._sender_active and not self._sender_exited
+        if idle and self._slock.acquire(blocking=False):
+            if self._broken:
+                self._slock.release()
+                job.finish(False, self._log)
+                return
+            try:
+                sock_sendv(self._fd, job.iov, 1)  # a deadline in the past: no waiting
+            except NetTimeout as exc:
+                # The sender thread is idle and only this thread queues work: hand it the
+                # rest of the frame together with the send lock.
+                job.iov = _iov_skip(job.iov, exc.transferred)
+                job.lock_held = True
+                self._enqueue(job)
+                return
+            except _IO_ERRORS as exc:
+                self._slock.release()
+                job.finish(False, self._log)
+                self._break(f"send failed: {exc}")
+                return
+            self._slock.release()
+            job.finish(True, self._log)
+            return
+        self._enqueue(job)
+
+    def _enqueue(self, job: _Send) -> None:
+        with self._qcond:
+            exited = self._sender_exited
+            if not exited:
+                self._sendq.append(job)
+                self._qcond.notify()
+        if exited:
+            if job.lock_held:
+                self._slock.release()
+            job.finish(False, self._log)
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._qcond:
+                while not self._sendq and not self._sender_stop:
+                    self._qcond.wait()
+                if not self._sendq:
+                    self._sender_exited = True
+                    return
+                job = self._sendq.popleft()
+                self._sender_active = True
+            try:
+                self._run_job(job)
+            except Exception:  # a bug; never leave a job unfinished or the thread dead
+                self._log.warning("tcp.sender_failed", exc_info=True)
+                job.finish(False, self._log)
+                self._break("internal error in the sender")
+            finally:
+                with self._qcond:
+                    self._sender_active = False
+
+    def _run_job(self, job: _Send) -> None:
+        if not job.lock_held:
+            self._slock.acquire()
+        job.lock_held = False
+        ok = False
+        failure = ""
+        try:
+            if not self._broken:
+                _sendv_all(self._fd, job.iov, self._stall_s)
+                ok = True
+        except _IO_ERRORS as exc:
+            failure = f"send failed: {exc}"
+        finally:
+            self._slock.release()
+        job.finish(ok, self._log)
+        if failure:
+            self._break(failure)
+
+    def _reply_error(self, rid: int, status: LLMStatusCode, message: str) -> None:
+        body = encode_error_text(message)
+        ctl = _frame(FrameKind.ERROR, rid, status=int(status), body_len=len(body)) + body
+        self._reader_send(_Send(ctl))
+
+    # -- reading -----------------------------------------------------------------------------
+    def _read_loop(self) -> None:
+        reason = "closed"
+        try:
+            while not self._broken:
+                self._dispatch(self._read_header())
+        except PeerClosed:
+            reason = "the peer closed the connection"
+        except NetTimeout:
+            reason = f"the peer stalled mid-frame for {self._stall_s} s"
+        except WireError as exc:
+            reason = f"malformed frame: {exc}"
+        except OSError as exc:
+            reason = f"socket error: {exc}"
+        except Exception:
+            self._log.warning("tcp.reader_failed", exc_info=True)
+            reason = "internal error in the reader"
+        finally:
+            self._break(reason)
+            # Only now may the descriptor go: no sender holds the lock with the link up.
+            with self._slock, self._lock:
+                self._sock.close()
+
+    def _read_header(self) -> FrameHeader:
+        view = memoryview(self._hdr)
+        while True:
+            try:
+                sock_recv_into(self._fd, view, after_s(_IDLE_S))
+                break
+            except NetTimeout as exc:
+                if exc.transferred:
+                    _recv_view(self._fd, view[exc.transferred :], self._stall_s)
+                    break
+        return decode_header(self._hdr)
+
+    def _read_body(self, n: int) -> bytearray:
+        buf = bytearray(n)
+        if n:
+            _recv_view(self._fd, memoryview(buf), self._stall_s)
+        return buf
+
+    def _drain(self, n: int) -> None:
+        """Read and discard ``n`` payload bytes."""
+        if n <= 0:
+            return
+        if self._scratch is None:
+            self._scratch = bytearray(_SCRATCH)
+        view = memoryview(self._scratch)
+        while n > 0:
+            step = min(n, _SCRATCH)
+            _recv_view(self._fd, view[:step], self._stall_s)
+            n -= step
+
+    def _dispatch(self, h: FrameHeader) -> None:
+        kind = h.kind
+        if h.payload_len and kind not in (FrameKind.PULL_DATA, FrameKind.PUSH):
+            raise WireError(f"{kind.name} frame with a payload")
+        if h.body_len and kind in _NO_BODY:
+            raise WireError(f"{kind.name} frame with a body")
+        rid = h.request_id
+        if kind is FrameKind.PULL_DATA:
+            self._on_pull_data(h)
+        elif kind is FrameKind.PUSH_ACK:
+            self._settle(rid, None, RequestKind.PUSH)
+        elif kind is FrameKind.ERROR:
+            self._on_error(h, self._read_body(h.body_len))
+        elif kind is FrameKind.PULL:
+            self._on_pull(h, self._read_body(h.body_len))
+        elif kind is FrameKind.PUSH:
+            self._on_push(h, self._read_body(h.body_len))
+        elif kind is FrameKind.PULL_DONE:
+            self._on_pull_done(rid)
+        elif kind is FrameKind.PING:
+            self._reader_send(_Send(_frame(FrameKind.PONG, rid)))
+        elif kind is FrameKind.BYE:
+            self._on_bye()
+        elif kind is FrameKind.BYE_ACK:
+            self._bye_acked.set()
+        elif kind is FrameKind.PONG:
+            pass
+        else:
+            raise WireError(f"unexpected {kind.name} frame on an established link")
+
+    # -- answers to our requests -------------------------------------------------------------
+    def _on_pull_data(self, h: FrameHeader) -> None:
+        req = self._claim(h.request_id, RequestKind.PULL)
+        if req is None:  # abandoned (deadline) or unknown: keep the stream in sync
+            self._drain(h.payload_len)
+            return
+        if h.payload_len != req.nbytes:
+            req.outcome = _error(
+                LLMStatusCode.LLM_FAILED,
+                f"the peer answered {h.payload_len} bytes for a pull of {req.nbytes}",
+            )
+            self._complete(req)
+            self._drain(h.payload_len)
+            return
+        assert req.dst is not None
+        try:
+            if req.deadline_ns > 0:
+                sock_recvv(self._fd, req.dst, req.deadline_ns)
+            else:
+                _recvv_all(self._fd, req.dst, self._stall_s)
+        except NetTimeout as exc:
+            # dst is no longer touched: fail the request now, then drain the rest.
+            req.outcome = _error(
+                LLMStatusCode.LLM_TIMEOUT,
+                f"pull {req.rid}: deadline passed after {exc.transferred} of {req.nbytes} bytes",
+            )
+            self._complete(req)
+            self._drain(h.payload_len - exc.transferred)
+            return
+        except BaseException:
+            req.outcome = self._link_failed()
+            self._complete(req)
+            raise
+        req.outcome = None
+        self._complete(req)
+        if req.commit:
+            self._reader_send(_Send(_frame(FrameKind.PULL_DONE, req.rid)))
+
+    def _on_error(self, h: FrameHeader, body: bytearray) -> None:
+        message = decode_error_text(body)
+        if h.request_id == 0:
+            self._log.warning("tcp.peer_error", status=str(_status(h.status)), message=message)
+            return
+        self._settle(h.request_id, _error(_status(h.status), message))
+
+    def _on_bye(self) -> None:
+        with self._lock:
+            self._closing = True
+            self._peer_knows = True
+        self._reader_send(
+            _Send(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break("the peer closed it"))
+        )
+
+    # -- serving the peer's requests ---------------------------------------------------------
+    def _serve(self, kind: RequestKind, rid: int, body: bytes, nbytes: int) -> Served | None:
+        """The handler's answer, or None after answering ERROR."""
+        try:
+            served = self._handler.serve(self.peer, kind, body, nbytes)
+        except LLMException as exc:
+            self._reply_error(rid, exc.status_code, str(exc))
+            return None
+        except Exception as exc:
+            self._log.warning("tcp.serve_failed", kind=kind.value, exc_info=True)
+            self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"serving failed: {exc!r}")
+            return None
+        problem = (
+            f"served {served.nbytes} bytes for a request of {nbytes}"
+            if served.nbytes != nbytes
+            else _iov_problem(served.iov, nbytes)
+        )
+        if problem is not None:
+            self._call_done(served, False)
+            self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, problem)
+            return None
+        return served
+
+    def _call_done(self, served: Served, ok: bool) -> None:
+        try:
+            served.done(ok)
+        except Exception:
+            self._log.warning("tcp.done_failed", exc_info=True)
+
+    def _call_commit(self, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception:
+            self._log.warning("tcp.commit_failed", exc_info=True)
+
+    def _on_pull(self, h: FrameHeader, body: bytearray) -> None:
+        if len(body) < 8:
+            raise WireError("PULL body lacks its byte count")
+        nbytes = int(_U64.unpack_from(body)[0])
+        rid = h.request_id
+        served = self._serve(RequestKind.PULL, rid, bytes(body[8:]), nbytes)
+        if served is None:
+            return
+        commit: _Commit | None = None
+        if served.commit is not None:
+            commit = _Commit(served.commit)
+            with self._lock:
+                if len(self._commits) >= MAX_UNCOMMITTED:
+                    oldest = next(iter(self._commits))
+                    del self._commits[oldest]
+                    self._log.warning("tcp.commit_forgotten", request_id=oldest)
+                self._commits[rid] = commit
+        ctl = _frame(FrameKind.PULL_DATA, rid, payload_len=nbytes)
+        after = functools.partial(self._pull_sent, rid, served, commit)
+        self._reader_send(_Send(ctl, served.iov, after))
+
+    def _pull_sent(self, rid: int, served: Served, commit: _Commit | None, ok: bool) -> None:
+        self._call_done(served, ok)
+        if commit is None:
+            return
+        with self._lock:
+            commit.sent = ok
+            run = ok and commit.asked
+            if (run or not ok) and self._commits.get(rid) is commit:
+                del self._commits[rid]
+        if run:
+            self._call_commit(commit.fn)
+
+    def _on_pull_done(self, rid: int) -> None:
+        with self._lock:
+            commit = self._commits.get(rid)
+            if commit is None:
+                return
+            if commit.sent is None:
+                commit.asked = True
+                return
+            del self._commits[rid]
+        if commit.sent:
+            self._call_commit(commit.fn)
+
+    def _on_push(self, h: FrameHeader, body: bytearray) -> None:
+        rid, nbytes = h.request_id, h.payload_len
+        served = self._serve(RequestKind.PUSH, rid, bytes(body), nbytes)
+        if served is None:
+            self._drain(nbytes)
+            return
+        try:
+            _recvv_all(self._fd, served.iov, self._stall_s)
+        except BaseException:
+            self._call_done(served, False)
+            raise
+        self._call_done(served, True)
+        self._reader_send(_Send(_frame(FrameKind.PUSH_ACK, rid)))
+
+
+class TcpListener(Listener):
+    """A listening TCP socket; every accepted connection is handshaken on its own thread."""
+
+    def __init__(
+        self, transport: TcpTransport, sock: socket.socket, host: str, acceptor: Acceptor
+    ) -> None:
+        self.address = (host, int(sock.getsockname()[1]))
+        self._transport = transport
+        self._sock = sock
+        self._acceptor = acceptor
+        self._lock = threading.Lock()
+        self._closed = False
+        self._handshaking: set[socket.socket] = set()
+        self._log = get_logger("tcp", listen=f"{host}:{self.address[1]}")
+        self._thread = threading.Thread(
+            target=self._accept_loop, name=f"aio-dd-tcp-accept-{self.address[1]}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for conn in self._handshaking:  # abort handshakes in progress
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
+        self._sock.close()
+        self._log.info("tcp.listen_closed")
+
+    def _accept_loop(self) -> None:
+        while not self._closed:
+            try:
+                conn, addr = self._sock.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                self._log.warning("tcp.accept_failed", reason=str(exc))
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    time.sleep(0.1)  # out of descriptors or memory: let some go first
+                continue
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    return
+                self._handshaking.add(conn)
+            remote = f"{addr[0]}:{addr[1]}"
+            threading.Thread(
+                target=self._handshake,
+                args=(conn, remote),
+                name=f"aio-dd-tcp-hello-{remote}",
+                daemon=True,
+            ).start()
+
+    def _handshake(self, conn: socket.socket, remote: str) -> None:
+        handed_over = False
+        try:
+            handed_over = self._run_handshake(conn, remote)
+        except _IO_ERRORS as exc:
+            self._log.info("tcp.handshake_failed", remote=remote, reason=str(exc))
+        except Exception:
+            self._log.warning("tcp.handshake_failed", remote=remote, exc_info=True)
+        finally:
+            with self._lock:
+                self._handshaking.discard(conn)
+                if not handed_over:
+                    conn.close()
+
+    def _refuse(self, conn: socket.socket, status: LLMStatusCode, message: str) -> None:
+        """Answer ERROR, then wait briefly for the client to close (so it reads the answer)."""
+        body = encode_error_text(message)
+        fd = conn.fileno()
+        deadline = after_s(_LINGER_S)
+        with contextlib.suppress(*_IO_ERRORS):
+            sock_send_bytes(
+                fd, _frame(FrameKind.ERROR, status=int(status), body_len=len(body)) + body, deadline
+            )
+            conn.shutdown(socket.SHUT_WR)
+            scratch = bytearray(4096)
+            while True:
+                sock_recv_into(fd, scratch, deadline)
+
+    def _run_handshake(self, conn: socket.socket, remote: str) -> bool:
+        """Handshake one connection; True when a channel took the socket over."""
+        transport = self._transport
+        _tune(conn, transport.sndbuf, transport.rcvbuf)
+        fd = conn.fileno()
+        deadline = after_s(transport.handshake_timeout)
+        raw = _recv_exact(fd, _HEADER_SIZE, deadline)
+        try:
+            h = decode_header(raw)
+            if h.kind is not FrameKind.HELLO or h.payload_len or h.body_len > MAX_HELLO_BODY:
+                raise WireError(f"expected a HELLO frame, got {h.kind.name}")
+            peer = _hello_from_wire(_recv_exact(fd, h.body_len, deadline))
+        except WireError as exc:
+            self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
+            if raw[:4] == MAGIC:  # one of ours, of another version: tell it why
+                self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}")
+            return False
+        channel = TcpChannel(
+            conn, peer, self._acceptor.handler, remote=remote, stall_timeout=transport.stall_timeout
+        )
+        # Hold the send lock from registration to HELLO_ACK: a request the server side sends
+        # on the new channel meanwhile goes out after the acknowledgement.
+        with channel._slock:
+            with self._lock:
+                if self._closed:
+                    refusal: LinkRefused | None = LinkRefused(
+                        LLMStatusCode.LLM_LINK_FAILED, "the listener is closing"
+                    )
+                else:
+                    refusal = None
+                    self._handshaking.discard(conn)
+            if refusal is None:
+                try:
+                    local = self._acceptor.accept(peer, channel)
+                except LinkRefused as exc:
+                    refusal = exc
+                except Exception as exc:
+                    self._log.warning("tcp.accept_failed", remote=remote, exc_info=True)
+                    refusal = LinkRefused(LLMStatusCode.LLM_FAILED, f"accept failed: {exc!r}")
+            if refusal is not None:
+                self._log.info(
+                    "tcp.link_refused",
+                    remote=remote,
+                    status=str(refusal.status),
+                    reason=str(refusal),
+                )
+                self._refuse(conn, refusal.status, str(refusal))
+                return False
+            channel.start()
+            try:
+                body = _hello_to_wire(local)
+                sock_send_bytes(
+                    fd, _frame(FrameKind.HELLO_ACK, body_len=len(body)) + body, deadline
+                )
+            except (*_IO_ERRORS, WireError) as exc:
+                failure: str | None = f"handshake answer failed: {exc}"
+            else:
+                failure = None
+        if failure is not None:
+            channel._break(failure)
+        else:
+            self._log.info("tcp.accepted", remote=remote, remote_cluster_id=peer.cluster_id)
+        return True
+
+
+class TcpTransport(Transport):
+    """Links over TCP: one connection per link, payloads by scatter-gather native calls.
+
+    ``sndbuf``/``rcvbuf`` (bytes, 0: the kernel's auto-tuning) size the socket buffers;
+    ``handshake_timeout`` bounds a server-side handshake, ``stall_timeout`` a frame that
+    stops moving.
+    """
+
+    name = "tcp"
+
+    def __init__(
+        self,
+        *,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        stall_timeout: float = STALL_TIMEOUT,
+        sndbuf: int = 0,
+        rcvbuf: int = 0,
+    ) -> None:
+        self.handshake_timeout = handshake_timeout
+        self.stall_timeout = stall_timeout
+        self.sndbuf = sndbuf
+        self.rcvbuf = rcvbuf
+
+    def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, sockaddr = infos[0]
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+            sock.listen(128)
+        except BaseException:
+            sock.close()
+            raise
+        listener = TcpListener(self, sock, host, acceptor)
+        get_logger("tcp").info("tcp.listening", address=f"{host}:{listener.address[1]}")
+        return listener
+
+    def connect(
+        self, host: str, port: int, hello: Hello, handler: RequestHandler, timeout: float
+    ) -> Channel:
+        where = f"{host}:{port}"
+        deadline = after_s(timeout)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout)
+        except TimeoutError:
+            raise LinkRefused(
+                LLMStatusCode.LLM_TIMEOUT, f"no answer from {where} within {timeout} s"
+            ) from None
+        except OSError as exc:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc.strerror or exc}"
+            ) from None
+        handed_over = False
+        try:
+            sock.settimeout(None)
+            _tune(sock, self.sndbuf, self.rcvbuf)
+            fd = sock.fileno()
+            body = _hello_to_wire(hello)
+            sock_send_bytes(fd, _frame(FrameKind.HELLO, body_len=len(body)) + body, deadline)
+            h = decode_header(_recv_exact(fd, _HEADER_SIZE, deadline))
+            if h.payload_len or h.body_len > MAX_HELLO_BODY:
+                raise WireError(f"oversized {h.kind.name} answer to HELLO")
+            answer = _recv_exact(fd, h.body_len, deadline)
+            if h.kind is FrameKind.ERROR:
+                raise LinkRefused(
+                    _status(h.status), f"{where} refused the link: {decode_error_text(answer)}"
+                )
+            if h.kind is not FrameKind.HELLO_ACK:
+                raise WireError(f"expected HELLO_ACK, got {h.kind.name}")
+            peer = _hello_from_wire(answer)
+            channel = TcpChannel(
+                sock, peer, handler, remote=where, stall_timeout=self.stall_timeout
+            )
+            channel.start()
+            handed_over = True
+        except NetTimeout:
+            raise LinkRefused(
+                LLMStatusCode.LLM_TIMEOUT,
+                f"{where} did not answer the handshake within {timeout} s",
+            ) from None
+        except PeerClosed:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED, f"{where} closed the connection during the handshake"
+            ) from None
+        except WireError as exc:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED, f"{where} does not speak this protocol: {exc}"
+            ) from None
+        except OSError as exc:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED, f"handshake with {where} failed: {exc}"
+            ) from None
+        finally:
+            if not handed_over:
+                sock.close()
+        get_logger("tcp").info("tcp.connected", remote=where, remote_cluster_id=peer.cluster_id)
+        return channel

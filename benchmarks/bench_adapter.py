@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""aio_datadist in the shared peer harness (W1/W2/W3, two processes on 127.0.0.1).
+
+Run beside the peers, in one run (compare only figures of one run):
+
+    EXTRA="$PWD/benchmarks/bench_adapter.py:aio-tcp-async aio-tcp-blocking" \\
+        ../shared/bench/run_peers.sh
+
+The harness's ``PY`` must have aio_datadist installed (``$PY -m pip install -e .``). Its
+``common.py`` is found through ``AIO_BENCH_HARNESS`` or at ``../shared/bench/peers``.
+
+Both sides register the harness's 2 GiB buffer as one blocks cache: 64 tensors (32 layers x
+K/V) of 512 blocks of 64 KiB. A harness descriptor list becomes block lists per tensor;
+tensors sharing one list go in one ``pull_blocks``/``push_blocks`` call (W1: all blocks of
+8 tensors), the others one call per tensor, awaited together on the async face (W2: 64 calls
+in flight on one link) or made in turn on the blocking face.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+HARNESS = os.environ.get(
+    "AIO_BENCH_HARNESS",
+    str(Path(__file__).resolve().parents[2] / "shared" / "bench" / "peers"),
+)
+sys.path.insert(0, HARNESS)
+import common  # noqa: E402
+
+from aio_datadist import (  # noqa: E402
+    AsyncLLMDataDist,
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+
+TENSORS = common.LAYERS * common.KV
+TARGET_ID, INITIATOR_ID = 1, 2
+
+
+def _desc() -> CacheDesc:
+    return CacheDesc(TENSORS, [common.NBLOCKS, common.BLOCK], DataType.DT_UINT8, Placement.DEVICE)
+
+
+def _options(transport: str, listen: str | None = None) -> dict[str, str]:
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.enable_cache_manager = True
+    cfg.enable_remote_cache_accessible = True
+    cfg.sync_kv_timeout = 60_000
+    cfg.transport = transport
+    if listen is not None:
+        cfg.listen_ip_info = listen
+    return cfg.generate_options()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class AioDataDistAdapter:
+    """The harness adapter: the target serves; the initiator pulls or pushes blocks."""
+
+    name = "aio_datadist"
+
+    def __init__(self, transport: str = "tcp", face: str = "async") -> None:
+        self.transport = transport
+        self.face = face
+        self.dd: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    # -- target -----------------------------------------------------------------------
+    def target_init(self, addr: int, size: int) -> tuple[int, int]:
+        """Serve the buffer; the metadata is the listen port and the buffer's address."""
+        port = _free_port()
+        self.dd = LLMDataDist(LLMRole.PROMPT, TARGET_ID)
+        self.dd.init(_options(self.transport, f"127.0.0.1:{port}"))
+        self.cache = self.dd.cache_manager.register_blocks_cache(
+            _desc(), self._addrs(addr), BlocksCacheKey(TARGET_ID, 0)
+        )
+        return port, addr
+
+    def target_close(self) -> None:
+        self.dd.cache_manager.unregister_cache(self.cache.cache_id)
+        self.dd.finalize()
+
+    # -- initiator --------------------------------------------------------------------
+    def init_init(self, addr: int, size: int, remote_meta: tuple[int, int]) -> None:
+        port, self.remote_base = remote_meta
+        self.base = addr
+        info = LLMClusterInfo()
+        info.remote_cluster_id = TARGET_ID
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info("127.0.0.1", port)
+        self.info = info
+        if self.face == "blocking":
+            self.dd = LLMDataDist(LLMRole.DECODER, INITIATOR_ID)
+            self.dd.init(_options(self.transport))
+            self.cm = self.dd.cache_manager
+            self.cache = self.cm.register_blocks_cache(
+                _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
+            )
+            ret, _ = self.dd.link_clusters([info], 5000)
+        else:
+            self.loop = asyncio.new_event_loop()
+            ret = self.loop.run_until_complete(self._async_init(addr, info))
+        if ret != LLMStatusCode.LLM_SUCCESS:
+            raise RuntimeError(f"link_clusters failed: {ret}")
+
+    async def _async_init(self, addr: int, info: LLMClusterInfo) -> LLMStatusCode:
+        self.dd = AsyncLLMDataDist(LLMRole.DECODER, INITIATOR_ID)
+        await self.dd.init(_options(self.transport))
+        self.cm = self.dd.cache_manager
+        self.cache = await self.cm.register_blocks_cache(
+            _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
+        )
+        ret, _ = await self.dd.link_clusters([info], 5000)
+        return ret
+
+    def init_close(self) -> None:
+        if self.loop is not None:
+            self.loop.run_until_complete(self._async_close())
+            self.loop.close()
+        else:
+            self.dd.unlink_clusters([self.info], 5000)
+            self.cm.unregister_cache(self.cache.cache_id)
+            self.dd.finalize()
+
+    async def _async_close(self) -> None:
+        await self.dd.unlink_clusters([self.info], 5000)
+        await self.cm.unregister_cache(self.cache.cache_id)
+        await self.dd.finalize()
+
+    # -- transfers --------------------------------------------------------------------
+    @staticmethod
+    def _addrs(base: int) -> list[int]:
+        return [base + t * common.TENSOR for t in range(TENSORS)]
+
+    def _calls(
+        self, local: list[int], remote: list[int], lengths: list[int], remote_base: int
+    ) -> list[tuple[range, list[int], list[int]]]:
+        """Group descriptors into (tensor range, local blocks, remote blocks) calls."""
+        per_tensor: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for lo, ro, n in zip(local, remote, lengths, strict=True):
+            lo, ro = lo - self.base, ro - remote_base
+            for k in range(n // common.BLOCK):
+                lt, lb = divmod(lo + k * common.BLOCK, common.TENSOR)
+                rt, rb = divmod(ro + k * common.BLOCK, common.TENSOR)
+                if lt != rt:
+                    raise ValueError("a descriptor crosses tensors differently on each side")
+                blocks = per_tensor[lt]
+                blocks[0].append(lb // common.BLOCK)
+                blocks[1].append(rb // common.BLOCK)
+        calls: list[tuple[range, list[int], list[int]]] = []
+        for t in sorted(per_tensor):
+            lb, rb = per_tensor[t]
+            last = calls[-1] if calls else None
+            if last and last[0].stop == t and last[1] == lb and last[2] == rb:
+                calls[-1] = (range(last[0].start, t + 1), lb, rb)
+            else:
+                calls.append((range(t, t + 1), lb, rb))
+        return calls
+
+    def xfer(self, op: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        calls = self._calls(local, remote, lengths, self.remote_base)
+        key = BlocksCacheKey(TARGET_ID, 0)
+        if self.loop is None:
+            for tensors, lb, rb in calls:
+                self._one(op, key, tensors, lb, rb)
+        else:
+            self.loop.run_until_complete(self._all(op, key, calls))
+
+    def _one(
+        self, op: str, key: BlocksCacheKey, tensors: range, lb: list[int], rb: list[int]
+    ) -> Any:
+        if op == "read":
+            return self.cm.pull_blocks(
+                key,
+                self.cache,
+                rb,
+                lb,
+                src_layer_range=tensors,
+                dst_layer_range=tensors,
+                tensor_num_per_layer=1,
+            )
+        return self.cm.push_blocks(
+            key,
+            self.cache,
+            lb,
+            rb,
+            src_layer_range=tensors,
+            dst_layer_range=tensors,
+            tensor_num_per_layer=1,
+        )
+
+    async def _all(self, op: str, key: BlocksCacheKey, calls: list[Any]) -> None:
+        results = await asyncio.gather(*(self._await(self._one(op, key, *c)) for c in calls))
+        bad = [r for r in results if r != LLMStatusCode.LLM_SUCCESS]
+        if bad:
+            raise RuntimeError(f"transfer failed: {bad[0]}")
+
+    @staticmethod
+    async def _await(result: Any) -> Any:
+        status = await result
+        return LLMStatusCode.LLM_SUCCESS if status is None else status
+
+
+VARIANTS = {
+    "aio-tcp-async": ({"transport": "tcp", "face": "async"}, {}),
+    "aio-tcp-blocking": ({"transport": "tcp", "face": "blocking"}, {}),
+}
+
+if __name__ == "__main__":
+    sys.exit(common.cli(AioDataDistAdapter, VARIANTS))
