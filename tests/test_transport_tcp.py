@@ -24,13 +24,18 @@ import pytest
 from aio_datadist._transport._wire import (
     HEADER,
     MAGIC,
+    MAX_ERROR_TEXT,
+    MAX_HELLO_BODY,
     BodyReader,
     BodyWriter,
     FrameHeader,
     FrameKind,
     HelloBody,
+    WireError,
+    decode_error_text,
     decode_header,
     decode_hello,
+    encode_error_text,
     encode_header,
     encode_hello,
 )
@@ -42,7 +47,7 @@ from aio_datadist._transport.base import (
     RequestKind,
     Served,
 )
-from aio_datadist._transport.deadlines import after_s, now_ns
+from aio_datadist._transport.deadlines import Reaper, after_s, now_ns
 from aio_datadist._transport.tcp import TcpTransport
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -616,6 +621,17 @@ def test_bad_request_arguments_fail_the_future(link: Link) -> None:
     expect_error(short, LLMStatusCode.LLM_PARAM_INVALID)
     late = link.client.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, now_ns() - 1)
     expect_error(late, LLMStatusCode.LLM_TIMEOUT)
+    null = np.array([[0, 100]], dtype=np.uint64)  # rows the native layer refuses
+    expect_error(
+        link.client.push(request([(0, 100)]), null, 100, deadline()),
+        LLMStatusCode.LLM_PARAM_INVALID,
+    )
+    expect_error(
+        link.client.pull(request([(0, 100)]), null, 100, deadline()),
+        LLMStatusCode.LLM_PARAM_INVALID,
+    )
+    ok = link.client.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline())
+    assert ok.result(WAIT) is None
     assert not link.client.closed
 
 
@@ -679,6 +695,28 @@ def test_close_with_notice(link: Link) -> None:
     assert link.client.closed and link.server.closed
     assert mine.calls == []  # closing this end is not news to this end
     assert link.client.close(notify_peer=True, timeout=WAIT) is True
+
+
+def test_both_ends_closing_at_once(link: Link) -> None:
+    with ThreadPoolExecutor(2) as pool:
+        start = time.monotonic()
+        told = list(
+            pool.map(
+                lambda ch: ch.close(notify_peer=True, timeout=WAIT), [link.client, link.server]
+            )
+        )
+    assert told == [True, True]
+    assert time.monotonic() - start < WAIT / 2
+
+
+def test_close_notice_unanswered(
+    transport: TcpTransport, raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    channel, conn = raw_link(transport, raw_server, cleanup)
+    assert channel.close(notify_peer=True, timeout=0.2) is False
+    assert read_frame(conn)[0].kind is FrameKind.BYE
+    assert read_until_eof(conn) == b""
+    assert channel.closed
 
 
 def test_close_without_notice_fails_both_sides(link: Link) -> None:
@@ -873,3 +911,57 @@ def test_killed_peer_fails_pending_requests(
     expect_error(held, LLMStatusCode.LLM_LINK_FAILED)
     assert time.monotonic() - start < 5.0
     assert closed.event.wait(WAIT)
+
+
+# -- codecs and the deadline reaper ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("to", [None, 0, 2**64 - 1])
+@pytest.mark.parametrize("extensions", [b"", b"\x00\xffanything", bytes(1000)])
+def test_hello_body_round_trip(to: int | None, extensions: bytes) -> None:
+    hello = HelloBody(2**64 - 1, 3, to, extensions)
+    assert decode_hello(encode_hello(hello)) == hello
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        encode_hello(HelloBody(1, 1))[:-1],
+        encode_hello(HelloBody(1, 1)) + b"x",
+        BodyWriter().u64(1).u32(1).u8(2).u64(0).blob(b"").__bytes__(),
+        bytes(MAX_HELLO_BODY + 1),
+    ],
+    ids=["empty", "truncated", "trailing", "has_to", "oversized"],
+)
+def test_bad_hello_bodies_raise_wire_error(body: bytes) -> None:
+    with pytest.raises(WireError):
+        decode_hello(body)
+    with pytest.raises(WireError):
+        encode_hello(HelloBody(1, 1, None, bytes(MAX_HELLO_BODY)))
+
+
+def test_error_text_is_bounded_and_never_fails() -> None:
+    long = "é" * MAX_ERROR_TEXT
+    data = encode_error_text(long)
+    assert len(data) <= MAX_ERROR_TEXT
+    assert decode_error_text(data) == "é" * (len(data) // 2)
+    assert decode_error_text(b"\xff\xfeok") == "\ufffd\ufffdok"
+
+
+def test_reaper_runs_due_callbacks_in_order_and_skips_cancelled() -> None:
+    reaper = Reaper("test-reaper")
+    fired: list[int] = []
+    done = threading.Event()
+    base = now_ns() + 50_000_000
+    timers = {
+        i: reaper.schedule(base + i * 1_000_000, lambda i=i: fired.append(i)) for i in (3, 1, 2)
+    }
+    timers[2].cancel()
+    # Many cancelled entries make the heap compact itself; the live ones still run.
+    for _ in range(3000):
+        reaper.schedule(base + 10**12, lambda: None).cancel()
+    reaper.schedule(base + 5_000_000, done.set)
+    assert done.wait(WAIT)
+    assert fired == [1, 3]
+    assert len(reaper) < 3000

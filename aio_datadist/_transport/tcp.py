@@ -68,6 +68,7 @@ from aio_datadist._transport._wire import (
     HEADER,
     MAGIC,
     MAX_HELLO_BODY,
+    MAX_PAYLOAD,
     FrameHeader,
     FrameKind,
     HelloBody,
@@ -377,7 +378,8 @@ class TcpChannel(Channel):
         self._closing = False  # no new requests
         self._local_close = False  # this end closes: its own on_close callbacks do not run
         self._peer_knows = False  # BYE exchanged (either way)
-        self._bye_acked = threading.Event()
+        self._bye_acked = False
+        self._bye_wake = threading.Event()  # BYE_ACK came or the channel broke
         self._gone = threading.Event()
         self._sendq: collections.deque[_Send] = collections.deque()
         self._qcond = threading.Condition(threading.Lock())
@@ -451,6 +453,8 @@ class TcpChannel(Channel):
             except _IO_ERRORS as exc:
                 failure = self._link_failed()
                 broke = f"send failed: {exc}"
+            except LLMException as exc:  # rows the native layer refused; nothing was sent
+                failure = exc
             finally:
                 self._slock.release()
         if failure is not None:
@@ -482,8 +486,10 @@ class TcpChannel(Channel):
             try:
                 if self._broken:
                     failure = self._link_failed()
+                elif deadline_ns > 0:
+                    sock_sendv(self._fd, frame.iov, deadline_ns)
                 else:
-                    sock_sendv(self._fd, frame.iov, self._send_deadline(deadline_ns))
+                    _sendv_all(self._fd, frame.iov, self._stall_s)
             except NetTimeout as exc:
                 failure = _error(
                     LLMStatusCode.LLM_TIMEOUT, "push: payload not sent by the deadline"
@@ -493,6 +499,8 @@ class TcpChannel(Channel):
             except _IO_ERRORS as exc:
                 failure = self._link_failed()
                 broke = f"send failed: {exc}"
+            except LLMException as exc:  # rows the native layer refused; nothing was sent
+                failure = exc
             finally:
                 self._slock.release()
         # Unless failed, the request now waits for PUSH_ACK like any other.
@@ -514,12 +522,12 @@ class TcpChannel(Channel):
         limit = BYE_TIMEOUT if timeout is None else max(0.0, timeout)
         with self._lock:
             if self._broken:
-                return self._peer_knows
+                return self._peer_knows or not notify_peer
             first = not self._local_close
             self._local_close = self._closing = True
         if not first:  # another thread is closing it
             self._gone.wait(limit)
-            return self._peer_knows
+            return self._peer_knows or not notify_peer
         told = False
         if notify_peer:
             deadline = after_s(limit)
@@ -537,12 +545,13 @@ class TcpChannel(Channel):
                 if threading.current_thread() is self._reader:
                     told = True  # our own reader would read the BYE_ACK: do not wait for it
                 else:
-                    left = max(0.0, (deadline - now_ns()) / 1e9)
-                    told = self._bye_acked.wait(left)
+                    self._bye_wake.wait(max(0.0, (deadline - now_ns()) / 1e9))
+                    # A peer that closed at the same time sent BYE itself: it knows too.
+                    told = self._bye_acked or self._peer_knows
         with self._lock:
-            self._peer_knows = self._peer_knows or told
+            told = self._peer_knows = self._peer_knows or told
         self._break("closed by this side")
-        return told
+        return told or not notify_peer
 
     # -- requests: bookkeeping ---------------------------------------------------------------
     def _link_failed(self) -> LLMException:
@@ -632,6 +641,7 @@ class TcpChannel(Channel):
             # Wakes the reader and any sender; the reader closes the descriptor on its way out.
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
+        self._bye_wake.set()
         with self._qcond:
             self._sender_stop = True
             self._qcond.notify()
@@ -674,7 +684,7 @@ class TcpChannel(Channel):
                 job.lock_held = True
                 self._enqueue(job)
                 return
-            except _IO_ERRORS as exc:
+            except Exception as exc:  # I/O failed, or (a bug) rows the native layer refused
                 self._slock.release()
                 job.finish(False, self._log)
                 self._break(f"send failed: {exc}")
@@ -815,7 +825,8 @@ class TcpChannel(Channel):
         elif kind is FrameKind.BYE:
             self._on_bye()
         elif kind is FrameKind.BYE_ACK:
-            self._bye_acked.set()
+            self._bye_acked = True
+            self._bye_wake.set()
         elif kind is FrameKind.PONG:
             pass
         else:
@@ -849,6 +860,11 @@ class TcpChannel(Channel):
             )
             self._complete(req)
             self._drain(h.payload_len - exc.transferred)
+            return
+        except LLMException as exc:  # rows the native layer refused: nothing was received
+            req.outcome = exc
+            self._complete(req)
+            self._drain(h.payload_len)
             return
         except BaseException:
             req.outcome = self._link_failed()
@@ -913,6 +929,8 @@ class TcpChannel(Channel):
         if len(body) < 8:
             raise WireError("PULL body lacks its byte count")
         nbytes = int(_U64.unpack_from(body)[0])
+        if nbytes > MAX_PAYLOAD:
+            raise WireError(f"PULL of {nbytes} bytes exceeds {MAX_PAYLOAD}")
         rid = h.request_id
         served = self._serve(RequestKind.PULL, rid, bytes(body[8:]), nbytes)
         if served is None:
@@ -962,6 +980,11 @@ class TcpChannel(Channel):
             return
         try:
             _recvv_all(self._fd, served.iov, self._stall_s)
+        except LLMException as exc:  # rows the native layer refused: nothing was received
+            self._call_done(served, False)
+            self._drain(nbytes)
+            self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, f"push refused: {exc}")
+            return
         except BaseException:
             self._call_done(served, False)
             raise
@@ -1164,6 +1187,7 @@ class TcpTransport(Transport):
         self, host: str, port: int, hello: Hello, handler: RequestHandler, timeout: float
     ) -> Channel:
         where = f"{host}:{port}"
+        timeout = max(float(timeout), 0.001)
         deadline = after_s(timeout)
         try:
             sock = socket.create_connection((host, port), timeout=timeout)

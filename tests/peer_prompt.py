@@ -1,0 +1,66 @@
+"""A prompt process for the cross-process tests: serves a known paged cache over TCP.
+
+Usage: python tests/peer_prompt.py PORT BLOCKS BLOCK_BYTES
+
+It registers a blocks cache of 4 tensors x BLOCKS blocks of BLOCK_BYTES under
+``BlocksCacheKey(1, 0)`` (tensor ``t`` filled by :func:`pattern`), allocates a batch cache
+with ``CacheKey(1, req_id=1)`` bound to row 0, prints ``ready`` and serves until stdin
+closes. Remote caches are accessible, so peers may also push into it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    DataType,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    Placement,
+)
+
+TENSORS = 4
+ROW_BYTES = 4096
+
+
+def pattern(t: int, blocks: int, block_bytes: int) -> np.ndarray:
+    """The bytes of tensor ``t`` (cheap, position dependent, reproducible)."""
+    words = np.arange(blocks * block_bytes // 8, dtype=np.uint64)
+    words *= np.uint64(0x9E3779B97F4A7C15)
+    words += np.uint64(t + 1)
+    return words.view(np.uint8).reshape(blocks, block_bytes)
+
+
+def main() -> None:
+    port, blocks, block_bytes = (int(a) for a in sys.argv[1:4])
+    tensors = [pattern(t, blocks, block_bytes) for t in range(TENSORS)]
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.enable_cache_manager = True
+    cfg.enable_remote_cache_accessible = True
+    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    cfg.mem_pool_cfg = json.dumps({"memory_size": 1 << 24})
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    dd.init(cfg.generate_options())
+    cm = dd.cache_manager
+    desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
+    cm.register_blocks_cache(desc, [int(t.ctypes.data) for t in tensors], BlocksCacheKey(1, 0))
+    rows = cm.allocate_cache(
+        CacheDesc(TENSORS, [1, ROW_BYTES], DataType.DT_UINT8), [CacheKey(1, req_id=1)]
+    )
+    for t, view in enumerate(rows.as_numpy()):
+        view[...] = t + 7
+    print("ready", flush=True)
+    sys.stdin.read()
+    dd.finalize()
+
+
+if __name__ == "__main__":
+    main()

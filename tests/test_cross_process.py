@@ -1,0 +1,264 @@
+"""Transfers with a real second process over TCP: data, stalls, kills, loop responsiveness.
+
+The peer (``tests/peer_prompt.py``) is a blocking-API prompt; the decoder here runs through
+both faces. A stalled peer is stopped with SIGSTOP, a dead one killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aio_datadist import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    CacheTask,
+    DataType,
+    LLMClusterInfo,
+    LLMException,
+    LLMRole,
+    LLMStatusCode,
+    Placement,
+)
+from tests.conftest import Face, make_options, pool_cfg
+from tests.peer_prompt import ROW_BYTES, TENSORS, pattern
+
+S = LLMStatusCode
+PEER = Path(__file__).with_name("peer_prompt.py")
+MiB = 1 << 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Peer:
+    """The prompt process, serving ``blocks`` blocks of ``block_bytes`` per tensor."""
+
+    def __init__(self, blocks: int, block_bytes: int) -> None:
+        self.blocks, self.block_bytes = blocks, block_bytes
+        self.port = free_port()
+        root = str(Path(__file__).resolve().parents[1])
+        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), str(self.port), str(blocks), str(block_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip() == b"ready", line
+
+    def info(self) -> LLMClusterInfo:
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 1
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info("127.0.0.1", self.port)
+        return info
+
+    def signal(self, sig: int) -> None:
+        self.proc.send_signal(sig)
+
+    def close(self) -> None:
+        try:
+            self._stop()
+        finally:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                if pipe is not None and not pipe.closed:
+                    pipe.close()
+
+    def _stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+@pytest.fixture
+def peer_factory() -> Iterator[Callable[[int, int], Peer]]:
+    made: list[Peer] = []
+
+    def factory(blocks: int = 16, block_bytes: int = 64 * 1024) -> Peer:
+        peer = Peer(blocks, block_bytes)
+        made.append(peer)
+        return peer
+
+    yield factory
+    for peer in made:
+        peer.close()
+
+
+@pytest.fixture
+async def decoder(face_kind: str) -> AsyncIterator[Callable[..., Any]]:
+    faces: list[Face] = []
+
+    async def factory(timeout_ms: int = 5000, remote_accessible: bool = True) -> Face:
+        face = Face(face_kind, LLMRole.DECODER, 2)
+        faces.append(face)
+        await face.init(
+            make_options(
+                device_pool=pool_cfg(512 * MiB),
+                remote_accessible=remote_accessible,
+                transport="tcp",
+                sync_kv_timeout=timeout_ms,
+            )
+        )
+        return face
+
+    yield factory
+    for face in faces:
+        leaked = {str(k): v for k, v in face.pool_used().items() if v}
+        await face.finalize()
+        assert not leaked, f"pool memory leaked: {leaked}"
+
+
+async def link(face: Face, peer: Peer) -> None:
+    assert await face.call(face.dd.link_clusters, [peer.info()], 5000) == (
+        S.LLM_SUCCESS,
+        [S.LLM_SUCCESS],
+    )
+
+
+def blocks_desc(blocks: int, block_bytes: int) -> CacheDesc:
+    return CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
+
+
+async def push(face: Face, *args: Any, **kwargs: Any) -> None:
+    result = face.cm.push_blocks(*args, **kwargs)
+    if isinstance(result, CacheTask):
+        status = await result
+        if status != S.LLM_SUCCESS:
+            raise LLMException(f"push_blocks: {status}", status_code=status)
+    else:
+        await result
+
+
+async def test_pull_and_push_across_processes(decoder: Any, peer_factory: Any) -> None:
+    peer = peer_factory(16, 64 * 1024)
+    face = await decoder()
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(16, 64 * 1024))
+    await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [3, 0, 15], [0, 1, 2])
+    for t, view in enumerate(cache.as_numpy()):
+        np.testing.assert_array_equal(view[[0, 1, 2]], pattern(t, 16, 64 * 1024)[[3, 0, 15]])
+    # push into the peer, then pull the pushed blocks back elsewhere
+    for view in cache.as_numpy():
+        view[5] = 0xAB
+    await push(face, BlocksCacheKey(1, 0), cache, [5], [9])
+    await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [9], [6])
+    assert all((view[6] == 0xAB).all() for view in cache.as_numpy())
+    # a batch row by cache id and index (the peer's second cache)
+    rows = await face.cm.allocate_cache(CacheDesc(TENSORS, [2, ROW_BYTES], DataType.DT_UINT8))
+    await face.cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), rows, batch_index=1)
+    assert [int(v[1, 0]) for v in rows.as_numpy()] == [7, 8, 9, 10]
+    await face.cm.deallocate_cache(rows)
+    await face.cm.deallocate_blocks_cache(cache)
+
+
+async def test_pull_by_key_drops_the_key_on_the_peer(decoder: Any, peer_factory: Any) -> None:
+    peer = peer_factory(4, 4096)
+    face = await decoder(remote_accessible=False)
+    await link(face, peer)
+    rows = await face.cm.allocate_cache(CacheDesc(TENSORS, [2, ROW_BYTES], DataType.DT_UINT8))
+    await face.cm.pull_cache(CacheKey(1, req_id=1), rows, batch_index=1)
+    assert [int(v[1, 0]) for v in rows.as_numpy()] == [7, 8, 9, 10]
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            await face.cm.pull_cache(CacheKey(1, req_id=1), rows)
+        except LLMException as exc:
+            assert exc.status_code == S.LLM_KV_CACHE_NOT_EXIST
+            break
+        assert time.monotonic() < deadline
+    await face.cm.deallocate_cache(rows)
+
+
+async def test_stalled_peer_times_out_within_the_deadline(decoder: Any, peer_factory: Any) -> None:
+    peer = peer_factory(16, 64 * 1024)
+    face = await decoder(timeout_ms=500)
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(16, 64 * 1024))
+    peer.signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [1], [1])
+        elapsed = time.monotonic() - start
+        assert info.value.status_code == S.LLM_TIMEOUT
+        assert 0.4 < elapsed < 3.0, elapsed
+        with pytest.raises(LLMException) as info:
+            await push(face, BlocksCacheKey(1, 0), cache, [1], [1])
+        assert info.value.status_code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED)
+    finally:
+        peer.signal(signal.SIGCONT)
+    await face.cm.deallocate_blocks_cache(cache)
+
+
+async def test_peer_killed_mid_transfer(decoder: Any, peer_factory: Any) -> None:
+    blocks, block_bytes = 64, 1 * MiB  # 4 tensors x 64 MiB on the peer
+    peer = peer_factory(blocks, block_bytes)
+    face = await decoder(timeout_ms=20_000)
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(blocks, block_bytes))
+    used = face.pool_used()[Placement.DEVICE]
+
+    async def pull_all() -> None:
+        for _ in range(50):
+            await face.cm.pull_blocks(
+                BlocksCacheKey(1, 0), cache, list(range(blocks)), list(range(blocks))
+            )
+
+    loop = asyncio.get_running_loop()
+    killer = loop.call_later(0.3, peer.signal, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(LLMException) as info:
+        if face.kind == "sync":
+            await asyncio.to_thread(lambda: asyncio.run(pull_all()))
+        else:
+            await pull_all()
+    killer.cancel()
+    assert info.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK)
+    assert time.monotonic() - start < 10
+    assert face.pool_used()[Placement.DEVICE] == used  # nothing pinned or leaked
+    await face.cm.deallocate_blocks_cache(cache)
+    assert face.pool_used()[Placement.DEVICE] == 0
+
+
+@pytest.mark.parametrize("face_kind", ["async"], indirect=True)
+async def test_event_loop_keeps_running_during_a_256_mib_pull(
+    decoder: Any, peer_factory: Any, loop_lag: list[float]
+) -> None:
+    blocks, block_bytes = 64, 1 * MiB
+    peer = peer_factory(blocks, block_bytes)
+    face = await decoder(timeout_ms=60_000)
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(blocks, block_bytes))
+    lags_before = len(loop_lag)
+    await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, list(range(blocks)), list(range(blocks)))
+    ticks = loop_lag[lags_before:]
+    assert len(ticks) >= 5, "the ticker did not run during the transfer"
+    assert max(ticks) < 0.25, f"event loop blocked for {max(ticks) * 1e3:.0f} ms"
+    view = cache.as_numpy()[3]
+    np.testing.assert_array_equal(view[63], pattern(3, blocks, block_bytes)[63])
+    await face.cm.deallocate_blocks_cache(cache)
