@@ -77,10 +77,10 @@ async def measure(port: int, reps: int) -> None:
         all_lags: list[float] = []
         for rep in range(reps):
             lags: list[float] = []
-            running = True
+            stop = asyncio.Event()
 
-            async def ticker(lags: list[float] = lags) -> None:
-                while running:
+            async def ticker(lags: list[float] = lags, stop: asyncio.Event = stop) -> None:
+                while not stop.is_set():
                     start = time.perf_counter()
                     await asyncio.sleep(0.001)
                     lags.append(time.perf_counter() - start - 0.001)
@@ -90,7 +90,7 @@ async def measure(port: int, reps: int) -> None:
             start = time.perf_counter()
             await dd.cache_manager.pull_blocks(BlocksCacheKey(1, 0), cache, blocks, blocks)
             elapsed = time.perf_counter() - start
-            running = False
+            stop.set()
             await tick
             assert all((m == t + 1).all() for t, m in enumerate(mem)), "byte mismatch"
             ms = np.array(lags) * 1e3

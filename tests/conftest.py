@@ -180,3 +180,14 @@ async def loop_lag() -> AsyncIterator[list[float]]:
     yield lags
     stop.set()
     await task
+
+
+async def push_blocks(face: Face, *args: Any, **kwargs: Any) -> None:
+    """Run push_blocks through either face; a failed async task raises like the blocking call."""
+    result = face.cm.push_blocks(*args, **kwargs)
+    if isinstance(result, llm_datadist.CacheTask):
+        status = await result
+        if status != llm_datadist.LLMStatusCode.LLM_SUCCESS:
+            raise llm_datadist.LLMException(f"push_blocks: {status}", status_code=status)
+    else:
+        await result

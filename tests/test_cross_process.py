@@ -25,7 +25,6 @@ from aio_datadist import (
     CacheDesc,
     CacheKey,
     CacheKeyByIdAndIndex,
-    CacheTask,
     DataType,
     LLMClusterInfo,
     LLMException,
@@ -33,7 +32,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from tests.conftest import Face, make_options, pool_cfg
+from tests.conftest import Face, make_options, pool_cfg, push_blocks
 from tests.peer_prompt import ROW_BYTES, TENSORS, pattern
 
 S = LLMStatusCode
@@ -144,16 +143,6 @@ def blocks_desc(blocks: int, block_bytes: int) -> CacheDesc:
     return CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
 
 
-async def push(face: Face, *args: Any, **kwargs: Any) -> None:
-    result = face.cm.push_blocks(*args, **kwargs)
-    if isinstance(result, CacheTask):
-        status = await result
-        if status != S.LLM_SUCCESS:
-            raise LLMException(f"push_blocks: {status}", status_code=status)
-    else:
-        await result
-
-
 async def test_pull_and_push_across_processes(decoder: Any, peer_factory: Any) -> None:
     peer = peer_factory(16, 64 * 1024)
     face = await decoder()
@@ -165,7 +154,7 @@ async def test_pull_and_push_across_processes(decoder: Any, peer_factory: Any) -
     # push into the peer, then pull the pushed blocks back elsewhere
     for view in cache.as_numpy():
         view[5] = 0xAB
-    await push(face, BlocksCacheKey(1, 0), cache, [5], [9])
+    await push_blocks(face, BlocksCacheKey(1, 0), cache, [5], [9])
     await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [9], [6])
     assert all((view[6] == 0xAB).all() for view in cache.as_numpy())
     # a batch row by cache id and index (the peer's second cache)
@@ -208,7 +197,7 @@ async def test_stalled_peer_times_out_within_the_deadline(decoder: Any, peer_fac
         assert info.value.status_code == S.LLM_TIMEOUT
         assert 0.4 < elapsed < 3.0, elapsed
         with pytest.raises(LLMException) as info:
-            await push(face, BlocksCacheKey(1, 0), cache, [1], [1])
+            await push_blocks(face, BlocksCacheKey(1, 0), cache, [1], [1])
         assert info.value.status_code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED)
     finally:
         peer.signal(signal.SIGCONT)

@@ -38,7 +38,7 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from tests.conftest import Face, make_options, pool_cfg
+from tests.conftest import Face, make_options, pool_cfg, push_blocks
 
 S = LLMStatusCode
 TRANSPORTS = ["loopback"] + (
@@ -127,17 +127,6 @@ async def expect_status(status: LLMStatusCode, coro: Any) -> LLMException:
         await coro
     assert info.value.status_code == status, info.value
     return info.value
-
-
-async def push_blocks(face: Face, *args: Any, **kwargs: Any) -> None:
-    """Run push_blocks through either face; a failed async task raises like the blocking call."""
-    result = face.cm.push_blocks(*args, **kwargs)
-    if isinstance(result, CacheTask):
-        status = await result
-        if status != S.LLM_SUCCESS:
-            raise LLMException(f"push_blocks failed: {status}", status_code=status)
-    else:
-        await result
 
 
 # -- pull_cache ---------------------------------------------------------------------------

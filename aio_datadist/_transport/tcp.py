@@ -190,28 +190,26 @@ def _iov_skip(iov: Iov, k: int) -> Iov:
     return rest
 
 
-def _sendv_all(fd: int, iov: Iov, stall_s: float) -> None:
-    """Send every byte of ``iov``; NetTimeout only after ``stall_s`` seconds of no progress."""
+def _until_stall(io: Callable[[int, Iov, int], None], fd: int, iov: Iov, stall_s: float) -> None:
+    """Run ``io`` over every byte of ``iov``; NetTimeout only after a stall of ``stall_s``."""
     while True:
         try:
-            sock_sendv(fd, iov, after_s(stall_s))
+            io(fd, iov, after_s(stall_s))
             return
         except NetTimeout as exc:
             if exc.transferred == 0:
                 raise
             iov = _iov_skip(iov, exc.transferred)
+
+
+def _sendv_all(fd: int, iov: Iov, stall_s: float) -> None:
+    """Send every byte of ``iov``; NetTimeout only after ``stall_s`` seconds of no progress."""
+    _until_stall(sock_sendv, fd, iov, stall_s)
 
 
 def _recvv_all(fd: int, iov: Iov, stall_s: float) -> None:
     """Receive exactly the bytes of ``iov``; NetTimeout only after a stall of ``stall_s``."""
-    while True:
-        try:
-            sock_recvv(fd, iov, after_s(stall_s))
-            return
-        except NetTimeout as exc:
-            if exc.transferred == 0:
-                raise
-            iov = _iov_skip(iov, exc.transferred)
+    _until_stall(sock_recvv, fd, iov, stall_s)
 
 
 def _recv_view(fd: int, view: memoryview, stall_s: float) -> None:
