@@ -144,3 +144,20 @@ def test_overall_status_is_last_failure() -> None:
     F, T = LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT
     assert overall_status([S, S]) == S
     assert overall_status([F, S, T, S]) == T
+
+
+def test_link_retry_count_waits_for_a_starting_server(tables: dict[int, LinkTable]) -> None:
+    import threading
+
+    decoder, late = tables[2], tables[3]
+    assert decoder.link_clusters([info(3, 26003)], 300) == (
+        LLMStatusCode.LLM_LINK_FAILED,
+        [LLMStatusCode.LLM_LINK_FAILED],
+    )
+    decoder.retry_count = 20
+    timer = threading.Timer(0.2, late.listen, ("127.0.0.1", 26003))
+    timer.start()
+    try:
+        assert decoder.link_clusters([info(3, 26003)], 3000) == (S, [S])
+    finally:
+        timer.join()

@@ -24,6 +24,7 @@ from aio_datadist.config import (
     OPTION_ENABLE_CACHE_MANAGER,
     OPTION_ENABLE_REMOTE_CACHE_ACCESSIBLE,
     OPTION_HOST_MEM_POOL_CONFIG,
+    OPTION_LINK_RETRY_COUNT,
     OPTION_LINK_TOTAL_TIME,
     OPTION_LISTEN_IP,
     OPTION_LISTEN_IP_INFO,
@@ -76,6 +77,7 @@ class EngineSettings:
         self.transport = options.get(OPTION_TRANSPORT)
         self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
         self.link_total_time_s = _int_option(options, OPTION_LINK_TOTAL_TIME, 0)
+        self.link_retry_count = _int_option(options, OPTION_LINK_RETRY_COUNT, 1)
         self.local_comm_res = options.get(OPTION_LOCAL_COMM_RES)
         ip, port = options.get(OPTION_LISTEN_IP), options.get(OPTION_LISTEN_PORT)
         self.listen: tuple[str, int] | None = None if ip is None else (ip, int(port or 0))
@@ -157,6 +159,7 @@ class Engine:
                 Server(caches),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
             )
+            links.retry_count = max(1, settings.link_retry_count)
             if settings.listen is not None:
                 try:
                     links.listen(*settings.listen)

@@ -9,6 +9,7 @@ server. Graceful unlink (``force=False``) removes both ends; forced unlink only 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ __all__ = ("MAX_CLUSTERS_PER_CALL", "Link", "LinkTable", "check_clusters", "over
 
 #: Most clusters one link_clusters/unlink_clusters call may name.
 MAX_CLUSTERS_PER_CALL = 16
+#: Pause before another attempt at an address that refused (``link_retry_count`` > 1).
+_RETRY_PAUSE_S = 0.05
 
 
 @dataclass(eq=False)
@@ -102,6 +105,8 @@ class LinkTable:
         self._lock = threading.Lock()
         self._listener: Listener | None = None
         self._log = log
+        #: Attempts per address within a link_clusters timeout (``link_retry_count``).
+        self.retry_count = 1
 
     # -- listening ------------------------------------------------------------------------
     def listen(self, host: str, port: int) -> None:
@@ -192,11 +197,22 @@ class LinkTable:
             self._log.warning("link.failed", remote_cluster_id=remote_id, reason="no remote ip")
             return LLMStatusCode.LLM_PARAM_INVALID
         status = LLMStatusCode.LLM_LINK_FAILED
-        for ip, port in info.remote_ip_info_list:
+        deadline = time.monotonic() + timeout
+        attempts = [
+            (attempt, ip, port)
+            for attempt in range(self.retry_count)
+            for ip, port in info.remote_ip_info_list
+        ]
+        for attempt, ip, port in attempts:
             host = ip_int_to_str(ip)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return status
+            if attempt and status is LLMStatusCode.LLM_LINK_FAILED:
+                time.sleep(min(_RETRY_PAUSE_S, remaining))  # the server may be starting
             try:
                 hello = Hello(self.local.cluster_id, self.local.role, to_cluster_id=remote_id)
-                channel = self.transport.connect(host, port, hello, self._handler, timeout)
+                channel = self.transport.connect(host, port, hello, self._handler, remaining)
             except LinkRefused as exc:
                 status = exc.status
                 self._log.warning(
