@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from aio_datadist._engine.access import Access, Target, encode_access
-from aio_datadist._engine.caches import CacheService, key_identity
+from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._native import api
@@ -30,7 +30,6 @@ from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_
 from aio_datadist.cache import Cache
 from aio_datadist.status import (
     FeatureNotEnabledError,
-    KvCacheNotExistError,
     LLMException,
     LLMStatusCode,
     LLMTimeoutError,
@@ -303,8 +302,6 @@ class TransferService:
         has_req, has_prefix = key.req_id != INVALID_ID, key.prefix_id != INVALID_ID
         if has_req == has_prefix:
             raise _invalid(f"cache key {key} needs exactly one valid id of req_id and prefix_id")
-        identity = key_identity(key)
-        assert identity is not None
         if has_req:
             return Access(Target.REQ_KEY, ident=key.req_id, model_id=key.model_id, **fields)
         return Access(Target.PREFIX_KEY, ident=key.prefix_id, model_id=key.model_id, **fields)
@@ -506,8 +503,3 @@ class TransferService:
             channel = self.channel(dst_cache_key.cluster_id)
             rows = local_rows(entry, local, seg=block, blocks=list(src_blocks))
             return self._plan([Step(channel, RequestKind.PUSH, access, rows)], [entry])
-
-
-def not_exist(message: str) -> KvCacheNotExistError:
-    """``LLMException(LLM_KV_CACHE_NOT_EXIST)``."""
-    return KvCacheNotExistError(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)

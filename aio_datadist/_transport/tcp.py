@@ -429,32 +429,12 @@ class TcpChannel(Channel):
         req = _Request(rid, RequestKind.PULL, dst, nbytes, deadline_ns, commit=commit)
         if not self._register(req):
             return req.future
-        acquired = self._acquire_send(deadline_ns)
-        failure: LLMException | None = None
-        broke = ""
-        if not acquired:
-            failure = _error(
-                LLMStatusCode.LLM_TIMEOUT, "pull: the link stayed busy past the deadline"
-            )
-        else:
-            try:
-                if self._broken:
-                    failure = self._link_failed()
-                else:
-                    sock_send_bytes(self._fd, ctl, self._send_deadline(deadline_ns))
-            except NetTimeout as exc:
-                failure = _error(
-                    LLMStatusCode.LLM_TIMEOUT, "pull: request not sent by the deadline"
-                )
-                if exc.transferred:
-                    broke = "a request was cut off by its deadline"
-            except _IO_ERRORS as exc:
-                failure = self._link_failed()
-                broke = f"send failed: {exc}"
-            except LLMException as exc:  # rows the native layer refused; nothing was sent
-                failure = exc
-            finally:
-                self._slock.release()
+        failure, broke = self._send_request(
+            "pull",
+            "request",
+            deadline_ns,
+            lambda: sock_send_bytes(self._fd, ctl, self._send_deadline(deadline_ns)),
+        )
         if failure is not None:
             self._settle(rid, failure)
         if broke:
@@ -474,33 +454,14 @@ class TcpChannel(Channel):
         if not self._register(req):
             return req.future
         frame = _Send(ctl, src)
-        failure: LLMException | None = None
-        broke = ""
-        if not self._acquire_send(deadline_ns):
-            failure = _error(
-                LLMStatusCode.LLM_TIMEOUT, "push: the link stayed busy past the deadline"
-            )
-        else:
-            try:
-                if self._broken:
-                    failure = self._link_failed()
-                elif deadline_ns > 0:
-                    sock_sendv(self._fd, frame.iov, deadline_ns)
-                else:
-                    _sendv_all(self._fd, frame.iov, self._stall_s)
-            except NetTimeout as exc:
-                failure = _error(
-                    LLMStatusCode.LLM_TIMEOUT, "push: payload not sent by the deadline"
-                )
-                if exc.transferred:
-                    broke = "a push was cut off by its deadline"
-            except _IO_ERRORS as exc:
-                failure = self._link_failed()
-                broke = f"send failed: {exc}"
-            except LLMException as exc:  # rows the native layer refused; nothing was sent
-                failure = exc
-            finally:
-                self._slock.release()
+
+        def send() -> None:
+            if deadline_ns > 0:
+                sock_sendv(self._fd, frame.iov, deadline_ns)
+            else:
+                _sendv_all(self._fd, frame.iov, self._stall_s)
+
+        failure, broke = self._send_request("push", "payload", deadline_ns, send)
         # Unless failed, the request now waits for PUSH_ACK like any other.
         with self._lock:
             req.busy = False
@@ -515,6 +476,29 @@ class TcpChannel(Channel):
         if broke:
             self._break(broke)
         return req.future
+
+    def _send_request(
+        self, call: str, what: str, deadline_ns: int, send: Callable[[], None]
+    ) -> tuple[LLMException | None, str]:
+        """Send a request under the send lock: (its failure or None, why the link broke or "")."""
+        if not self._acquire_send(deadline_ns):
+            return _error(
+                LLMStatusCode.LLM_TIMEOUT, f"{call}: the link stayed busy past the deadline"
+            ), ""
+        try:
+            if self._broken:
+                return self._link_failed(), ""
+            send()
+        except NetTimeout as exc:
+            failure = _error(LLMStatusCode.LLM_TIMEOUT, f"{call}: {what} not sent by the deadline")
+            return failure, (f"a {call} was cut off by its deadline" if exc.transferred else "")
+        except _IO_ERRORS as exc:
+            return self._link_failed(), f"send failed: {exc}"
+        except LLMException as exc:  # rows the native layer refused; nothing was sent
+            return exc, ""
+        finally:
+            self._slock.release()
+        return None, ""
 
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
         limit = BYE_TIMEOUT if timeout is None else max(0.0, timeout)
