@@ -50,18 +50,37 @@ class _LoopBound:
             )
 
 
+def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
+    if not waiter.done():
+        waiter.set_result(completed)
+
+
 async def _wait(future: Future[None], deadline_ns: int) -> None:
-    """Await a request's future without cancelling it; raise its ``LLMException``."""
+    """Await a request's future without cancelling it; raise its ``LLMException``.
+
+    One loop future and one timer per wait: cancelling the awaiting task leaves the
+    request alone (the transport completes it, and the plan releases its pins then).
+    """
     if not future.done():
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+
+        def wake(_: object) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_settle_waiter, waiter, True)
+
+        future.add_done_callback(wake)
         remaining = max(0.0, (deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
+        timer = loop.call_later(remaining, _settle_waiter, waiter, False)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), remaining)
-        except TimeoutError:
+            completed = await waiter
+        finally:
+            timer.cancel()
+        if not completed:
             raise LLMTimeoutError(
                 "transfer did not complete within sync_kv_timeout",
                 status_code=LLMStatusCode.LLM_TIMEOUT,
-            ) from None
-        return
+            )
     future.result()
 
 

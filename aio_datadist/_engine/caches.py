@@ -490,7 +490,7 @@ class CacheService:
             entry = self.entry(cache)
             if not entry.is_blocks:
                 raise _invalid(f"copy_blocks needs a blocks cache, cache {cache.cache_id} is not")
-            num_blocks = entry.desc.batch_size
+            num_blocks = entry.num_rows
             dsts = self._block_indices("destination", list(last_src), num_blocks)
             srcs = self._block_indices("source", list(last_src.values()), num_blocks)
             ops = block_ops(entry.addrs, entry.addrs, dsts, srcs, entry.row_bytes)
@@ -544,7 +544,7 @@ class CacheService:
                 raise _not_exist(f"{name} has no tensor addresses")
             return cache.tensor_addrs, desc.batch_size, desc.size // desc.batch_size, None
         entry = self.entry(cache, name)
-        return entry.addrs, entry.desc.batch_size, entry.row_bytes, entry
+        return entry.addrs, entry.num_rows, entry.row_bytes, entry
 
     def execute(self, plan: CopyPlan) -> None:
         """Run a plan's batches through the runtime, then release its pins."""

@@ -263,8 +263,8 @@ def plan_layer_job(
             if not entry.is_blocks:
                 raise _invalid("src_block_indices needs a blocks (PA) source cache")
             for b in src_blocks:
-                if b >= entry.desc.batch_size:
-                    raise _invalid(f"src block index {b} is outside [0, {entry.desc.batch_size})")
+                if b >= entry.num_rows:
+                    raise _invalid(f"src block index {b} is outside [0, {entry.num_rows})")
         dst_bytes = dst_block_memory_size or 0
         if dst_blocks and not dst_bytes:
             if not entry.is_blocks:
@@ -274,7 +274,7 @@ def plan_layer_job(
             dst_bytes = entry.row_bytes
         if not dst_blocks and dst_bytes:
             raise _invalid("dst_block_memory_size must be None or 0 for a non-PA destination")
-        num = entry.desc.num_tensors
+        num = len(entry.addrs)
         if num % 2:
             raise _invalid(f"transfer_cache_async needs an even num_tensors, got {num}")
         layers = num // 2
@@ -295,10 +295,10 @@ def plan_layer_job(
                 dst_start = config.dst_layer_range.start
             if entry.is_blocks and config.src_batch_index != 0:
                 raise _invalid(f"transfer_configs[{i}].src_batch_index must be 0 for a PA source")
-            if not entry.is_blocks and config.src_batch_index >= entry.desc.batch_size:
+            if not entry.is_blocks and config.src_batch_index >= entry.num_rows:
                 raise _invalid(
                     f"transfer_configs[{i}].src_batch_index {config.src_batch_index} >= batch "
-                    f"size {entry.desc.batch_size}"
+                    f"size {entry.num_rows}"
                 )
             configs.append(_Config(config, src, dst_start))
         plan = service._plan([], [entry])

@@ -38,11 +38,18 @@ class CacheEntry:
     blocks_key: BlocksCacheKey | None = None
     released: bool = False
     pins: int = 0
+    #: Bytes of one tensor, fixed when the cache was made (a later edit of ``desc`` by its
+    #: owner changes nothing here).
+    tensor_bytes: int = field(init=False)
+    #: Batch rows (or blocks) of each tensor.
+    num_rows: int = field(init=False)
+    #: Bytes of one batch row (or one block) of each tensor.
+    row_bytes: int = field(init=False)
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one batch row (or one block) of each tensor."""
-        return self.desc.size // self.desc.batch_size if self.desc.batch_size else 0
+    def __post_init__(self) -> None:
+        self.tensor_bytes = self.desc.size
+        self.num_rows = self.desc.batch_size
+        self.row_bytes = self.tensor_bytes // self.num_rows if self.num_rows else 0
 
 
 class CacheRegistry:

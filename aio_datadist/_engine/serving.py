@@ -17,6 +17,7 @@ import numpy as np
 from aio_datadist._engine.access import Access, Target, decode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
+from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
 from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
@@ -51,7 +52,6 @@ def access_rows(
         raise _invalid(
             f"tensors [{start}, {start + count}) are outside the cache's {len(addrs)} tensors"
         )
-    bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
     blocks = access.blocks
     if len(blocks):
         if (
@@ -66,6 +66,11 @@ def access_rows(
         if int(blocks.max()) >= num_blocks:
             bad = int(blocks[blocks >= num_blocks][0])
             raise _invalid(f"block index {bad} is outside [0, {num_blocks})")
+        if count * len(blocks) <= SMALL_ROWS and access.last_bytes == access.seg_bytes:
+            return small_rows(
+                addrs[start : start + count], blocks.tolist(), block_bytes, access.seg_bytes
+            )
+        bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
         rows = np.empty((count, len(blocks), 2), dtype=np.uint64)
         rows[:, :, 0] = bases[:, None] + blocks[None, :] * np.uint64(block_bytes)
         rows[:, :, 1] = access.seg_bytes
@@ -78,6 +83,7 @@ def access_rows(
             f"{access.seg_bytes} bytes at offset {access.offset} do not fit a row of "
             f"{block_bytes} bytes"
         )
+    bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
     rows = np.empty((count, 2), dtype=np.uint64)
     rows[:, 0] = bases + np.uint64(row * block_bytes + access.offset)
     rows[:, 1] = access.seg_bytes
@@ -106,8 +112,8 @@ class Server:
             else:
                 entry, row = self._resolve(access)
                 entries = [entry]
-                iov = access_rows(entry.addrs, entry.row_bytes, entry.desc.batch_size, access, row)
-            total = int(iov[:, 1].sum()) if len(iov) else 0
+                iov = access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
+            total = access.nbytes
             if total != nbytes:
                 raise _invalid(
                     f"the request moves {nbytes} bytes but names {total} bytes of cache here"
@@ -147,7 +153,7 @@ class Server:
         if not len(rows):
             raise _invalid("the request names no memory")
         spans = [
-            (addr, addr + entry.desc.size, entry)
+            (addr, addr + entry.tensor_bytes, entry)
             for entry in self._caches.registry.entries()
             for addr in entry.addrs
         ]

@@ -24,6 +24,7 @@ from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.registry import CacheEntry
+from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._native import api
 from aio_datadist._transport.base import Channel, Iov, RequestKind
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
@@ -87,7 +88,10 @@ def local_rows(
 ) -> Iov:
     """Rows of a local cache: one segment per tensor at batch ``row``, or the listed blocks."""
     start, count = tensors
-    bases = np.asarray(entry.addrs[start : start + count], dtype=np.uint64)
+    bases_list = entry.addrs[start : start + count]
+    if blocks is not None and count * len(blocks) <= SMALL_ROWS:
+        return small_rows(bases_list, blocks, entry.row_bytes, seg)
+    bases = np.asarray(bases_list, dtype=np.uint64)
     if blocks is not None:
         idx = np.asarray(blocks, dtype=np.uint64)
         rows = np.empty((count, len(idx), 2), dtype=np.uint64)
@@ -213,7 +217,7 @@ class TransferService:
         registry.pin(entries)
         return TransferPlan(
             steps,
-            api.deadline_after(self.timeout_ms / 1000),
+            api.monotonic_ns() + self.timeout_ms * 1_000_000,
             lambda: registry.unpin(entries),
         )
 
@@ -276,7 +280,7 @@ class TransferService:
         src_layers: Any, dst_layers: Any, per_layer: int, entry: CacheEntry, *, local_is_dst: bool
     ) -> tuple[tuple[int, int], tuple[int, int]]:
         """(remote, local) tensor spans of a pull or push; None ranges mean all tensors."""
-        num = entry.desc.num_tensors
+        num = len(entry.addrs)
         local_layers, remote_layers = (
             (dst_layers, src_layers) if local_is_dst else (src_layers, dst_layers)
         )
@@ -326,8 +330,8 @@ class TransferService:
             entry = self._local(cache, "cache")
             if entry.is_blocks:
                 raise _invalid("pull_cache does not take a blocks cache; use pull_blocks")
-            if batch_index >= entry.desc.batch_size:
-                raise _invalid(f"batch_index {batch_index} >= batch size {entry.desc.batch_size}")
+            if batch_index >= entry.num_rows:
+                raise _invalid(f"batch_index {batch_index} >= batch size {entry.num_rows}")
             seg = entry.row_bytes if size == -1 else size
             if seg > entry.row_bytes:
                 raise _invalid(f"size {size} exceeds a row of {entry.row_bytes} bytes")
@@ -372,7 +376,7 @@ class TransferService:
             entry = self._local(dst_cache, "dst_cache")
             if not entry.is_blocks:
                 raise _invalid("pull_blocks needs a blocks cache as dst_cache")
-            check_blocks("dst_blocks", dst_blocks, entry.desc.batch_size)
+            check_blocks("dst_blocks", dst_blocks, entry.num_rows)
             remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
             block = entry.row_bytes
             if isinstance(src_cache_key, BlocksCacheKey):
@@ -407,7 +411,7 @@ class TransferService:
         self, entry: CacheEntry, src_layers: Any, dst_layers: Any, per_layer: Any
     ) -> tuple[tuple[int, int], tuple[int, int]]:
         check_int("tensor_num_per_layer", per_layer, "uint32")
-        num = entry.desc.num_tensors
+        num = len(entry.addrs)
         if not 1 <= per_layer <= num:
             raise _invalid(f"tensor_num_per_layer must be in [1, {num}], but got {per_layer}")
         if (src_layers is not None or dst_layers is not None) and num % per_layer:
@@ -445,10 +449,8 @@ class TransferService:
             entry = self._local(src_cache, "src_cache")
             if entry.is_blocks:
                 raise _invalid("push_cache does not take a blocks cache; use push_blocks")
-            if src_batch_index >= entry.desc.batch_size:
-                raise _invalid(
-                    f"src_batch_index {src_batch_index} >= batch size {entry.desc.batch_size}"
-                )
+            if src_batch_index >= entry.num_rows:
+                raise _invalid(f"src_batch_index {src_batch_index} >= batch size {entry.num_rows}")
             remote, local = self._push_spans(
                 entry, src_layer_range, dst_layer_range, tensor_num_per_layer
             )
@@ -487,7 +489,7 @@ class TransferService:
             entry = self._local(src_cache, "src_cache")
             if not entry.is_blocks:
                 raise _invalid("push_blocks needs a blocks cache as src_cache")
-            check_blocks("src_blocks", src_blocks, entry.desc.batch_size)
+            check_blocks("src_blocks", src_blocks, entry.num_rows)
             remote, local = self._push_spans(
                 entry, src_layer_range, dst_layer_range, tensor_num_per_layer
             )

@@ -44,6 +44,7 @@ __all__ = (
     "encode_error_text",
     "encode_header",
     "encode_hello",
+    "pack_header",
 )
 
 MAGIC = b"AIDD"
@@ -96,21 +97,37 @@ def encode_header(header: FrameHeader) -> bytes:
 
     :raises WireError: a field is outside its range or a length over its limit.
     """
-    if not 0 <= header.body_len <= MAX_BODY:
-        raise WireError(f"body of {header.body_len} bytes exceeds {MAX_BODY}")
-    if not 0 <= header.payload_len <= MAX_PAYLOAD:
-        raise WireError(f"payload of {header.payload_len} bytes exceeds {MAX_PAYLOAD}")
+    return pack_header(
+        header.kind,
+        header.request_id,
+        status=header.status,
+        body_len=header.body_len,
+        payload_len=header.payload_len,
+        flags=header.flags,
+        version=header.version,
+    )
+
+
+def pack_header(
+    kind: FrameKind,
+    request_id: int = 0,
+    *,
+    status: int = 0,
+    body_len: int = 0,
+    payload_len: int = 0,
+    flags: int = 0,
+    version: int = PROTOCOL_VERSION,
+) -> bytes:
+    """The 40 header bytes of a frame, from its fields (no :class:`FrameHeader` needed).
+
+    :raises WireError: a field is outside its range or a length over its limit.
+    """
+    if not 0 <= body_len <= MAX_BODY:
+        raise WireError(f"body of {body_len} bytes exceeds {MAX_BODY}")
+    if not 0 <= payload_len <= MAX_PAYLOAD:
+        raise WireError(f"payload of {payload_len} bytes exceeds {MAX_PAYLOAD}")
     try:
-        return HEADER.pack(
-            MAGIC,
-            header.version,
-            header.kind,
-            header.request_id,
-            header.status,
-            header.body_len,
-            header.flags,
-            header.payload_len,
-        )
+        return HEADER.pack(MAGIC, version, kind, request_id, status, body_len, flags, payload_len)
     except struct.error as exc:
         raise WireError(f"header field out of range: {exc}") from None
 

@@ -77,8 +77,8 @@ from aio_datadist._transport._wire import (
     decode_header,
     decode_hello,
     encode_error_text,
-    encode_header,
     encode_hello,
+    pack_header,
 )
 from aio_datadist._transport.base import (
     Acceptor,
@@ -157,9 +157,7 @@ def _failed(future: Future[None], status: LLMStatusCode, message: str) -> Future
 def _frame(
     kind: FrameKind, rid: int = 0, *, status: int = 0, body_len: int = 0, payload_len: int = 0
 ) -> bytes:
-    return encode_header(
-        FrameHeader(kind, rid, status=status, body_len=body_len, payload_len=payload_len)
-    )
+    return pack_header(kind, rid, status=status, body_len=body_len, payload_len=payload_len)
 
 
 def _iov_problem(iov: object, nbytes: int) -> str | None:
