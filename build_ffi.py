@@ -1,7 +1,10 @@
 """cffi build script for ``aio_datadist._native._ffi`` (API mode, out-of-line).
 
-The cdef is the region of ``aio_datadist/_native/datadist.h`` between the ``cdef-begin``
-and ``cdef-end`` markers, so the header stays the single description of the C surface.
+The cdef is the region between the ``cdef-begin`` and ``cdef-end`` markers of each header in
+``HEADERS`` (``datadist.h``, then the device-runtime headers), so the headers stay the single
+description of the C surface. Device runtimes are reached through ``dlopen`` at run time:
+nothing here needs CUDA or CANN to build.
+
 setuptools runs this through ``cffi_modules`` in setup.py; ``python build_ffi.py`` builds
 the extension in place for development. Nothing here runs at import time of the package.
 """
@@ -16,7 +19,10 @@ from cffi import FFI  # type: ignore[import-untyped,unused-ignore]
 
 ROOT = Path(__file__).resolve().parent
 NATIVE = Path("aio_datadist") / "_native"
-SOURCES = ["pool.c", "copy.c", "hostmem.c", "net.c"]
+#: The C surface: the core header, then one header per device runtime (dlopen-based).
+HEADERS = ["datadist.h", "cuda_rt.h", "acl_rt.h"]
+#: Every C source of the native layer; names starting with "_" are generated.
+SOURCES = sorted(p.name for p in (ROOT / NATIVE).glob("*.c") if not p.name.startswith("_"))
 
 
 def read_cdef(header: Path) -> str:
@@ -28,16 +34,17 @@ def read_cdef(header: Path) -> str:
 
 
 ffibuilder = FFI()
-ffibuilder.cdef(read_cdef(ROOT / NATIVE / "datadist.h"))
+_present = [h for h in HEADERS if (ROOT / NATIVE / h).exists()]
+ffibuilder.cdef("\n".join(read_cdef(ROOT / NATIVE / h) for h in _present))
 ffibuilder.set_source(
     "aio_datadist._native._ffi",
-    '#include "datadist.h"',
+    "\n".join(f'#include "{h}"' for h in _present),
     # Relative paths: distutils would put objects for absolute ones beside the sources.
     sources=[str(NATIVE / name) for name in SOURCES],
     include_dirs=[str(NATIVE)],
     extra_compile_args=["-O3", "-std=c11", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"],
     extra_link_args=["-pthread"],
-    libraries=["pthread"],
+    libraries=["pthread", "dl"],
 )
 
 if __name__ == "__main__":

@@ -12,7 +12,11 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ("CopyKind", "DeviceRuntime")
+__all__ = ("CopyKind", "DeviceRuntime", "RuntimeUnavailable")
+
+
+class RuntimeUnavailable(RuntimeError):
+    """A device runtime cannot be used here: its library or a device is missing."""
 
 
 class CopyKind(IntEnum):
