@@ -47,6 +47,7 @@ __all__ = (
     "OPTION_TRANSFER_BACKEND",
     "OPTION_TRANSPORT",
     "OPTION_COMM_BASE_PORT",
+    "OPTION_SAME_HOST",
     "DEFAULT_MEM_UTILIZATION",
     "DEFAULT_PAGE_SHIFT",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
@@ -89,6 +90,8 @@ OPTION_CLUSTER_INFO = "llm.ClusterInfo"
 OPTION_TRANSPORT = "aio.Transport"
 #: First port of rank-table endpoints for ``link`` (aio_datadist's own option).
 OPTION_COMM_BASE_PORT = "aio.CommBasePort"
+#: "1" (default) or "0": one-sided transfers with linked processes on this host.
+OPTION_SAME_HOST = "aio.SameHost"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -112,6 +115,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "mem_utilization": OPTION_MEMORY_UTILIZATION,
     "cluster_info": OPTION_CLUSTER_INFO,
     "transport": OPTION_TRANSPORT,
+    "same_host": OPTION_SAME_HOST,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -180,6 +184,7 @@ class LLMConfig:
         "_output_max_size",
         "_rdma_service_level",
         "_rdma_traffic_class",
+        "_same_host",
         "_sync_kv_timeout",
         "_transfer_backend",
         "_transport",
@@ -209,6 +214,7 @@ class LLMConfig:
         self._mem_utilization: float = DEFAULT_MEM_UTILIZATION
         self._cluster_info: str = ""
         self._transport: str | None = None
+        self._same_host: bool | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -271,6 +277,8 @@ class LLMConfig:
         opts[OPTION_MEMORY_UTILIZATION] = str(self._mem_utilization)
         if self._transport is not None:
             opts[OPTION_TRANSPORT] = self._transport
+        if self._same_host is not None:
+            opts[OPTION_SAME_HOST] = "1" if self._same_host else "0"
         return opts
 
     @property
@@ -554,6 +562,23 @@ class LLMConfig:
         if transport is not None and transport not in TRANSPORTS:
             param_invalid(f"transport must be one of {list(TRANSPORTS)}, but got {transport!r}.")
         self._transport = transport
+
+    @property
+    def same_host(self) -> bool | None:
+        """One-sided transfers with linked processes on this host (key ``aio.SameHost``).
+
+        With TCP links between two processes of one host, pulls and pushes of host-memory
+        caches read and write the peer's published caches directly (``process_vm_readv`` /
+        ``process_vm_writev``) instead of streaming them through the socket. None (the
+        default) means on; False keeps every transfer on the link. Not part of the
+        reference API.
+        """
+        return self._same_host
+
+    @same_host.setter
+    def same_host(self, same_host: bool | None) -> None:
+        _check_optional("same_host", same_host, bool)
+        self._same_host = same_host
 
     def __repr__(self) -> str:
         # Only the settings that differ from a fresh config; self.options is left out.

@@ -36,6 +36,7 @@ def make_options(
     transport: str = "loopback",
     listen: str | None = None,
     sync_kv_timeout: int | None = None,
+    same_host: bool | None = None,
 ) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
@@ -45,6 +46,8 @@ def make_options(
         cfg.listen_ip_info = listen
     if sync_kv_timeout is not None:
         cfg.sync_kv_timeout = sync_kv_timeout
+    if same_host is not None:
+        cfg.same_host = same_host
     if device_pool is not None:
         cfg.mem_pool_cfg = device_pool
     if host_pool is not None:

@@ -107,6 +107,7 @@ def test_every_setting_writes_its_key() -> None:
     cfg.mem_utilization = 0.5
     cfg.cluster_info = '{"cluster_id": 1}'
     cfg.transport = "loopback"
+    cfg.same_host = False
     assert cfg.generate_options() == {
         "ge.flowGraphMemMaxSize": "4106127360",
         "ge.exec.deviceId": "0;1",
@@ -131,6 +132,7 @@ def test_every_setting_writes_its_key() -> None:
         "llm.MemoryUtilization": "0.5",
         "llm.ClusterInfo": '{"cluster_id": 1}',
         "aio.Transport": "loopback",
+        "aio.SameHost": "0",
     }
     # The table names exactly the keys the settings wrote (plus ge_options and the session id).
     written = set(cfg.options) - {"ge.flowGraphMemMaxSize", "ge.session_device_id"}

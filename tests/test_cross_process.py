@@ -1,7 +1,9 @@
 """Transfers with a real second process over TCP: data, stalls, kills, loop responsiveness.
 
 The peer (``tests/peer_prompt.py``) is a blocking-API prompt; the decoder here runs through
-both faces. A stalled peer is stopped with SIGSTOP, a dead one killed with SIGKILL.
+both faces and both routes: ``link`` (every byte through the socket) and ``samehost`` (the
+one-sided path, where the kernel allows it). A stalled peer is stopped with SIGSTOP, a dead
+one killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -108,8 +110,31 @@ def peer_factory() -> Iterator[Callable[[int, int], Peer]]:
         peer.close()
 
 
+@pytest.fixture(params=["link", "samehost"])
+def route(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def peer_memory(face: Face) -> Any:
+    """The decoder's one-sided route to cluster 1 (None when the link carries everything)."""
+    link = face.dd._engine.links.get(1)
+    assert link is not None
+    return link.peer_memory
+
+
+def check_route(face: Face, route: str) -> None:
+    """The transfers took the route the test asked for (or the kernel refused it)."""
+    memory = peer_memory(face)
+    if route == "link":
+        assert memory is None
+        return
+    assert memory is not None
+    if not memory.enabled:
+        pytest.skip("the kernel refuses cross-process memory access here")
+
+
 @pytest.fixture
-async def decoder(face_kind: str) -> AsyncIterator[Callable[..., Any]]:
+async def decoder(face_kind: str, route: str) -> AsyncIterator[Callable[..., Any]]:
     faces: list[Face] = []
 
     async def factory(timeout_ms: int = 5000, remote_accessible: bool = True) -> Face:
@@ -121,6 +146,7 @@ async def decoder(face_kind: str) -> AsyncIterator[Callable[..., Any]]:
                 remote_accessible=remote_accessible,
                 transport="tcp",
                 sync_kv_timeout=timeout_ms,
+                same_host=route == "samehost",
             )
         )
         return face
@@ -143,7 +169,7 @@ def blocks_desc(blocks: int, block_bytes: int) -> CacheDesc:
     return CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
 
 
-async def test_pull_and_push_across_processes(decoder: Any, peer_factory: Any) -> None:
+async def test_pull_and_push_across_processes(decoder: Any, peer_factory: Any, route: str) -> None:
     peer = peer_factory(16, 64 * 1024)
     face = await decoder()
     await link(face, peer)
@@ -161,6 +187,14 @@ async def test_pull_and_push_across_processes(decoder: Any, peer_factory: Any) -
     rows = await face.cm.allocate_cache(CacheDesc(TENSORS, [2, ROW_BYTES], DataType.DT_UINT8))
     await face.cm.pull_cache(CacheKeyByIdAndIndex(1, 2, 0), rows, batch_index=1)
     assert [int(v[1, 0]) for v in rows.as_numpy()] == [7, 8, 9, 10]
+    # refusals are the serving side's on either route
+    with pytest.raises(LLMException) as info:
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [16], [0])
+    assert info.value.status_code == S.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as info:
+        await face.cm.pull_cache(CacheKeyByIdAndIndex(1, 99, 0), rows)
+    assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    check_route(face, route)
     await face.cm.deallocate_cache(rows)
     await face.cm.deallocate_blocks_cache(cache)
 
@@ -183,6 +217,7 @@ async def test_pull_by_key_drops_the_key_on_the_peer(decoder: Any, peer_factory:
     await face.cm.deallocate_cache(rows)
 
 
+@pytest.mark.parametrize("route", ["link"], indirect=True)
 async def test_stalled_peer_times_out_within_the_deadline(decoder: Any, peer_factory: Any) -> None:
     peer = peer_factory(16, 64 * 1024)
     face = await decoder(timeout_ms=500)
@@ -199,6 +234,31 @@ async def test_stalled_peer_times_out_within_the_deadline(decoder: Any, peer_fac
         with pytest.raises(LLMException) as info:
             await push_blocks(face, BlocksCacheKey(1, 0), cache, [1], [1])
         assert info.value.status_code in (S.LLM_TIMEOUT, S.LLM_LINK_FAILED)
+    finally:
+        peer.signal(signal.SIGCONT)
+    await face.cm.deallocate_blocks_cache(cache)
+
+
+@pytest.mark.parametrize("route", ["samehost"], indirect=True)
+async def test_one_sided_transfers_need_no_help_from_a_stalled_peer(
+    decoder: Any, peer_factory: Any
+) -> None:
+    peer = peer_factory(16, 64 * 1024)
+    face = await decoder(timeout_ms=500)
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(16, 64 * 1024))
+    peer.signal(signal.SIGSTOP)
+    try:
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [4], [1])
+        check_route(face, "samehost")
+        for t, view in enumerate(cache.as_numpy()):
+            np.testing.assert_array_equal(view[1], pattern(t, 16, 64 * 1024)[4])
+        # a pull by key still needs the peer, and times out
+        rows = await face.cm.allocate_cache(CacheDesc(TENSORS, [1, ROW_BYTES], DataType.DT_UINT8))
+        with pytest.raises(LLMException) as info:
+            await face.cm.pull_cache(CacheKeyByIdAndIndex(1, 99, 0), rows)
+        assert info.value.status_code == S.LLM_TIMEOUT
+        await face.cm.deallocate_cache(rows)
     finally:
         peer.signal(signal.SIGCONT)
     await face.cm.deallocate_blocks_cache(cache)

@@ -4,6 +4,7 @@ and of host memory."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import subprocess
 import sys
@@ -404,3 +405,104 @@ def test_host_free_bad_arguments() -> None:
     with pytest.raises(ParamInvalidError):
         api.host_free(a, 0)
     api.host_free(a, 4096)
+
+
+# -- cross-process batches ---------------------------------------------------------------
+_PEER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    buf = np.frombuffer(bytes(range(256)) * (int(sys.argv[1]) // 256), dtype=np.uint8).copy()
+    print(int(buf.ctypes.data), flush=True)
+    sys.stdin.read()                       # until the test closes stdin
+    sys.stdout.write(str(int(buf.astype(np.uint64).sum())) + "\\n")
+    """
+)
+
+
+@pytest.fixture
+def peer_buffer() -> Iterator[tuple[subprocess.Popen[str], int, int]]:
+    """A child process holding a known buffer: (process, its address there, its size)."""
+    size = 8 * MiB
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PEER, str(size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    where = int(proc.stdout.readline())
+    try:
+        yield proc, where, size
+    finally:
+        proc.kill()
+        proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _vm_or_skip(pid: int, ops: Ops, *, write: bool, threads: int = 0) -> None:
+    try:
+        api.vm_copy_batch(pid, ops, write=write, threads=threads)
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_vm_copy_batch_reads_and_writes_another_process(
+    peer_buffer: tuple[subprocess.Popen[str], int, int], threads: int
+) -> None:
+    proc, there, size = peer_buffer
+    expected = np.frombuffer(bytes(range(256)) * (size // 256), dtype=np.uint8)
+    local = np.zeros(size, dtype=np.uint8)
+    # scattered 64 KiB pieces, in reverse order, then the whole buffer at once
+    piece = 64 << 10
+    rows = [(addr(local) + i * piece, there + i * piece, piece) for i in reversed(range(64))]
+    _vm_or_skip(proc.pid, make_ops(rows), write=False, threads=threads)
+    np.testing.assert_array_equal(local[: 64 * piece], expected[: 64 * piece])
+    local[:] = 0
+    _vm_or_skip(proc.pid, make_ops([(addr(local), there, size)]), write=False, threads=threads)
+    np.testing.assert_array_equal(local, expected)
+    # write ones back over the peer's buffer and let it report the sum
+    ones = np.ones(size, dtype=np.uint8)
+    _vm_or_skip(proc.pid, make_ops([(there, addr(ones), size)]), write=True, threads=threads)
+    out, _ = proc.communicate("", timeout=30)
+    assert int(out.strip()) == size
+
+
+def test_vm_copy_batch_more_ranges_than_iov_max(
+    peer_buffer: tuple[subprocess.Popen[str], int, int],
+) -> None:
+    proc, there, size = peer_buffer
+    expected = np.frombuffer(bytes(range(256)) * (size // 256), dtype=np.uint8)
+    local = np.zeros(size, dtype=np.uint8)
+    # 3000 rows of 1 KiB that never merge (every other KiB), crossing IOV_MAX twice
+    rows = [(addr(local) + 2048 * i, there + 2048 * i + 1024, 1024) for i in range(3000)]
+    _vm_or_skip(proc.pid, make_ops(rows), write=False, threads=1)
+    got = local[: 2048 * 3000].reshape(3000, 2048)[:, :1024]
+    want = expected[: 2048 * 3000].reshape(3000, 2048)[:, 1024:]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_vm_copy_batch_errors(peer_buffer: tuple[subprocess.Popen[str], int, int]) -> None:
+    proc, there, _ = peer_buffer
+    local = np.zeros(4096, dtype=np.uint8)
+    with pytest.raises(TypeError):
+        api.vm_copy_batch("1", make_ops([]), write=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        api.vm_copy_batch(0, make_ops([]), write=False)
+    with pytest.raises(ParamInvalidError):  # a null address is refused before any I/O
+        api.vm_copy_batch(proc.pid, make_ops([(0, there, 16)]), write=False)
+    try:  # an address that is not mapped in the peer
+        api.vm_copy_batch(proc.pid, make_ops([(addr(local), 4096, 4096)]), write=False)
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+    except OSError as exc:
+        assert exc.errno == errno.EFAULT
+    else:
+        pytest.fail("reading an unmapped address succeeded")
+    proc.kill()
+    proc.wait()
+    with pytest.raises(ProcessLookupError):
+        api.vm_copy_batch(proc.pid, make_ops([(addr(local), there, 4096)]), write=False)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any
+
+import structlog
 
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
 from aio_datadist._engine.links import LinkTable, check_clusters
+from aio_datadist._engine.regions import BoardEntry, RegionBoard
 from aio_datadist._engine.serving import Server
 from aio_datadist._engine.transfers import TransferService
 from aio_datadist._log import get_logger
@@ -16,6 +20,7 @@ from aio_datadist._runtime import select_runtime
 from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist._transport import make_transport
 from aio_datadist._transport.base import Hello
+from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.config import (
     DEFAULT_SYNC_KV_TIMEOUT_MS,
@@ -31,6 +36,7 @@ from aio_datadist.config import (
     OPTION_LISTEN_PORT,
     OPTION_LOCAL_COMM_RES,
     OPTION_MEM_POOL_CONFIG,
+    OPTION_SAME_HOST,
     OPTION_SESSION_DEVICE_ID,
     OPTION_SYNC_KV_TIMEOUT,
     OPTION_TRANSPORT,
@@ -76,6 +82,7 @@ class EngineSettings:
         self.host_pool = _pool_cfg(options.get(OPTION_HOST_MEM_POOL_CONFIG), host=True)
         self.transport = options.get(OPTION_TRANSPORT)
         self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
+        self.same_host = options.get(OPTION_SAME_HOST, "1") != "0"
         self.link_total_time_s = _int_option(options, OPTION_LINK_TOTAL_TIME, 0)
         self.link_retry_count = _int_option(options, OPTION_LINK_RETRY_COUNT, 1)
         self.local_comm_res = options.get(OPTION_LOCAL_COMM_RES)
@@ -112,6 +119,7 @@ class Engine:
         self.caches: CacheService | None = None
         self.links: LinkTable | None = None
         self.transfers: TransferService | None = None
+        self._board: RegionBoard | None = None
         self.comms: CommDomains | None = None
         self._lock = threading.Lock()
         self._log = get_logger("engine", cluster_id=cluster_id, role=role.name)
@@ -153,8 +161,13 @@ class Engine:
                 remote_cache_accessible=settings.remote_cache_accessible,
                 log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
             )
+            board = self._open_board(settings, caches, log)
+            presence = None
+            host_key = local_host_key()
+            if board is not None and host_key is not None:
+                presence = HostPresence(host_key[0], host_key[1], os.getpid(), board.fd)
             links = LinkTable(
-                Hello(self.cluster_id, self.role),
+                Hello(self.cluster_id, self.role, presence=presence),
                 make_transport(settings.transport),
                 Server(caches),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
@@ -165,12 +178,14 @@ class Engine:
                     links.listen(*settings.listen)
                 except OSError as exc:
                     caches.close()
+                    if board is not None:
+                        board.close()
                     host, port = settings.listen
                     raise LLMFailedError(
                         f"cannot listen on {host}:{port}: {exc}",
                         status_code=LLMStatusCode.LLM_FAILED,
                     ) from None
-            self.caches, self.links = caches, links
+            self.caches, self.links, self._board = caches, links, board
             self.comms = CommDomains(links, settings.comm_base_port, settings.link_total_time_s)
             self.transfers = TransferService(
                 caches,
@@ -293,12 +308,52 @@ class Engine:
         with self._lock:
             caches, self.caches, self.settings = self.caches, None, None
             links, self.links, self.transfers = self.links, None, None
+            board, self._board = self._board, None
             self.comms = None
         if links is not None:
             links.close()
         if caches is not None:
             caches.close()
             self._log.info("engine.finalized")
+        if board is not None:
+            board.close()
+
+    @staticmethod
+    def _open_board(
+        settings: EngineSettings, caches: CacheService, log: structlog.stdlib.BoundLogger
+    ) -> RegionBoard | None:
+        """The region board same-host peers read, kept current from the registry; None when
+        one-sided access is off, the transport is not TCP, or the host cannot make one."""
+        if not settings.same_host or (settings.transport or "tcp") != "tcp":
+            return None
+        try:
+            board = RegionBoard()
+        except OSError as exc:
+            log.info("samehost.unavailable", reason=f"no region board: {exc}")
+            return None
+        registry = caches.registry
+        host_readable = caches.runtime.device_memory_is_host
+
+        def publish() -> None:
+            board.publish(
+                BoardEntry(
+                    e.cache_id,
+                    e.blocks_key.model_id if e.blocks_key is not None else -1,
+                    e.row_bytes,
+                    e.num_rows,
+                    e.tensor_bytes,
+                    e.addrs,
+                )
+                for e in registry.entries()
+                if not e.released and (host_readable or e.desc.placement is Placement.HOST)
+            )
+            if board.overflowed:
+                log.warning("samehost.board_full", note="peers use the link for every transfer")
+
+        with registry.lock:
+            registry.on_change = publish
+            publish()
+        return board
 
 
 def _close_all(pools: dict[Placement, MemoryPool], runtime: DeviceRuntime) -> None:

@@ -211,8 +211,7 @@ class LayerJob:
                 access = Access(
                     Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields
                 )
-        channel = self.service.channel(cluster)
-        return Step(channel, RequestKind.PUSH, access, rows)
+        return self.service.step(cluster, RequestKind.PUSH, access, rows)
 
 
 def plan_layer_job(

@@ -12,11 +12,12 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
+from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
 from aio_datadist._transport.base import (
     Channel,
     Hello,
@@ -44,6 +45,13 @@ class Link:
     remote: Hello
     channel: Channel
     initiator: bool  # True when this side called link_clusters
+    #: One-sided access to the peer's caches when it runs on this host.
+    peer_memory: PeerMemory | None = None
+
+
+def _close_peer_memory(link: Link) -> None:
+    if link.peer_memory is not None:
+        link.peer_memory.close()
 
 
 def check_clusters(clusters: Any, timeout: Any, *, need_local_ip: bool) -> None:
@@ -154,23 +162,33 @@ class LinkTable:
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"this is cluster {self.local.cluster_id}, not {peer.to_cluster_id}",
             )
-        peer = Hello(peer.cluster_id, peer.role)
+        peer = replace(peer, to_cluster_id=None)
         with self._lock:
             existing = self._links.get(peer.cluster_id)
             if existing is not None and not existing.channel.closed:
                 raise LinkRefused(
                     LLMStatusCode.LLM_ALREADY_LINK, f"cluster {peer.cluster_id} is already linked"
                 )
-            self._links[peer.cluster_id] = Link(peer, channel, initiator=False)
+            link = Link(peer, channel, initiator=False)
+            self._links[peer.cluster_id] = link
+        self._attach_peer_memory(link)
         channel.on_close(self._forget)
         self._log.info("link.accepted", remote_cluster_id=peer.cluster_id)
         return self.local
+
+    def _attach_peer_memory(self, link: Link) -> None:
+        """Open the one-sided route to a same-host peer (both ends must offer presence)."""
+        if self.local.presence is not None:
+            link.peer_memory = open_peer_memory(
+                link.remote.presence, self._log.bind(remote_cluster_id=link.remote.cluster_id)
+            )
 
     def _forget(self, channel: Channel) -> None:
         with self._lock:
             for cluster_id, link in list(self._links.items()):
                 if link.channel is channel:
                     del self._links[cluster_id]
+                    _close_peer_memory(link)
                     self._log.info("link.closed", remote_cluster_id=cluster_id)
 
     # -- client side ----------------------------------------------------------------------
@@ -211,7 +229,7 @@ class LinkTable:
             if attempt and status is LLMStatusCode.LLM_LINK_FAILED:
                 time.sleep(min(_RETRY_PAUSE_S, remaining))  # the server may be starting
             try:
-                hello = Hello(self.local.cluster_id, self.local.role, to_cluster_id=remote_id)
+                hello = replace(self.local, to_cluster_id=remote_id)
                 channel = self.transport.connect(host, port, hello, self._handler, remaining)
             except LinkRefused as exc:
                 status = exc.status
@@ -233,8 +251,10 @@ class LinkTable:
                 )
                 status = LLMStatusCode.LLM_LINK_FAILED
                 continue
+            link = Link(channel.peer, channel, initiator=True)
             with self._lock:
-                self._links[remote_id] = Link(channel.peer, channel, initiator=True)
+                self._links[remote_id] = link
+            self._attach_peer_memory(link)
             channel.on_close(self._forget)
             self._log.info(
                 "link.established", remote_cluster_id=remote_id, address=f"{host}:{port}"
@@ -261,6 +281,7 @@ class LinkTable:
             link = self._links.pop(remote_id, None)
         if link is None or link.channel.closed:
             return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK
+        _close_peer_memory(link)
         told = link.channel.close(notify_peer=not force, timeout=timeout)
         self._log.info("link.unlinked", remote_cluster_id=remote_id, force=force, peer_told=told)
         if not force and not told:
@@ -273,6 +294,7 @@ class LinkTable:
             link = self._links.pop(cluster_id, None)
         if link is None:
             return False
+        _close_peer_memory(link)
         told = link.channel.close(notify_peer=True, timeout=timeout)
         self._log.info("link.unlinked", remote_cluster_id=cluster_id, peer_told=told)
         return True
@@ -283,4 +305,5 @@ class LinkTable:
         with self._lock:
             links, self._links = list(self._links.values()), {}
         for link in links:
+            _close_peer_memory(link)
             link.channel.close(notify_peer=True, timeout=timeout)

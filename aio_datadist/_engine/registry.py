@@ -62,6 +62,12 @@ class CacheRegistry:
         self._entries: dict[int, CacheEntry] = {}
         self._keys: dict[KeyIdentity, CacheEntry] = {}
         self._blocks_keys: dict[int, CacheEntry] = {}
+        #: Called (registry lock held) after a cache became reachable or unreachable.
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # -- lookup ---------------------------------------------------------------------------
     def get(self, cache_id: int) -> CacheEntry | None:
@@ -111,6 +117,7 @@ class CacheRegistry:
         if blocks_key is not None:
             entry.blocks_key = blocks_key
             self._blocks_keys[blocks_key.model_id] = entry
+        self._changed()
 
     def drop_key(self, identity: KeyIdentity) -> bool:
         """Remove a key reference; frees the cache if it was the last one. False if unknown."""
@@ -129,6 +136,7 @@ class CacheRegistry:
         entry.cache._tensor_addrs = []
         if entry.blocks_key is not None:
             self._blocks_keys.pop(entry.blocks_key.model_id, None)
+        self._changed()
         self._maybe_free(entry)
 
     def remove(self, entry: CacheEntry) -> None:
@@ -166,6 +174,7 @@ class CacheRegistry:
             self._entries.clear()
             self._keys.clear()
             self._blocks_keys.clear()
+            self._changed()
 
     def _maybe_free(self, entry: CacheEntry) -> None:
         if not entry.released or entry.keys or entry.pins:

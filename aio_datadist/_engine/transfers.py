@@ -23,6 +23,7 @@ import numpy as np
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.links import LinkTable
+from aio_datadist._engine.onesided import ONE_SIDED_TARGETS, PeerMemory
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._native import api
@@ -120,6 +121,8 @@ class Step:
     access: Access
     local: Iov
     commit: bool = False
+    #: The one-sided route to a same-host peer, when the step may take it.
+    peer: PeerMemory | None = None
 
     @property
     def nbytes(self) -> int:
@@ -129,6 +132,8 @@ class Step:
     @property
     def in_caller(self) -> bool:
         """True when starting the step moves its payload in the calling thread."""
+        if self.peer is not None:
+            return True
         return (
             self.channel.pull_in_caller
             if self.kind is RequestKind.PULL
@@ -198,8 +203,16 @@ class TransferService:
         self.remote_cache_accessible = remote_cache_accessible
 
     # -- common ---------------------------------------------------------------------------
-    def channel(self, cluster_id: int) -> Channel:
-        """The live channel to ``cluster_id``.
+    def step(
+        self,
+        cluster_id: int,
+        kind: RequestKind,
+        access: Access,
+        local: Iov,
+        *,
+        commit: bool = False,
+    ) -> Step:
+        """A request to ``cluster_id`` over its live link.
 
         :raises LLMException: ``LLM_NOT_YET_LINK`` when there is no link.
         """
@@ -209,7 +222,10 @@ class TransferService:
                 f"cluster {cluster_id} is not linked: call link_clusters first",
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
             )
-        return link.channel
+        peer = link.peer_memory
+        if peer is not None and not (peer.enabled and access.target in ONE_SIDED_TARGETS):
+            peer = None
+        return Step(link.channel, kind, access, local, commit=commit, peer=peer)
 
     def _plan(self, steps: list[Step], entries: list[CacheEntry]) -> TransferPlan:
         """Pin ``entries`` (registry lock held) for a plan of ``steps``."""
@@ -223,6 +239,17 @@ class TransferService:
 
     def start(self, plan: TransferPlan, step: Step) -> Future[None]:
         """Send one step's request; the plan holds its pins until the request completes."""
+        try:
+            if step.peer is not None and step.peer.transfer(step.kind, step.access, step.local):
+                future: Future[None] = Future()
+                future.set_result(None)
+                plan.track(future)
+                return future
+        except LLMException as exc:
+            future = Future()
+            future.set_exception(exc)
+            plan.track(future)
+            return future
         body = encode_access(step.access)
         try:
             if step.kind is RequestKind.PULL:
@@ -350,9 +377,8 @@ class TransferService:
                     seg_bytes=seg,
                     drop_key=True,
                 )
-            channel = self.channel(cache_key.cluster_id)
             rows = local_rows(entry, local, row=batch_index, seg=seg)
-            step = Step(channel, RequestKind.PULL, access, rows, commit=drop)
+            step = self.step(cache_key.cluster_id, RequestKind.PULL, access, rows, commit=drop)
             return self._plan([step], [entry])
 
     def plan_pull_blocks(
@@ -402,9 +428,9 @@ class TransferService:
                     tensor_count=remote[1],
                     seg_bytes=block * len(dst_blocks),
                 )
-            channel = self.channel(src_cache_key.cluster_id)
             rows = local_rows(entry, local, seg=block, blocks=list(dst_blocks))
-            return self._plan([Step(channel, RequestKind.PULL, access, rows)], [entry])
+            step = self.step(src_cache_key.cluster_id, RequestKind.PULL, access, rows)
+            return self._plan([step], [entry])
 
     # -- pushes ---------------------------------------------------------------------------
     def _push_spans(
@@ -458,9 +484,9 @@ class TransferService:
             access = self._key_access(
                 dst_cache_key, tensor_start=remote[0], tensor_count=remote[1], seg_bytes=seg
             )
-            channel = self.channel(dst_cache_key.cluster_id)
             rows = local_rows(entry, local, row=src_batch_index, seg=seg)
-            return self._plan([Step(channel, RequestKind.PUSH, access, rows)], [entry])
+            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows)
+            return self._plan([step], [entry])
 
     def plan_push_blocks(
         self,
@@ -502,6 +528,6 @@ class TransferService:
                 seg_bytes=block,
                 blocks=np.asarray(dst_blocks, dtype=np.uint64),
             )
-            channel = self.channel(dst_cache_key.cluster_id)
             rows = local_rows(entry, local, seg=block, blocks=list(src_blocks))
-            return self._plan([Step(channel, RequestKind.PUSH, access, rows)], [entry])
+            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows)
+            return self._plan([step], [entry])

@@ -28,6 +28,8 @@ except ImportError as exc:
 impl: str = "cffi"
 """Which native implementation is loaded."""
 
-features: frozenset[str] = frozenset({"pool", "copy_batch", "copy_threads", "hostmem", "net"})
+features: frozenset[str] = frozenset(
+    {"pool", "copy_batch", "copy_threads", "hostmem", "net", "vm_copy"}
+)
 """What the loaded implementation can do: page pool, batched copy, threaded copy, host memory,
-scatter-gather socket I/O."""
+scatter-gather socket I/O, batched copies with another process on this host."""

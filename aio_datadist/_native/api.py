@@ -17,6 +17,7 @@ every call, and ``ffi.errno`` reads that saved value in the calling thread.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ __all__ = (
     "sock_send_bytes",
     "sock_sendv",
     "sock_tune",
+    "vm_copy_batch",
 )
 
 _U64_LIMIT = 1 << 64
@@ -294,6 +296,60 @@ def copy(dst: int, src: int, nbytes: int) -> None:
     _check(lib.dd_copy(dst, src, nbytes), f"copy of {nbytes} bytes")
 
 
+def _ops_table(ops: object, threads: object) -> int:
+    """Check a ``(dst, src, nbytes)`` table and a thread count; return the row count."""
+    if not isinstance(ops, np.ndarray):
+        raise TypeError(f"ops must be a numpy.ndarray, got {type(ops).__name__}")
+    if ops.dtype != np.uint64:
+        raise TypeError(f"ops must have dtype uint64, got {ops.dtype}")
+    if ops.ndim != 2 or ops.shape[1] != 3:
+        raise ValueError(f"ops must have shape (n, 3), got {ops.shape}")
+    if not (ops.flags.c_contiguous and ops.flags.aligned):
+        raise ValueError("ops must be C-contiguous and aligned")
+    if isinstance(threads, bool) or not isinstance(threads, int):
+        raise TypeError(f"threads must be an int, got {type(threads).__name__}")
+    if not 0 <= threads <= MAX_COPY_THREADS:
+        _check(lib.DD_EINVAL, f"copy threads={threads}")
+    return int(ops.shape[0])
+
+
+def vm_copy_batch(pid: int, ops: npt.NDArray[np.uint64], *, write: bool, threads: int = 0) -> None:
+    """``copy_batch`` with another process: its memory is each row's src, or dst if ``write``.
+
+    One kernel copy between the two address spaces (``process_vm_readv`` /
+    ``process_vm_writev``, up to IOV_MAX merged ranges a call, GIL released); big batches
+    are cut across ``threads`` threads as for ``copy_batch``.
+
+    Raises:
+        TypeError, ValueError: as for ``copy_batch``, or ``pid`` not a positive int.
+        ParamInvalidError: as for ``copy_batch``; nothing moved then.
+        PermissionError: the kernel refuses access to ``pid`` (ptrace scope, another user,
+            a container boundary); nothing moved.
+        ProcessLookupError: ``pid`` does not exist.
+        OSError: ``EFAULT`` (an address is not mapped on one side) or another failure;
+            part of the batch may have moved.
+    """
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        raise TypeError(f"pid must be an int, got {type(pid).__name__}")
+    if not 0 < pid <= _INT_MAX:
+        raise ValueError(f"pid must be a positive process id, got {pid}")
+    n = _ops_table(ops, threads)
+    if n == 0:
+        return
+    err = ffi.new("int *")
+    rc = lib.dd_vm_copy_batch(pid, int(write), ffi.from_buffer("uint64_t[]", ops), n, threads, err)
+    if rc == lib.DD_ESYS:
+        code = int(err[0])
+        what = f"{'write to' if write else 'read from'} process {pid}: {os.strerror(code)}"
+        if code in (errno.EPERM, errno.EACCES, errno.ENOSYS):
+            raise PermissionError(code, what)
+        if code == errno.ESRCH:
+            raise ProcessLookupError(code, what)
+        raise OSError(code, what)
+    if rc != 0:
+        _check(rc, f"vm_copy_batch of {n} rows (a row has a null address or wraps around)")
+
+
 def copy_batch(ops: npt.NDArray[np.uint64], threads: int = 0) -> None:
     """Run a batch of copies in ONE native call; ``ops`` rows are ``(dst, src, nbytes)``.
 
@@ -308,19 +364,7 @@ def copy_batch(ops: npt.NDArray[np.uint64], threads: int = 0) -> None:
         ParamInvalidError: ``threads`` outside [0, MAX_COPY_THREADS], or a row with
             ``nbytes > 0`` has a null address or wraps around; nothing is copied then.
     """
-    if not isinstance(ops, np.ndarray):
-        raise TypeError(f"ops must be a numpy.ndarray, got {type(ops).__name__}")
-    if ops.dtype != np.uint64:
-        raise TypeError(f"ops must have dtype uint64, got {ops.dtype}")
-    if ops.ndim != 2 or ops.shape[1] != 3:
-        raise ValueError(f"ops must have shape (n, 3), got {ops.shape}")
-    if not (ops.flags.c_contiguous and ops.flags.aligned):
-        raise ValueError("ops must be C-contiguous and aligned")
-    if not isinstance(threads, int):
-        raise TypeError(f"threads must be an int, got {type(threads).__name__}")
-    if not 0 <= threads <= MAX_COPY_THREADS:
-        _check(lib.DD_EINVAL, f"copy_batch threads={threads}")
-    n = ops.shape[0]
+    n = _ops_table(ops, threads)
     if n == 0:
         return
     rc = lib.dd_copy_batch(ffi.from_buffer("uint64_t[]", ops), n, threads)

@@ -1,4 +1,5 @@
-/* copy.c: single and batched memcpy, with a persistent worker pool for big batches.
+/* copy.c: single and batched memcpy, within this process or with another one, with a
+ * persistent worker pool for big batches.
  *
  * A batch is a table of (dst, src, nbytes) rows read as one stream of bytes. Adjacent rows
  * that continue each other on both sides are merged on the fly, so a run of consecutive
@@ -8,17 +9,29 @@
  * thread claims slices of its own job as well, so a batch completes even when no worker
  * could be started, and concurrent callers never wait for each other's batches.
  *
+ * A cross-process batch (dd_vm_copy_batch) moves the same rows with process_vm_readv or
+ * process_vm_writev instead of memcpy: one kernel copy between the two address spaces, up
+ * to IOV_MAX merged ranges a call, slices spread over the same workers.
+ *
  * Workers are detached, block all signals and sleep on a condition variable; the process
  * exits without waiting for them. After fork() the child starts with no workers.
  */
 #define _GNU_SOURCE
 #include "datadist.h"
 
+#include <errno.h>
+#include <stdbool.h>
+#include <limits.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <sys/uio.h>
 #include <unistd.h>
+
+#ifndef IOV_MAX
+#define IOV_MAX 1024
+#endif
 
 /* Below this a batch is cheaper to copy than to hand to another thread: a wake-up costs
  * tens of microseconds, 2 MiB copies in about a hundred. */
@@ -41,6 +54,9 @@ typedef struct job {
     struct job *qnext;
     const uint64_t *ops;
     size_t n;
+    int pid;        /* 0: memcpy in this process; else the peer of a cross-process batch */
+    int write;      /* cross-process: 1 writes the peer's memory (dst), 0 reads it (src) */
+    atomic_int err; /* cross-process: first errno a slice met (0: none) */
     slice_t sl[DD_COPY_MAX_THREADS];
     unsigned nslices;
     unsigned next;    /* first unclaimed slice */
@@ -69,9 +85,64 @@ int dd_copy(uint64_t dst, uint64_t src, uint64_t nbytes)
     return DD_OK;
 }
 
-/* Copy len bytes of the row stream, starting off bytes into row `row`. */
-static void run_range(const uint64_t *ops, size_t n, size_t row, uint64_t off, uint64_t len)
+/* Move the gathered ranges of a cross-process slice; false (j->err set) on failure. */
+static bool vm_flush(job_t *j, struct iovec *loc, struct iovec *rem, size_t k)
 {
+    size_t first = 0;
+    while (first < k) {
+        if (atomic_load(&j->err) != 0)
+            return false;
+        ssize_t got = j->write ? process_vm_writev(j->pid, loc + first, k - first, rem + first,
+                                                   k - first, 0)
+                               : process_vm_readv(j->pid, loc + first, k - first, rem + first,
+                                                  k - first, 0);
+        if (got < 0 && errno == EINTR)
+            continue;
+        if (got <= 0) {
+            int expected = 0;
+            atomic_compare_exchange_strong(&j->err, &expected, got < 0 ? errno : EFAULT);
+            return false;
+        }
+        /* A partial transfer stops at a range boundary of either side (the kernel moves
+         * whole pages of the remote side); skip what moved and go on. */
+        size_t moved = (size_t)got;
+        while (first < k && moved >= loc[first].iov_len) {
+            moved -= loc[first].iov_len;
+            first++;
+        }
+        if (first < k && moved) {
+            loc[first].iov_base = (char *)loc[first].iov_base + moved;
+            loc[first].iov_len -= moved;
+            rem[first].iov_base = (char *)rem[first].iov_base + moved;
+            rem[first].iov_len -= moved;
+        }
+    }
+    return true;
+}
+
+/* Move one merged run (d <- s, plen bytes): a memcpy, or a range of a cross-process call. */
+static bool put_run(job_t *j, struct iovec *loc, struct iovec *rem, size_t *k, uint64_t d,
+                    uint64_t s, uint64_t plen)
+{
+    if (j->pid == 0) {
+        memcpy((void *)(uintptr_t)d, (const void *)(uintptr_t)s, (size_t)plen);
+        return true;
+    }
+    uint64_t here = j->write ? s : d, there = j->write ? d : s;
+    loc[*k] = (struct iovec){(void *)(uintptr_t)here, (size_t)plen};
+    rem[*k] = (struct iovec){(void *)(uintptr_t)there, (size_t)plen};
+    if (++*k < IOV_MAX)
+        return true;
+    *k = 0;
+    return vm_flush(j, loc, rem, IOV_MAX);
+}
+
+/* Move len bytes of the row stream, starting off bytes into row `row`. */
+static void run_range(job_t *j, size_t row, uint64_t off, uint64_t len)
+{
+    static _Thread_local struct iovec loc[IOV_MAX], rem[IOV_MAX];
+    const uint64_t *ops = j->ops;
+    size_t n = j->n, k = 0;
     uint64_t pd = 0, ps = 0, plen = 0; /* pending merged run */
     for (; len > 0 && row < n; row++, off = 0) {
         const uint64_t *r = ops + 3 * row;
@@ -84,21 +155,23 @@ static void run_range(const uint64_t *ops, size_t n, size_t row, uint64_t off, u
         if (plen != 0 && pd + plen == d && ps + plen == s) {
             plen += take;
         } else {
-            if (plen != 0)
-                memcpy((void *)(uintptr_t)pd, (const void *)(uintptr_t)ps, (size_t)plen);
+            if (plen != 0 && !put_run(j, loc, rem, &k, pd, ps, plen))
+                return;
             pd = d;
             ps = s;
             plen = take;
         }
         len -= take;
     }
-    if (plen != 0)
-        memcpy((void *)(uintptr_t)pd, (const void *)(uintptr_t)ps, (size_t)plen);
+    if (plen != 0 && !put_run(j, loc, rem, &k, pd, ps, plen))
+        return;
+    if (k != 0)
+        vm_flush(j, loc, rem, k);
 }
 
-static void run_slice(const job_t *j, unsigned k)
+static void run_slice(job_t *j, unsigned k)
 {
-    run_range(j->ops, j->n, j->sl[k].row, j->sl[k].off, j->sl[k].len);
+    run_range(j, j->sl[k].row, j->sl[k].off, j->sl[k].len);
 }
 
 /* Claim the next slice of j; the caller holds g.mu and knows one is left. */
@@ -228,8 +301,11 @@ int dd_copy_set_threads(unsigned nthreads)
 
 uint64_t dd_copy_split_threshold(void) { return SPLIT_THRESHOLD; }
 
-int dd_copy_batch(const uint64_t *ops, size_t n, unsigned nthreads)
+/* Run the batch of j (ops, n, pid, write set) on up to nthreads threads. */
+static int run_job(job_t *j, unsigned nthreads)
 {
+    const uint64_t *ops = j->ops;
+    size_t n = j->n;
     if (n == 0)
         return DD_OK;
     if (ops == NULL || nthreads > DD_COPY_MAX_THREADS)
@@ -253,43 +329,70 @@ int dd_copy_batch(const uint64_t *ops, size_t n, unsigned nthreads)
     uint64_t by_size = total / MIN_SLICE;
     unsigned nslices = by_size < nthreads ? (unsigned)by_size : nthreads;
     if (total < SPLIT_THRESHOLD || nslices <= 1) {
-        run_range(ops, n, 0, 0, total);
+        run_range(j, 0, 0, total);
         return DD_OK;
     }
 
-    job_t j;
-    j.qnext = NULL;
-    j.ops = ops;
-    j.n = n;
-    j.nslices = plan_slices(&j, total, nslices);
-    j.next = 0;
-    j.pending = j.nslices;
-    if (pthread_cond_init(&j.done, NULL) != 0) {
-        run_range(ops, n, 0, 0, total);
+    j->qnext = NULL;
+    j->nslices = plan_slices(j, total, nslices);
+    j->next = 0;
+    j->pending = j->nslices;
+    if (pthread_cond_init(&j->done, NULL) != 0) {
+        run_range(j, 0, 0, total);
         return DD_OK;
     }
     pthread_once(&g_atfork_once, register_atfork);
 
     pthread_mutex_lock(&g.mu);
-    ensure_workers(j.nslices - 1);
+    ensure_workers(j->nslices - 1);
     if (g.tail != NULL)
-        g.tail->qnext = &j;
+        g.tail->qnext = j;
     else
-        g.head = &j;
-    g.tail = &j;
-    unsigned wake = j.nslices - 1 < g.idle ? j.nslices - 1 : g.idle;
+        g.head = j;
+    g.tail = j;
+    unsigned wake = j->nslices - 1 < g.idle ? j->nslices - 1 : g.idle;
     for (unsigned w = 0; w < wake; w++)
         pthread_cond_signal(&g.work);
-    while (j.next < j.nslices) {
-        unsigned k = claim(&j);
+    while (j->next < j->nslices) {
+        unsigned k = claim(j);
         pthread_mutex_unlock(&g.mu);
-        run_slice(&j, k);
+        run_slice(j, k);
         pthread_mutex_lock(&g.mu);
-        j.pending--;
+        j->pending--;
     }
-    while (j.pending != 0)
-        pthread_cond_wait(&j.done, &g.mu);
+    while (j->pending != 0)
+        pthread_cond_wait(&j->done, &g.mu);
     pthread_mutex_unlock(&g.mu);
-    pthread_cond_destroy(&j.done);
+    pthread_cond_destroy(&j->done);
     return DD_OK;
+}
+
+int dd_copy_batch(const uint64_t *ops, size_t n, unsigned nthreads)
+{
+    job_t j;
+    j.ops = ops;
+    j.n = n;
+    j.pid = 0;
+    j.write = 0;
+    atomic_init(&j.err, 0);
+    return run_job(&j, nthreads);
+}
+
+int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
+                     int *err_no)
+{
+    if (pid <= 0 || (write != 0 && write != 1) || err_no == NULL)
+        return DD_EINVAL;
+    *err_no = 0;
+    job_t j;
+    j.ops = ops;
+    j.n = n;
+    j.pid = pid;
+    j.write = write;
+    atomic_init(&j.err, 0);
+    int rc = run_job(&j, nthreads);
+    if (rc != DD_OK)
+        return rc;
+    *err_no = atomic_load(&j.err);
+    return *err_no == 0 ? DD_OK : DD_ESYS;
 }

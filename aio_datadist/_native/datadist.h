@@ -72,6 +72,14 @@ int dd_copy_set_threads(unsigned nthreads);
 unsigned dd_copy_get_threads(void);
 /* Batches moving fewer bytes than this run on the calling thread only. */
 uint64_t dd_copy_split_threshold(void);
+/* dd_copy_batch across processes: the rows' src addresses (write == 0) or dst addresses
+ * (write == 1) are in process pid's address space, moved with process_vm_readv /
+ * process_vm_writev, up to IOV_MAX merged ranges a call. Returns DD_OK, DD_EINVAL (bad
+ * arguments or rows; nothing moved), or DD_ESYS with *err_no the first errno met: EPERM or
+ * EACCES (the kernel refuses access to pid), ESRCH (no such process), EFAULT (an address
+ * is not mapped on one side); bytes before the failure may have moved. */
+int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
+                     int *err_no);
 
 /* ---- hostmem.c: anonymous host memory ---- */
 

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._transport.samehost import HostPresence
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMStatusCode
 
@@ -53,6 +54,8 @@ class Hello:
     #: The cluster the sender means to reach (set by the connecting side), so a server at
     #: the wrong address refuses before it registers anything.
     to_cluster_id: int | None = None
+    #: The sender's process and region board, when it offers same-host one-sided access.
+    presence: HostPresence | None = None
 
 
 class LinkRefused(Exception):

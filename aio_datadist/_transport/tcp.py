@@ -93,6 +93,7 @@ from aio_datadist._transport.base import (
     Transport,
 )
 from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
+from aio_datadist._transport.samehost import decode_extensions, encode_extensions
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -231,7 +232,14 @@ def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
 
 
 def _hello_to_wire(hello: Hello) -> bytes:
-    return encode_hello(HelloBody(hello.cluster_id, int(hello.role), hello.to_cluster_id))
+    return encode_hello(
+        HelloBody(
+            hello.cluster_id,
+            int(hello.role),
+            hello.to_cluster_id,
+            extensions=encode_extensions(hello.presence),
+        )
+    )
 
 
 def _hello_from_wire(data: bytes | bytearray) -> Hello:
@@ -240,7 +248,7 @@ def _hello_from_wire(data: bytes | bytearray) -> Hello:
         role = LLMRole(body.role)
     except ValueError:
         raise WireError(f"unknown role {body.role} in hello") from None
-    return Hello(body.cluster_id, role, body.to_cluster_id)
+    return Hello(body.cluster_id, role, body.to_cluster_id, decode_extensions(body.extensions))
 
 
 def _tune(sock: socket.socket, sndbuf: int, rcvbuf: int) -> None:

@@ -1,0 +1,155 @@
+"""One-sided transfers with a linked process on the same host.
+
+A :class:`PeerMemory` belongs to one link whose peer published a region board
+(``_engine.regions``) and shares this host's kernel and pid namespace. A pull or push that
+names the peer's memory by blocks key, by cache id and batch index, or by raw addresses is
+resolved against the board here, bounds-checked exactly as the serving side would, and
+moved with one batched ``process_vm_readv``/``process_vm_writev`` call: no request crosses
+the socket and the peer's threads do nothing. Requests by cache key (which may drop the
+key on the peer) and anything the board does not show go over the link as before.
+
+Where the kernel refuses cross-process access (``ptrace_scope``, another user, container
+policy) the link falls back to its socket for good, with one log line. One-sided pulls see
+the peer's caches as published at the time of the call; a cache the peer releases while a
+pull reads it fails that pull with ``LLM_KV_CACHE_NOT_EXIST`` (the board changed under it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import structlog
+
+from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.regions import BoardEntry, RegionView, RemoteRegions
+from aio_datadist._engine.serving import access_rows
+from aio_datadist._memory.rows import pair_rows
+from aio_datadist._native import api
+from aio_datadist._transport.base import Iov, RequestKind
+from aio_datadist._transport.samehost import HostPresence, local_host_key
+from aio_datadist.status import (
+    KvCacheNotExistError,
+    LLMException,
+    LLMStatusCode,
+    ParamInvalidError,
+)
+
+__all__ = ("ONE_SIDED_TARGETS", "PeerMemory", "open_peer_memory")
+
+#: Targets a peer's board can resolve without the peer.
+ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADDRESSES})
+
+
+def open_peer_memory(
+    presence: HostPresence | None, log: structlog.stdlib.BoundLogger
+) -> PeerMemory | None:
+    """The one-sided route to a peer that offered ``presence``; None when it cannot be had."""
+    if presence is None or presence.host_key != local_host_key():
+        return None
+    try:
+        view = RegionView(presence.pid, presence.board_fd)
+    except OSError as exc:
+        log.info("samehost.unavailable", peer_pid=presence.pid, reason=str(exc))
+        return None
+    log.info("samehost.ready", peer_pid=presence.pid)
+    return PeerMemory(presence.pid, view, log)
+
+
+class PeerMemory:
+    """One-sided access to the caches a same-host peer published."""
+
+    def __init__(self, pid: int, view: RegionView, log: structlog.stdlib.BoundLogger) -> None:
+        self.pid = pid
+        self._view = view
+        self._log = log
+        #: False once the kernel refused: every later request goes over the link.
+        self.enabled = True
+
+    def close(self) -> None:
+        """Stop one-sided access (the link closed)."""
+        self.enabled = False
+        self._view.close()
+
+    def transfer(self, kind: RequestKind, access: Access, local: Iov) -> bool:
+        """Move one request's bytes one-sided; False when the link must carry it instead.
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` (outside the peer's cache),
+            ``LLM_KV_CACHE_NOT_EXIST`` (released meanwhile), ``LLM_LINK_FAILED`` (the peer
+            process is gone), ``LLM_FAILED`` (the kernel reported another fault).
+        """
+        if not self.enabled or access.target not in ONE_SIDED_TARGETS:
+            return False
+        regions = self._view.regions()
+        if regions is None:
+            return False
+        resolved = self._resolve(regions, access)
+        if resolved is None:
+            return False
+        entries, remote = resolved
+        try:
+            ops = pair_rows(local, remote) if kind is RequestKind.PULL else pair_rows(remote, local)
+        except ValueError as exc:
+            raise ParamInvalidError(
+                f"the request does not match the peer's cache: {exc}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            ) from None
+        try:
+            api.vm_copy_batch(self.pid, ops, write=kind is RequestKind.PUSH)
+        except PermissionError as exc:
+            self.enabled = False
+            self._log.warning(
+                "samehost.denied", peer_pid=self.pid, reason=str(exc), fallback="link"
+            )
+            return False
+        except ProcessLookupError:
+            raise LLMException(
+                f"the peer process {self.pid} is gone", status_code=LLMStatusCode.LLM_LINK_FAILED
+            ) from None
+        except OSError as exc:
+            self._check_still_there(regions, entries)
+            raise LLMException(
+                f"one-sided transfer with process {self.pid} failed: {exc}",
+                status_code=LLMStatusCode.LLM_FAILED,
+            ) from None
+        self._check_still_there(regions, entries)
+        return True
+
+    def _resolve(
+        self, regions: RemoteRegions, access: Access
+    ) -> tuple[list[BoardEntry], Iov] | None:
+        """(the peer's entries used, its rows) for ``access``; None when the board lacks it."""
+        if access.target is Target.ADDRESSES:
+            rows = access.rows
+            if not len(rows):
+                return None
+            used: dict[int, BoardEntry] = {}
+            for addr, nbytes in rows.tolist():
+                holder = regions.holder(addr, nbytes)
+                if holder is None:
+                    return None  # the peer answers with the documented refusal
+                used[holder.cache_id] = holder
+            return list(used.values()), np.ascontiguousarray(rows, dtype=np.uint64)
+        if access.target is Target.BLOCKS_KEY:
+            entry, row = regions.by_model.get(access.ident), 0
+        else:
+            entry, row = regions.by_id.get(access.ident), access.row
+        if entry is None:
+            return None
+        return [entry], access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
+
+    def _check_still_there(self, before: RemoteRegions, entries: list[BoardEntry]) -> None:
+        """Fail the transfer when the peer released a cache it used while the bytes moved."""
+        seq = self._view.seq()
+        if seq == before.seq:
+            return
+        if seq < 0:
+            raise LLMException(
+                f"the link to process {self.pid} closed during the transfer",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            )
+        now = self._view.regions()
+        if now is not None and all(now.by_id.get(e.cache_id) == e for e in entries):
+            return
+        raise KvCacheNotExistError(
+            "the peer released the cache while it was being transferred",
+            status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
+        )

@@ -1,0 +1,200 @@
+"""Region boards: an engine's caches published to same-host peers for one-sided access.
+
+An engine on a host with same-host peers publishes the layout of every host-readable cache
+it holds (cache id, blocks key, tensor addresses, block size and count) on a *board*: a
+small memory file (``memfd``) it rewrites after every registry change. A peer on the same
+host maps the board read-only through ``/proc/<pid>/fd/<fd>`` (which needs the same
+permission as reading the engine's memory) and resolves its requests against it locally,
+then moves the bytes with ``process_vm_readv``/``process_vm_writev``: the serving engine
+takes no part in the transfer, and a peer never touches an address outside the board.
+
+Board layout (little endian): ``u32 magic, u32 layout, u64 seq, u64 nbytes, u32 crc32``,
+then ``nbytes`` of table. The writer makes ``seq`` odd, writes the table, then makes it
+even again; a reader takes a snapshot only when ``seq`` is even and unchanged across the
+read and the CRC matches, so it never uses a torn table. Table entries:
+``u64 cache_id, i64 blocks_model_id (-1: none), u64 row_bytes, u64 num_rows,
+u64 tensor_bytes, u32 num_tensors``, then the tensor addresses (``u64`` each).
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+import struct
+import threading
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ("BOARD_BYTES", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegions")
+
+#: Size of a board file (sparse: only the pages a table uses are ever committed).
+BOARD_BYTES = 16 << 20
+_MAGIC = 0x41494F52  # "AIOR"
+_LAYOUT = 1
+_HEAD = struct.Struct("<IIQQI")
+_SEQ_AT = 8
+_ENTRY = struct.Struct("<QqQQQI")
+_READ_TRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class BoardEntry:
+    """One published cache."""
+
+    cache_id: int
+    blocks_model_id: int  # -1 when the cache has no blocks key
+    row_bytes: int
+    num_rows: int
+    tensor_bytes: int
+    addrs: tuple[int, ...]
+
+
+def encode_entries(entries: Iterable[BoardEntry]) -> bytes:
+    """The table bytes of ``entries``."""
+    parts: list[bytes] = []
+    for e in entries:
+        parts.append(
+            _ENTRY.pack(
+                e.cache_id, e.blocks_model_id, e.row_bytes, e.num_rows, e.tensor_bytes, len(e.addrs)
+            )
+        )
+        parts.append(struct.pack(f"<{len(e.addrs)}Q", *e.addrs))
+    return b"".join(parts)
+
+
+class RemoteRegions:
+    """A decoded board: lookups by cache id, blocks key and address."""
+
+    def __init__(self, seq: int, entries: list[BoardEntry]) -> None:
+        self.seq = seq
+        self.by_id = {e.cache_id: e for e in entries}
+        self.by_model = {e.blocks_model_id: e for e in entries if e.blocks_model_id >= 0}
+        spans = sorted((a, a + e.tensor_bytes, e) for e in entries for a in e.addrs)
+        self._starts = [s for s, _, _ in spans]
+        self._spans = spans
+
+    @classmethod
+    def decode(cls, seq: int, table: bytes) -> RemoteRegions:
+        """Parse a table; raises ``ValueError`` (or ``struct.error``) when malformed."""
+        entries: list[BoardEntry] = []
+        at = 0
+        while at < len(table):
+            cache_id, model_id, row_bytes, num_rows, tensor_bytes, n = _ENTRY.unpack_from(table, at)
+            at += _ENTRY.size
+            addrs = struct.unpack_from(f"<{n}Q", table, at)
+            at += 8 * n
+            entries.append(BoardEntry(cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs))
+        if at != len(table):
+            raise ValueError("board table has trailing bytes")
+        return cls(seq, entries)
+
+    def holder(self, addr: int, nbytes: int) -> BoardEntry | None:
+        """The entry one of whose tensors holds ``[addr, addr + nbytes)``, or None."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        start, end, entry = self._spans[i]
+        return entry if start <= addr and addr + nbytes <= end else None
+
+
+class RegionBoard:
+    """The writer: this engine's board, rewritten by :meth:`publish`."""
+
+    def __init__(self) -> None:
+        self.fd = os.memfd_create("aio-datadist-regions", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, BOARD_BYTES)
+            self._map = mmap.mmap(self.fd, BOARD_BYTES)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.overflowed = False
+        self._write(b"")
+
+    def publish(self, entries: Iterable[BoardEntry]) -> None:
+        """Replace the table with ``entries``; a table too big for the board leaves it empty
+        (peers then use the two-sided path) and sets :attr:`overflowed`."""
+        table = encode_entries(entries)
+        with self._lock:
+            if self._map.closed:
+                return
+            self.overflowed = _HEAD.size + len(table) > BOARD_BYTES
+            self._write(b"" if self.overflowed else table)
+
+    def _write(self, table: bytes) -> None:
+        m = self._map
+        struct.pack_into("<Q", m, _SEQ_AT, self._seq + 1)  # odd: being written
+        m[_HEAD.size : _HEAD.size + len(table)] = table
+        self._seq += 2
+        _HEAD.pack_into(m, 0, _MAGIC, _LAYOUT, self._seq, len(table), zlib.crc32(table))
+
+    def close(self) -> None:
+        """Unmap and close the board; peers' mappings stay valid until they drop them."""
+        with self._lock:
+            if not self._map.closed:
+                self._map.close()
+                os.close(self.fd)
+
+
+class RegionView:
+    """The reader: a same-host peer's board, mapped read-only.
+
+    :raises OSError: the board cannot be opened (permission, the peer is gone).
+    """
+
+    def __init__(self, pid: int, fd: int) -> None:
+        path = f"/proc/{pid}/fd/{fd}"
+        board = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(board).st_size
+            if size < _HEAD.size:
+                raise OSError(f"{path} is not a region board")
+            self._map = mmap.mmap(board, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(board)
+        self._lock = threading.Lock()
+        self._regions: RemoteRegions | None = None
+
+    def seq(self) -> int:
+        """The board's current sequence number (odd while the writer is busy); -1 once closed."""
+        with self._lock:
+            return self._seq()
+
+    def _seq(self) -> int:
+        if self._map.closed:
+            return -1
+        return int(struct.unpack_from("<Q", self._map, _SEQ_AT)[0])
+
+    def regions(self) -> RemoteRegions | None:
+        """The current table, or None when no consistent snapshot could be read (or closed)."""
+        with self._lock:
+            if self._map.closed:
+                return None
+            cached = self._regions
+            if cached is not None and cached.seq == self._seq():
+                return cached
+            for _ in range(_READ_TRIES):
+                magic, layout, seq, nbytes, crc = _HEAD.unpack_from(self._map, 0)
+                if magic != _MAGIC or layout != _LAYOUT:
+                    return None
+                if seq & 1 or _HEAD.size + nbytes > len(self._map):
+                    continue
+                table = self._map[_HEAD.size : _HEAD.size + nbytes]
+                if self._seq() != seq or zlib.crc32(table) != crc:
+                    continue
+                try:
+                    self._regions = RemoteRegions.decode(seq, table)
+                except (ValueError, struct.error):
+                    return None
+                return self._regions
+            return None
+
+    def close(self) -> None:
+        """Drop the mapping."""
+        with self._lock, contextlib.suppress(BufferError):
+            self._map.close()

@@ -1,0 +1,146 @@
+"""Same-host one-sided access: the region board, the handshake record, and the fallback."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aio_datadist._engine import onesided
+from aio_datadist._engine.regions import (
+    BOARD_BYTES,
+    BoardEntry,
+    RegionBoard,
+    RegionView,
+    RemoteRegions,
+)
+from aio_datadist._transport._wire import WireError
+from aio_datadist._transport.samehost import (
+    HostPresence,
+    decode_extensions,
+    encode_extensions,
+    local_host_key,
+)
+
+ENTRY = BoardEntry(7, 3, 4096, 8, 32768, (0x10000, 0x90000))
+
+
+def test_board_round_trip_through_a_second_mapping() -> None:
+    board = RegionBoard()
+    try:
+        view = RegionView(os.getpid(), board.fd)
+        first = view.regions()
+        assert first is not None and first.by_id == {}
+        board.publish([ENTRY, BoardEntry(8, -1, 64, 2, 128, (0x200000,))])
+        regions = view.regions()
+        assert regions is not None and regions.seq > first.seq
+        assert regions.by_id[7] == ENTRY and regions.by_model == {3: ENTRY}
+        assert regions.holder(0x90000 + 32768 - 16, 16) == ENTRY
+        assert regions.holder(0x90000 + 32768 - 16, 17) is None  # runs past the tensor
+        assert regions.holder(0x100, 1) is None
+        assert view.regions() is regions  # unchanged board: the cached snapshot
+        board.publish([])
+        assert view.regions().by_id == {}  # type: ignore[union-attr]
+        view.close()
+        assert view.regions() is None and view.seq() == -1
+    finally:
+        board.close()
+
+
+def test_a_torn_or_foreign_board_is_never_used() -> None:
+    board = RegionBoard()
+    try:
+        board.publish([ENTRY])
+        view = RegionView(os.getpid(), board.fd)
+        # the writer is mid-update (odd sequence number): no snapshot
+        seq = view.seq()
+        struct.pack_into("<Q", board._map, 8, seq + 1)
+        assert view.regions() is None
+        struct.pack_into("<Q", board._map, 8, seq + 2)  # even, but the CRC no longer matches
+        board._map[40] ^= 0xFF
+        assert view.regions() is None
+        board.publish([ENTRY])
+        assert view.regions() is not None
+        view.close()
+    finally:
+        board.close()
+
+
+def test_an_oversized_table_empties_the_board() -> None:
+    board = RegionBoard()
+    try:
+        many = BoardEntry(1, -1, 8, 1, 8, tuple(range(8, 8 * (BOARD_BYTES // 8), 8)))
+        board.publish([many])
+        assert board.overflowed
+        regions = RegionView(os.getpid(), board.fd).regions()
+        assert regions is not None and regions.by_id == {}
+    finally:
+        board.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_hostile_tables_fail_cleanly(table: bytes) -> None:
+    try:
+        regions = RemoteRegions.decode(2, table)
+    except (ValueError, struct.error):
+        return
+    # whatever parsed is exactly what the bytes said
+    assert sum(len(e.addrs) for e in regions.by_id.values()) <= len(table) // 8
+
+
+def test_presence_record_round_trip_and_limits() -> None:
+    presence = HostPresence(b"\x01" * 16, 4026531836, 1234, 9)
+    blob = encode_extensions(presence)
+    assert decode_extensions(blob) == presence
+    assert decode_extensions(b"") is None and encode_extensions(None) == b""
+    # unknown records are skipped; broken ones refused
+    assert decode_extensions(struct.pack("<HH", 9, 3) + b"abc" + blob) == presence
+    with pytest.raises(WireError):
+        decode_extensions(blob[:-1])
+    with pytest.raises(WireError):
+        decode_extensions(struct.pack("<HH", 1, 4) + b"abcd")
+    assert local_host_key() is not None  # Linux says which kernel and pid namespace
+
+
+def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    board = RegionBoard()
+    try:
+        src = np.arange(4 * 4096, dtype=np.uint8).reshape(4, 4096)
+        board.publish([BoardEntry(1, 5, 4096, 4, src.nbytes, (int(src.ctypes.data),))])
+        logged: list[str] = []
+
+        class Log:
+            def info(self, event: str, **_: object) -> None:
+                logged.append(event)
+
+            warning = info
+
+        peer = onesided.PeerMemory(os.getpid(), RegionView(os.getpid(), board.fd), Log())  # type: ignore[arg-type]
+        access = onesided.Access(
+            onesided.Target.BLOCKS_KEY,
+            ident=5,
+            tensor_count=1,
+            seg_bytes=4096,
+            blocks=np.array([2], dtype=np.uint64),
+        )
+        dst = np.zeros(4096, dtype=np.uint8)
+        rows = np.array([[dst.ctypes.data, 4096]], dtype=np.uint64)
+        assert peer.transfer(onesided.RequestKind.PULL, access, rows)
+        np.testing.assert_array_equal(dst, src[2])
+
+        def refuse(*_: object, **__: object) -> None:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(onesided.api, "vm_copy_batch", refuse)
+        assert not peer.transfer(onesided.RequestKind.PULL, access, rows)
+        assert not peer.enabled and logged.count("samehost.denied") == 1
+        assert not peer.transfer(onesided.RequestKind.PULL, access, rows)  # no retry, no log
+        assert logged.count("samehost.denied") == 1
+        peer.close()
+    finally:
+        board.close()
