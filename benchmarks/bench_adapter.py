@@ -3,7 +3,8 @@
 
 Run beside the peers, in one run (compare only figures of one run):
 
-    EXTRA="$PWD/benchmarks/bench_adapter.py:aio-tcp-async aio-tcp-blocking" \\
+    A=$PWD/benchmarks/bench_adapter.py
+    EXTRA="$A:aio-tcp-async $A:aio-tcp-blocking $A:aio-samehost-async $A:aio-samehost-blocking" \\
         ../shared/bench/run_peers.sh
 
 The harness's ``PY`` must have aio_datadist installed (``$PY -m pip install -e .``). Its
@@ -54,13 +55,14 @@ def _desc() -> CacheDesc:
     return CacheDesc(TENSORS, [common.NBLOCKS, common.BLOCK], DataType.DT_UINT8, Placement.DEVICE)
 
 
-def _options(transport: str, listen: str | None = None) -> dict[str, str]:
+def _options(transport: str, same_host: bool, listen: str | None = None) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
     cfg.sync_kv_timeout = 60_000
     cfg.transport = transport
+    cfg.same_host = same_host
     if listen is not None:
         cfg.listen_ip_info = listen
     return cfg.generate_options()
@@ -77,9 +79,12 @@ class AioDataDistAdapter:
 
     name = "aio_datadist"
 
-    def __init__(self, transport: str = "tcp", face: str = "async") -> None:
+    def __init__(
+        self, transport: str = "tcp", face: str = "async", same_host: bool = False
+    ) -> None:
         self.transport = transport
         self.face = face
+        self.same_host = same_host
         self.dd: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
@@ -88,7 +93,7 @@ class AioDataDistAdapter:
         """Serve the buffer; the metadata is the listen port and the buffer's address."""
         port = _free_port()
         self.dd = LLMDataDist(LLMRole.PROMPT, TARGET_ID)
-        self.dd.init(_options(self.transport, f"127.0.0.1:{port}"))
+        self.dd.init(_options(self.transport, self.same_host, f"127.0.0.1:{port}"))
         self.cache = self.dd.cache_manager.register_blocks_cache(
             _desc(), self._addrs(addr), BlocksCacheKey(TARGET_ID, 0)
         )
@@ -109,7 +114,7 @@ class AioDataDistAdapter:
         self.info = info
         if self.face == "blocking":
             self.dd = LLMDataDist(LLMRole.DECODER, INITIATOR_ID)
-            self.dd.init(_options(self.transport))
+            self.dd.init(_options(self.transport, self.same_host))
             self.cm = self.dd.cache_manager
             self.cache = self.cm.register_blocks_cache(
                 _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
@@ -123,7 +128,7 @@ class AioDataDistAdapter:
 
     async def _async_init(self, addr: int, info: LLMClusterInfo) -> LLMStatusCode:
         self.dd = AsyncLLMDataDist(LLMRole.DECODER, INITIATOR_ID)
-        await self.dd.init(_options(self.transport))
+        await self.dd.init(_options(self.transport, self.same_host))
         self.cm = self.dd.cache_manager
         self.cache = await self.cm.register_blocks_cache(
             _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
@@ -220,8 +225,12 @@ class AioDataDistAdapter:
 
 
 VARIANTS = {
+    # every byte through the TCP link (the same-host path switched off)
     "aio-tcp-async": ({"transport": "tcp", "face": "async"}, {}),
     "aio-tcp-blocking": ({"transport": "tcp", "face": "blocking"}, {}),
+    # the default on one host: one-sided process_vm_readv/writev
+    "aio-samehost-async": ({"transport": "tcp", "face": "async", "same_host": True}, {}),
+    "aio-samehost-blocking": ({"transport": "tcp", "face": "blocking", "same_host": True}, {}),
 }
 
 if __name__ == "__main__":
