@@ -298,19 +298,12 @@ def copy(dst: int, src: int, nbytes: int) -> None:
 
 def _ops_table(ops: object, threads: object) -> int:
     """Check a ``(dst, src, nbytes)`` table and a thread count; return the row count."""
-    if not isinstance(ops, np.ndarray):
-        raise TypeError(f"ops must be a numpy.ndarray, got {type(ops).__name__}")
-    if ops.dtype != np.uint64:
-        raise TypeError(f"ops must have dtype uint64, got {ops.dtype}")
-    if ops.ndim != 2 or ops.shape[1] != 3:
-        raise ValueError(f"ops must have shape (n, 3), got {ops.shape}")
-    if not (ops.flags.c_contiguous and ops.flags.aligned):
-        raise ValueError("ops must be C-contiguous and aligned")
+    table = _u64_table("ops", ops, 3)
     if isinstance(threads, bool) or not isinstance(threads, int):
         raise TypeError(f"threads must be an int, got {type(threads).__name__}")
     if not 0 <= threads <= MAX_COPY_THREADS:
         _check(lib.DD_EINVAL, f"copy threads={threads}")
-    return int(ops.shape[0])
+    return int(table.shape[0])
 
 
 def vm_copy_batch(pid: int, ops: npt.NDArray[np.uint64], *, write: bool, threads: int = 0) -> None:
@@ -464,16 +457,21 @@ def _deadline(deadline_ns: object) -> int:
     return deadline_ns
 
 
+def _u64_table(name: str, table: object, columns: int) -> npt.NDArray[np.uint64]:
+    """``table`` when it is a C-contiguous ``(n, columns)`` uint64 array; else raise."""
+    if not isinstance(table, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(table).__name__}")
+    if table.dtype != np.uint64:
+        raise TypeError(f"{name} must have dtype uint64, got {table.dtype}")
+    if table.ndim != 2 or table.shape[1] != columns:
+        raise ValueError(f"{name} must have shape (n, {columns}), got {table.shape}")
+    if not (table.flags.c_contiguous and table.flags.aligned):
+        raise ValueError(f"{name} must be C-contiguous and aligned")
+    return table
+
+
 def _iov(iov: object) -> npt.NDArray[np.uint64]:
-    if not isinstance(iov, np.ndarray):
-        raise TypeError(f"iov must be a numpy.ndarray, got {type(iov).__name__}")
-    if iov.dtype != np.uint64:
-        raise TypeError(f"iov must have dtype uint64, got {iov.dtype}")
-    if iov.ndim != 2 or iov.shape[1] != 2:
-        raise ValueError(f"iov must have shape (n, 2), got {iov.shape}")
-    if not (iov.flags.c_contiguous and iov.flags.aligned):
-        raise ValueError("iov must be C-contiguous and aligned")
-    return iov
+    return _u64_table("iov", iov, 2)
 
 
 def _net_check(rc: int, done: int, what: str) -> None:
