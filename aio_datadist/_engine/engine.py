@@ -335,6 +335,7 @@ class Engine:
         host_readable = caches.runtime.device_memory_is_host
 
         def publish() -> None:
+            was_full = board.overflowed
             board.publish(
                 BoardEntry(
                     e.cache_id,
@@ -347,7 +348,7 @@ class Engine:
                 for e in registry.entries()
                 if not e.released and (host_readable or e.desc.placement is Placement.HOST)
             )
-            if board.overflowed:
+            if board.overflowed and not was_full:
                 log.warning("samehost.board_full", note="peers use the link for every transfer")
 
         with registry.lock:

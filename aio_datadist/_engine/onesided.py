@@ -69,6 +69,10 @@ class PeerMemory:
         self.enabled = False
         self._view.close()
 
+    def serves(self, target: Target) -> bool:
+        """True while requests naming the peer's memory this way may go one-sided."""
+        return self.enabled and target in ONE_SIDED_TARGETS
+
     def transfer(self, kind: RequestKind, access: Access, local: Iov) -> bool:
         """Move one request's bytes one-sided; False when the link must carry it instead.
 
@@ -76,7 +80,7 @@ class PeerMemory:
             ``LLM_KV_CACHE_NOT_EXIST`` (released meanwhile), ``LLM_LINK_FAILED`` (the peer
             process is gone), ``LLM_FAILED`` (the kernel reported another fault).
         """
-        if not self.enabled or access.target not in ONE_SIDED_TARGETS:
+        if not self.serves(access.target):
             return False
         regions = self._view.regions()
         if regions is None:

@@ -23,7 +23,7 @@ import numpy as np
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.links import LinkTable
-from aio_datadist._engine.onesided import ONE_SIDED_TARGETS, PeerMemory
+from aio_datadist._engine.onesided import PeerMemory
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._native import api
@@ -223,7 +223,7 @@ class TransferService:
                 status_code=LLMStatusCode.LLM_NOT_YET_LINK,
             )
         peer = link.peer_memory
-        if peer is not None and not (peer.enabled and access.target in ONE_SIDED_TARGETS):
+        if peer is not None and not peer.serves(access.target):
             peer = None
         return Step(link.channel, kind, access, local, commit=commit, peer=peer)
 
@@ -238,31 +238,29 @@ class TransferService:
         )
 
     def start(self, plan: TransferPlan, step: Step) -> Future[None]:
-        """Send one step's request; the plan holds its pins until the request completes."""
+        """Start one step (one-sided, or its request on the link); the plan holds its pins
+        until the returned future completes."""
+        future: Future[None]
         try:
-            if step.peer is not None and step.peer.transfer(step.kind, step.access, step.local):
-                future: Future[None] = Future()
-                future.set_result(None)
-                plan.track(future)
-                return future
-        except LLMException as exc:
-            future = Future()
-            future.set_exception(exc)
-            plan.track(future)
-            return future
-        body = encode_access(step.access)
-        try:
-            if step.kind is RequestKind.PULL:
-                future = step.channel.pull(
-                    body, step.local, step.nbytes, plan.deadline_ns, commit=step.commit
-                )
-            else:
-                future = step.channel.push(body, step.local, step.nbytes, plan.deadline_ns)
+            future = self._submit(plan, step)
         except LLMException as exc:
             future = Future()
             future.set_exception(exc)
         plan.track(future)
         return future
+
+    @staticmethod
+    def _submit(plan: TransferPlan, step: Step) -> Future[None]:
+        if step.peer is not None and step.peer.transfer(step.kind, step.access, step.local):
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        body = encode_access(step.access)
+        if step.kind is RequestKind.PULL:
+            return step.channel.pull(
+                body, step.local, step.nbytes, plan.deadline_ns, commit=step.commit
+            )
+        return step.channel.push(body, step.local, step.nbytes, plan.deadline_ns)
 
     def run(self, plan: TransferPlan) -> None:
         """Run every step in this thread and wait for all (the blocking face)."""
