@@ -149,6 +149,13 @@ static void note(int code, const char *msg)
     snprintf(tl_msg, sizeof tl_msg, "%s", msg);
 }
 
+/* Forget the last failure at the start of each public call, so a report never goes stale. */
+static void reset_error(void)
+{
+    tl_code = 0;
+    tl_msg[0] = '\0';
+}
+
 int dd_cuda_last_error(char *buf, size_t len)
 {
     if (buf && len)
@@ -308,6 +315,7 @@ static dd_cuda_lib *try_load(const char *name, char *err, size_t errlen)
 
 int dd_cuda_load(const char *path, dd_cuda_lib **out, char *err, size_t errlen)
 {
+    reset_error();
     if (out == NULL)
         return DD_EINVAL;
     if (err && errlen)
@@ -333,6 +341,7 @@ int dd_cuda_runtime_version(const dd_cuda_lib *lib) { return lib ? lib->version 
 
 int dd_cuda_device_count(dd_cuda_lib *lib, int *count)
 {
+    reset_error();
     if (lib == NULL || count == NULL)
         return DD_EINVAL;
     int c = 0;
@@ -350,6 +359,7 @@ int dd_cuda_device_count(dd_cuda_lib *lib, int *count)
 
 int dd_cuda_malloc(dd_cuda_lib *lib, int device, uint64_t nbytes, uint64_t *addr)
 {
+    reset_error();
     if (lib == NULL || addr == NULL || nbytes == 0 || nbytes > SIZE_MAX)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -363,6 +373,7 @@ int dd_cuda_malloc(dd_cuda_lib *lib, int device, uint64_t nbytes, uint64_t *addr
 
 int dd_cuda_free(dd_cuda_lib *lib, int device, uint64_t addr)
 {
+    reset_error();
     if (lib == NULL || addr == 0)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -385,6 +396,7 @@ static int host_alloc(dd_cuda_lib *lib, uint64_t nbytes, void **p)
 
 int dd_cuda_host_alloc(dd_cuda_lib *lib, int device, uint64_t nbytes, uint64_t *addr)
 {
+    reset_error();
     if (lib == NULL || addr == NULL || nbytes == 0 || nbytes > SIZE_MAX)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -400,6 +412,7 @@ int dd_cuda_host_alloc(dd_cuda_lib *lib, int device, uint64_t nbytes, uint64_t *
 
 int dd_cuda_host_free(dd_cuda_lib *lib, int device, uint64_t addr)
 {
+    reset_error();
     if (lib == NULL || addr == 0)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -411,6 +424,7 @@ int dd_cuda_host_free(dd_cuda_lib *lib, int device, uint64_t addr)
 
 int dd_cuda_host_register(dd_cuda_lib *lib, int device, uint64_t addr, uint64_t nbytes)
 {
+    reset_error();
     if (lib == NULL || addr == 0 || nbytes == 0 || nbytes > SIZE_MAX || addr + nbytes < addr)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -423,6 +437,7 @@ int dd_cuda_host_register(dd_cuda_lib *lib, int device, uint64_t addr, uint64_t 
 
 int dd_cuda_host_unregister(dd_cuda_lib *lib, int device, uint64_t addr)
 {
+    reset_error();
     if (lib == NULL || addr == 0)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -435,6 +450,7 @@ int dd_cuda_host_unregister(dd_cuda_lib *lib, int device, uint64_t addr)
 int dd_cuda_host_pinned(dd_cuda_lib *lib, int device, const uint64_t *addrs, size_t n,
                         uint8_t *out)
 {
+    reset_error();
     if (lib == NULL || (n && (addrs == NULL || out == NULL)))
         return DD_EINVAL;
     if (lib->PointerGetAttributes == NULL) {
@@ -464,6 +480,7 @@ int dd_cuda_host_pinned(dd_cuda_lib *lib, int device, const uint64_t *addrs, siz
 
 int dd_cuda_ipc_get(dd_cuda_lib *lib, int device, uint64_t addr, uint8_t *handle)
 {
+    reset_error();
     if (lib == NULL || addr == 0 || handle == NULL)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -477,6 +494,7 @@ int dd_cuda_ipc_get(dd_cuda_lib *lib, int device, uint64_t addr, uint8_t *handle
 
 int dd_cuda_ipc_open(dd_cuda_lib *lib, int device, const uint8_t *handle, uint64_t *addr)
 {
+    reset_error();
     if (lib == NULL || handle == NULL || addr == NULL)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -492,6 +510,7 @@ int dd_cuda_ipc_open(dd_cuda_lib *lib, int device, const uint8_t *handle, uint64
 
 int dd_cuda_ipc_close(dd_cuda_lib *lib, int device, uint64_t addr)
 {
+    reset_error();
     if (lib == NULL || addr == 0)
         return DD_EINVAL;
     int rc = use_device(lib, device);
@@ -991,6 +1010,7 @@ static int sync_lane(dd_cuda_ctx *ctx, lane_t *ln)
 
 int dd_cuda_copy(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kind, int mode)
 {
+    reset_error();
     if (ctx == NULL || (n && ops == NULL) || kind < DD_CUDA_H2H || kind > DD_CUDA_DEFAULT ||
         mode < DD_CUDA_MODE_ENGINE || mode > DD_CUDA_MODE_KERNEL)
         return DD_EINVAL;
@@ -1025,6 +1045,7 @@ int dd_cuda_copy(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kind, int 
 
 int dd_cuda_memset(dd_cuda_ctx *ctx, uint64_t addr, int value, uint64_t nbytes)
 {
+    reset_error();
     if (ctx == NULL || (nbytes && addr == 0) || nbytes > SIZE_MAX)
         return DD_EINVAL;
     if (nbytes == 0)
@@ -1071,6 +1092,8 @@ static uint64_t chunk_bytes(const dd_cuda_stage *st, uint64_t c)
     return st->total - start < st->chunk ? st->total - start : st->chunk;
 }
 
+static int stage_close(dd_cuda_stage *st, int commit);
+
 /* Issue the DMA of the next chunk (st->issued) between its slot and the device rows. */
 static int stage_issue(dd_cuda_stage *st)
 {
@@ -1109,8 +1132,8 @@ static int stage_issue(dd_cuda_stage *st)
     return DD_OK;
 }
 
-int dd_cuda_stage_open(dd_cuda_ctx *ctx, int dir, const uint64_t *iov, size_t n,
-                       dd_cuda_stage **out)
+static int stage_open(dd_cuda_ctx *ctx, int dir, const uint64_t *iov, size_t n,
+               dd_cuda_stage **out)
 {
     if (ctx == NULL || out == NULL || (n && iov == NULL) ||
         (dir != DD_CUDA_H2D && dir != DD_CUDA_D2H))
@@ -1147,14 +1170,14 @@ int dd_cuda_stage_open(dd_cuda_ctx *ctx, int dir, const uint64_t *iov, size_t n,
         rc = stage_issue(st);
     if (rc) {
         st->failed = 1;
-        dd_cuda_stage_close(st, 0);
+        stage_close(st, 0);
         return rc;
     }
     *out = st;
     return DD_OK;
 }
 
-int dd_cuda_stage_next(dd_cuda_stage *st, uint64_t *addr, uint64_t *len)
+static int stage_next(dd_cuda_stage *st, uint64_t *addr, uint64_t *len)
 {
     if (st == NULL || addr == NULL || len == NULL)
         return DD_EINVAL;
@@ -1197,7 +1220,7 @@ int dd_cuda_stage_next(dd_cuda_stage *st, uint64_t *addr, uint64_t *len)
     return DD_OK;
 }
 
-int dd_cuda_stage_close(dd_cuda_stage *st, int commit)
+static int stage_close(dd_cuda_stage *st, int commit)
 {
     if (st == NULL)
         return DD_EINVAL;
@@ -1252,6 +1275,7 @@ static int host_chunk(lane_t *ln, host_cursor *hc, uint64_t addr, uint64_t len)
 
 int dd_cuda_copy_staged(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kind)
 {
+    reset_error();
     if (ctx == NULL || (n && ops == NULL) || (kind != DD_CUDA_H2D && kind != DD_CUDA_D2H))
         return DD_EINVAL;
     size_t m = 0;
@@ -1283,23 +1307,42 @@ int dd_cuda_copy_staged(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kin
         k++;
     }
     dd_cuda_stage *st = NULL;
-    int rc = dd_cuda_stage_open(ctx, kind, iov, m, &st);
+    int rc = stage_open(ctx, kind, iov, m, &st);
     if (rc == DD_OK) {
         host_cursor hc = {rows, kind == DD_CUDA_H2D, 0, 0};
         for (;;) {
             uint64_t addr = 0, len = 0;
-            rc = dd_cuda_stage_next(st, &addr, &len);
+            rc = stage_next(st, &addr, &len);
             if (rc || len == 0)
                 break;
             rc = host_chunk(st->lane, &hc, addr, len);
             if (rc)
                 break;
         }
-        int crc = dd_cuda_stage_close(st, rc == DD_OK);
+        int crc = stage_close(st, rc == DD_OK);
         if (rc == DD_OK)
             rc = crc;
     }
     free(rows);
     free(iov);
     return rc;
+}
+
+int dd_cuda_stage_open(dd_cuda_ctx *ctx, int dir, const uint64_t *iov, size_t n,
+                       dd_cuda_stage **out)
+{
+    reset_error();
+    return stage_open(ctx, dir, iov, n, out);
+}
+
+int dd_cuda_stage_next(dd_cuda_stage *st, uint64_t *addr, uint64_t *len)
+{
+    reset_error();
+    return stage_next(st, addr, len);
+}
+
+int dd_cuda_stage_close(dd_cuda_stage *st, int commit)
+{
+    reset_error();
+    return stage_close(st, commit);
 }
