@@ -1022,20 +1022,18 @@ int dd_cuda_copy(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kind, int 
     lane_t *ln;
     if ((rc = lane_get(ctx, &ln)))
         return rc;
+    /* First, as its one-time self-test uses the lane's tables too. */
+    int kernel = mode == DD_CUDA_MODE_KERNEL && kind == DD_CUDA_D2D && kernel_ready(ctx, ln);
     size_t m = 0;
     rc = merge_rows(ln, ops, n, &m);
     if (rc) {
         lane_put(ctx, ln, 1);
         return rc;
     }
-    if (mode == DD_CUDA_MODE_KERNEL && kind == DD_CUDA_D2D && m > 0 && kernel_ready(ctx, ln)) {
-        /* The self-test may have reused ln->tab: merge again. */
-        rc = merge_rows(ln, ops, n, &m);
-        if (rc == DD_OK)
-            rc = launch_rows(ctx, ln, m);
-    } else {
+    if (kernel && m > 0)
+        rc = launch_rows(ctx, ln, m);
+    else
         rc = issue_engine(ctx, ln, ln->tab, m, kind, mode);
-    }
     int src = sync_lane(ctx, ln);
     if (rc == DD_OK)
         rc = src;
