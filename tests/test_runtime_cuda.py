@@ -585,6 +585,17 @@ def test_error_mapping(rt: CudaRuntime, fake: Fake, monkeypatch: pytest.MonkeyPa
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     with pytest.raises(TypeError):
         rt.copy_batch(np.zeros((1, 3), np.int64), CopyKind.DEVICE_TO_DEVICE)  # type: ignore[arg-type]
+    # Device memory named as the host side is refused, not read by the CPU through staging.
+    other = rt.alloc_device(4096)
+    swapped = np.array([(dev, other, 10)], U64)
+    with pytest.raises(LLMException, match="host side") as info:
+        rt.copy_batch(swapped, CopyKind.HOST_TO_DEVICE)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    rt._device.remove(other)  # memory this runtime does not know: CUDA says what it is
+    with pytest.raises(LLMException, match="host side"):
+        rt.copy_batch(swapped, CopyKind.HOST_TO_DEVICE)
+    rt._device.add(other, 4096)
+    rt.free_device(other, 4096)
     rt.free_device(dev, 4096)
     rt.close()
     with pytest.raises(LLMException, match="closed") as info:

@@ -197,8 +197,9 @@ class CudaLibrary:
             f"cudaHostUnregister of {addr:#x}",
         )
 
-    def host_pinned(self, device: int, addrs: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-        """Which of ``addrs`` are pinned host memory (``cudaPointerGetAttributes``).
+    def pointer_types(self, device: int, addrs: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint8]:
+        """The ``cudaMemoryType`` of each of ``addrs`` (``cudaPointerGetAttributes``): 0
+        pageable host memory, 1 pinned host memory, 2 device memory, 3 managed memory.
 
         :raises LLMException: ``LLM_FAILED`` when the runtime lacks the function.
         """
@@ -206,7 +207,7 @@ class CudaLibrary:
         out = np.zeros(len(flat), dtype=np.uint8)
         if len(flat):
             _check(
-                lib.dd_cuda_host_pinned(
+                lib.dd_cuda_pointer_types(
                     self._ptr,
                     device,
                     ffi.from_buffer("uint64_t[]", flat),
@@ -215,7 +216,7 @@ class CudaLibrary:
                 ),
                 "cudaPointerGetAttributes",
             )
-        return out.astype(bool)
+        return out
 
     def ipc_get(self, device: int, addr: int) -> bytes:
         """The ``cudaIpcGetMemHandle`` of the allocation holding ``addr``."""

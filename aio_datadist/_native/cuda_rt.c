@@ -55,7 +55,6 @@ enum {
     CU_HOST_ALLOC_MAPPED = 2,
     CU_HOST_REGISTER_PORTABLE = 1,
     CU_IPC_LAZY_PEER_ACCESS = 1,
-    CU_MEMORY_TYPE_HOST = 1,
     CU_SRC_ACCESS_ORDER_STREAM = 1
 };
 
@@ -447,8 +446,8 @@ int dd_cuda_host_unregister(dd_cuda_lib *lib, int device, uint64_t addr)
     return DD_OK;
 }
 
-int dd_cuda_host_pinned(dd_cuda_lib *lib, int device, const uint64_t *addrs, size_t n,
-                        uint8_t *out)
+int dd_cuda_pointer_types(dd_cuda_lib *lib, int device, const uint64_t *addrs, size_t n,
+                          uint8_t *out)
 {
     reset_error();
     if (lib == NULL || (n && (addrs == NULL || out == NULL)))
@@ -471,7 +470,7 @@ int dd_cuda_host_pinned(dd_cuda_lib *lib, int device, const uint64_t *addrs, siz
             out[i] = 0;
             continue;
         }
-        out[i] = a.type == CU_MEMORY_TYPE_HOST;
+        out[i] = a.type >= 0 && a.type <= 3 ? (uint8_t)a.type : 0;
     }
     return DD_OK;
 }

@@ -98,10 +98,11 @@ int dd_cuda_host_free(dd_cuda_lib *lib, int device, uint64_t addr);
 /* Pin (portable) or unpin existing host memory (cudaHostRegister / cudaHostUnregister). */
 int dd_cuda_host_register(dd_cuda_lib *lib, int device, uint64_t addr, uint64_t nbytes);
 int dd_cuda_host_unregister(dd_cuda_lib *lib, int device, uint64_t addr);
-/* out[i] = 1 when addrs[i] is pinned host memory (cudaPointerGetAttributes says Host), else
- * 0. DD_CUDA_ENOSYS without cudaPointerGetAttributes. */
-int dd_cuda_host_pinned(dd_cuda_lib *lib, int device, const uint64_t *addrs, size_t n,
-                        uint8_t *out);
+/* out[i] = the cudaMemoryType of addrs[i] as cudaPointerGetAttributes reports it: 0 not
+ * known to CUDA (pageable host memory), 1 pinned host, 2 device, 3 managed.
+ * DD_CUDA_ENOSYS without cudaPointerGetAttributes. */
+int dd_cuda_pointer_types(dd_cuda_lib *lib, int device, const uint64_t *addrs, size_t n,
+                          uint8_t *out);
 
 /* ---- IPC (same host, other processes) ---- */
 /* handle receives DD_CUDA_IPC_HANDLE_BYTES bytes naming the allocation that holds addr. */

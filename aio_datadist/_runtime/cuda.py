@@ -56,6 +56,7 @@ STAGE_SLOTS = 4
 #: Bytes of a token from :meth:`CudaRuntime.ipc_handle`.
 IPC_TOKEN_BYTES = 80
 
+_PINNED_MEMORY, _DEVICE_MEMORY = 1, 2  # cudaMemoryTypeHost, cudaMemoryTypeDevice
 _TOKEN = struct.Struct("<64sQQ")  # CUDA IPC handle, offset into the allocation, its size
 _log = get_logger("runtime.cuda")
 
@@ -210,6 +211,8 @@ class CudaRuntime(DeviceRuntime):
             self._ctx.copy(ops, kind, self._d2d_mode(ops))
             return
         host = ops[:, 1] if kind is CopyKind.HOST_TO_DEVICE else ops[:, 0]
+        if self._device.covers(host, ops[:, 2]).any():
+            raise _invalid(f"the host side of a {kind.name} copy is device memory")
         pinned = self._pinned_rows(host, ops[:, 2])
         if pinned.all():
             self._ctx.copy(ops, kind, CopyMode.ENGINE)
@@ -237,9 +240,16 @@ class CudaRuntime(DeviceRuntime):
             first = np.ascontiguousarray(addrs[unknown])
             with np.errstate(over="ignore"):
                 last = first + np.maximum(lengths[unknown], np.uint64(1)) - np.uint64(1)
-            pinned[unknown] = self.library.host_pinned(
-                self.device_id, first
-            ) & self.library.host_pinned(self.device_id, last)
+            types = np.stack(
+                [
+                    self.library.pointer_types(self.device_id, first),
+                    self.library.pointer_types(self.device_id, last),
+                ]
+            )
+            if (types == _DEVICE_MEMORY).any():
+                # Staging would read it with the CPU: refuse rather than fault.
+                raise _invalid("the host side of a copy is device memory")
+            pinned[unknown] = (types == _PINNED_MEMORY).all(axis=0)
         return pinned
 
     def synchronize(self) -> None:
