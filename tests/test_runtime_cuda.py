@@ -8,6 +8,7 @@ forgetting a wait, shows up as wrong bytes here.
 from __future__ import annotations
 
 import ctypes
+import gc
 import shutil
 import subprocess
 import sys
@@ -229,8 +230,6 @@ def test_finalize_frees_the_arenas(fake: Fake) -> None:
     dd = LLMDataDist(LLMRole.PROMPT, 1)
     dd.init(make_options(device_pool=pool_cfg(), host_pool=pool_cfg()))
     dd.finalize()
-    import gc
-
     gc.collect()
     assert fake.count("cudaFree") >= 1 and fake.count("cudaFreeHost") >= 1
 
