@@ -668,3 +668,87 @@ def test_ptx_header_is_current() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr
+
+
+_ABI_CHECK = r"""
+#include <cuda_runtime_api.h>
+#include <stddef.h>
+#include "cuda_abi.h"
+#define SAME_SIZE(a, b) _Static_assert(sizeof(a) == sizeof(b), #a)
+#define SAME_OFFSET(a, fa, b, fb) _Static_assert(offsetof(a, fa) == offsetof(b, fb), #fa)
+SAME_SIZE(cuerr, cudaError_t);
+SAME_SIZE(custream, cudaStream_t);
+SAME_SIZE(cuevent, cudaEvent_t);
+SAME_SIZE(cu_dim3, dim3);
+SAME_SIZE(cu_ipc_handle, cudaIpcMemHandle_t);
+SAME_SIZE(cu_mem_location, struct cudaMemLocation);
+SAME_SIZE(cu_memcpy_attrs, struct cudaMemcpyAttributes);
+SAME_OFFSET(cu_memcpy_attrs, src_hint, struct cudaMemcpyAttributes, srcLocHint);
+SAME_OFFSET(cu_memcpy_attrs, dst_hint, struct cudaMemcpyAttributes, dstLocHint);
+SAME_OFFSET(cu_memcpy_attrs, flags, struct cudaMemcpyAttributes, flags);
+_Static_assert(sizeof(cu_pointer_attrs) >= sizeof(struct cudaPointerAttributes), "attrs");
+SAME_OFFSET(cu_pointer_attrs, device, struct cudaPointerAttributes, device);
+SAME_OFFSET(cu_pointer_attrs, device_pointer, struct cudaPointerAttributes, devicePointer);
+SAME_OFFSET(cu_pointer_attrs, host_pointer, struct cudaPointerAttributes, hostPointer);
+_Static_assert((int)CU_ERR_INVALID_VALUE == (int)cudaErrorInvalidValue, "");
+_Static_assert((int)CU_ERR_MEMORY_ALLOCATION == (int)cudaErrorMemoryAllocation, "");
+_Static_assert((int)CU_ERR_INVALID_MEMCPY_DIRECTION == (int)cudaErrorInvalidMemcpyDirection, "");
+_Static_assert((int)CU_ERR_INVALID_DEVICE == (int)cudaErrorInvalidDevice, "");
+_Static_assert((int)CU_STREAM_NON_BLOCKING == (int)cudaStreamNonBlocking, "");
+_Static_assert((int)CU_EVENT_DISABLE_TIMING == (int)cudaEventDisableTiming, "");
+_Static_assert((int)CU_HOST_ALLOC_PORTABLE == (int)cudaHostAllocPortable, "");
+_Static_assert((int)CU_HOST_ALLOC_MAPPED == (int)cudaHostAllocMapped, "");
+_Static_assert((int)CU_HOST_REGISTER_PORTABLE == (int)cudaHostRegisterPortable, "");
+_Static_assert((int)CU_IPC_LAZY_PEER_ACCESS == (int)cudaIpcMemLazyEnablePeerAccess, "");
+_Static_assert(CU_IPC_HANDLE_BYTES == CUDA_IPC_HANDLE_SIZE, "");
+_Static_assert(cudaMemcpyHostToDevice == 1 && cudaMemcpyDeviceToHost == 2, "");
+_Static_assert(cudaMemcpyDeviceToDevice == 3 && cudaMemcpyDefault == 4, "");
+_Static_assert(cudaMemoryTypeHost == 1 && cudaMemoryTypeDevice == 2, "");
+#if CUDART_VERSION >= 12080
+_Static_assert((int)CU_SRC_ACCESS_ORDER_STREAM == (int)cudaMemcpySrcAccessOrderStream, "");
+#endif
+/* The argument order cuda_rt.c calls with, in the header's own types. */
+#if CUDART_VERSION >= 13000 && CUDART_VERSION < 14000
+cudaError_t (*batch)(void *const *, const void *const *, const size_t *, size_t,
+                     struct cudaMemcpyAttributes *, size_t *, size_t, cudaStream_t)
+    = cudaMemcpyBatchAsync;
+#elif CUDART_VERSION >= 12080
+cudaError_t (*batch)(void **, void **, size_t *, size_t, struct cudaMemcpyAttributes *,
+                     size_t *, size_t, size_t *, cudaStream_t) = cudaMemcpyBatchAsync;
+#endif
+cudaError_t (*launch)(const void *, dim3, dim3, void **, size_t, cudaStream_t) = cudaLaunchKernel;
+cudaError_t (*ipc_open)(void **, cudaIpcMemHandle_t, unsigned) = cudaIpcOpenMemHandle;
+cudaError_t (*host_alloc)(void **, size_t, unsigned) = cudaHostAlloc;
+cudaError_t (*host_register)(void *, size_t, unsigned) = cudaHostRegister;
+cudaError_t (*copy)(void *, const void *, size_t, enum cudaMemcpyKind, cudaStream_t)
+    = cudaMemcpyAsync;
+"""
+
+_CUDA_INCLUDE = Path("/usr/local/cuda/include")
+
+
+@pytest.mark.skipif(
+    not (_CUDA_INCLUDE / "cuda_runtime_api.h").exists() or shutil.which("cc") is None,
+    reason="needs the CUDA headers and a C compiler",
+)
+def test_abi_matches_the_cuda_headers(tmp_path: Path) -> None:
+    src = tmp_path / "abi.c"
+    src.write_text(_ABI_CHECK)
+    out = subprocess.run(
+        [
+            "cc",
+            "-std=c11",
+            "-Wall",
+            "-Werror",
+            "-c",
+            "-o",
+            str(tmp_path / "abi.o"),
+            str(src),
+            f"-I{_CUDA_INCLUDE}",
+            f"-I{ROOT / 'aio_datadist' / '_native'}",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
