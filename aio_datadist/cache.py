@@ -112,8 +112,8 @@ class Cache:
         stay safe to touch after the cache or engine is released (the memory is kept mapped while
         a view exists), but then they no longer belong to the cache.
 
-        :raises LLMException: ``LLM_PARAM_INVALID`` when the memory is on an accelerator or the
-            cache has been released.
+        :raises LLMException: ``LLM_PARAM_INVALID`` when the memory is on an accelerator (the
+            runtime in use is not the host one) or the cache has been released.
         """
         if not self._tensor_addrs:
             raise ParamInvalidError(
@@ -122,7 +122,8 @@ class Cache:
             )
         if not self._host_addressable():
             raise ParamInvalidError(
-                f"cache {self._cache_id} lives in accelerator memory; use as_torch()",
+                f"cache {self._cache_id} lives in accelerator memory, which the host cannot "
+                "view: copy it to a HOST cache (copy_cache, swap_blocks) to read it",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
         desc = self._cache_desc
