@@ -297,6 +297,48 @@ def test_finalize_only_when_no_device_is_open(fake_path: Path, tmp_path: Path) -
     assert names[-2:] == ["aclrtResetDevice", "aclFinalize"]
 
 
+_PULL_SCRIPT = """
+import asyncio
+from aio_datadist import (
+    AsyncLLMDataDist, BlocksCacheKey, CacheDesc, DataType, LLMClusterInfo, LLMRole, Placement,
+)
+from tests.conftest import make_options, pool_cfg
+
+async def main():
+    opts = dict(device_pool=pool_cfg(), transport="loopback", sync_kv_timeout=5000)
+    prompt = AsyncLLMDataDist(LLMRole.PROMPT, 1)
+    await prompt.init(make_options(**opts, listen="127.0.0.1:31999"))
+    decoder = AsyncLLMDataDist(LLMRole.DECODER, 2)
+    await decoder.init(make_options(**opts))
+    desc = CacheDesc(1, [4, 4096], DataType.DT_UINT8, Placement.DEVICE)
+    await prompt.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    dst = await decoder.cache_manager.allocate_blocks_cache(desc, BlocksCacheKey(2, 0))
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 1
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info("127.0.0.1", 31999)
+    await decoder.link_clusters([info], 5000)
+    await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [0], [1])
+    print("pulled")
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="transfers move device bytes with host memcpy/sockets: on an accelerator runtime "
+    "they need staging through host memory or HCCL",
+)
+def test_pull_between_device_caches_on_acl(fake_path: Path, tmp_path: Path) -> None:
+    env = {
+        "AIO_DATADIST_ASCENDCL": str(fake_path),
+        "AIO_DATADIST_RUNTIME": "acl",
+        "AIO_DATADIST_HCCL": str(tmp_path / "absent.so"),
+    }
+    assert run_script(_PULL_SCRIPT, env).strip() == "pulled"
+
+
 # -- error mapping -------------------------------------------------------------------------
 def test_device_pool_that_cannot_be_carved_is_device_oom(
     fake: FakeAcl, monkeypatch: pytest.MonkeyPatch
