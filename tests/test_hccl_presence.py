@@ -1,0 +1,90 @@
+"""HCCL presence detection and communicator set-up against a fake libhccl (``fake_hccl.c``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from aio_datadist import LLMException, LLMStatusCode
+from aio_datadist._native import hccl
+from aio_datadist._runtime.acl import open_runtime
+from aio_datadist._runtime.hccl import HCCL_ENV, probe
+from tests.acl_fake import FAKE_VARS, FakeAcl
+from tests.fakelibs import build
+
+
+@pytest.fixture
+def fake_hccl(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The fake libhccl selected through ``AIO_DATADIST_HCCL``; returns its call log."""
+    log = tmp_path / "hccl.log"
+    monkeypatch.setenv(HCCL_ENV, str(build("fake_hccl.c", "libhccl.so")))
+    monkeypatch.setenv("FAKE_HCCL_LOG", str(log))
+    return log
+
+
+def test_absent_library_is_reported_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "libhccl.so"
+    monkeypatch.setenv(HCCL_ENV, str(missing))
+    presence = probe()
+    assert not presence.available and presence.library == str(missing)
+    assert str(missing) in presence.reason
+
+
+def test_library_without_hccl_symbols_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(HCCL_ENV, str(build("fake_ascendcl.c", "libascendcl.so")))
+    presence = probe()
+    assert not presence.available and "has no symbol HcclGetRootInfo" in presence.reason
+
+
+def test_present_library_and_a_communicator(fake_hccl: Path, tmp_path: Path) -> None:
+    presence = probe()
+    assert presence.available and presence.cluster_info and presence.reason == ""
+    root = hccl.get_root_info()
+    assert len(root) == hccl.ROOT_INFO_BYTES == 4108 and root.startswith(b"fake-hccl-root")
+    comm = hccl.comm_init_root_info(2, root, 1)
+    hccl.comm_destroy(comm)
+    with pytest.raises(LLMException) as exc:  # HCCL_E_NOT_FOUND from the library
+        hccl.comm_destroy(comm)
+    assert exc.value.status_code == LLMStatusCode.LLM_FAILED and "HcclResult 6" in str(exc.value)
+    with pytest.raises(LLMException) as exc:  # refused before HCCL is called
+        hccl.comm_init_root_info(2, root, 2)
+    assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as exc:  # HCCL_E_PARA: not a root info HCCL made
+        hccl.comm_init_root_info(2, bytes(hccl.ROOT_INFO_BYTES), 0)
+    assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(ValueError):
+        hccl.comm_init_root_info(2, root[:-1], 0)
+    table = tmp_path / "rank_table.json"
+    table.write_text("{}")
+    hccl.comm_destroy(hccl.comm_init_cluster_info(str(table), 0))
+    with pytest.raises(LLMException) as exc:  # HCCL_E_OPEN_FILE_FAILURE
+        hccl.comm_init_cluster_info(str(tmp_path / "missing.json"), 0)
+    assert "HcclResult 10" in str(exc.value)
+    assert [line.split()[0] for line in fake_hccl.read_text().splitlines()] == [
+        "HcclGetRootInfo",
+        "HcclCommInitRootInfo",
+        "HcclCommDestroy",
+        "HcclCommDestroy",
+        "HcclCommInitRootInfo",
+        "HcclCommInitClusterInfo",
+        "HcclCommDestroy",
+        "HcclCommInitClusterInfo",
+    ]
+
+
+def test_acl_runtime_reports_hccl(
+    fake_hccl: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in FAKE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    fake_acl = build("fake_ascendcl.c", "libascendcl.so")
+    monkeypatch.setenv("AIO_DATADIST_ASCENDCL", str(fake_acl))
+    rt = open_runtime(0)
+    try:
+        assert rt.features == {"acl", "hccl"} and rt.hccl.available
+    finally:
+        rt.close()
+    FakeAcl(fake_acl, tmp_path / "unused.log").assert_released()
