@@ -35,8 +35,10 @@ from aio_datadist.types import (
     TransferWithCacheKeyConfig,
 )
 
-#: What this build can do: native kernels and the runtimes it knows.
-features: frozenset[str] = _native_features | {"runtime:host"}
+#: What this build can do: native kernels and the runtimes it can load (``runtime:cuda`` and
+#: ``runtime:acl`` load their vendor library at ``init``; whether a device exists is decided
+#: there, see ``AIO_DATADIST_RUNTIME``).
+features: frozenset[str] = _native_features | {"runtime:host", "runtime:cuda", "runtime:acl"}
 
 # The reference also lists the v1 names TensorDesc, Tensor and KvCacheManager; they are left
 # out here so that ``from aio_datadist import *`` works without the v1 package.

@@ -6,6 +6,7 @@ import asyncio
 import functools
 import inspect
 import json
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -18,6 +19,13 @@ from aio_datadist import LLMConfig, LLMDataDist, LLMRole, Placement
 MiB = 1 << 20
 POOL_BYTES = 64 * MiB
 PAGE_SHIFT = 16
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite reads DEVICE caches through numpy, so it runs on the host runtime (device
+    memory is host memory there) wherever an accelerator exists; tests of an accelerator
+    runtime select it themselves. Peer processes inherit the choice."""
+    os.environ["AIO_DATADIST_RUNTIME"] = "host"
 
 
 def pool_cfg(memory_size: int = POOL_BYTES, page_shift: int | None = PAGE_SHIFT) -> str:

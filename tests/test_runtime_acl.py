@@ -325,11 +325,6 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="transfers move device bytes with host memcpy/sockets: on an accelerator runtime "
-    "they need staging through host memory or HCCL",
-)
 def test_pull_between_device_caches_on_acl(fake_path: Path, tmp_path: Path) -> None:
     env = {
         "AIO_DATADIST_ASCENDCL": str(fake_path),

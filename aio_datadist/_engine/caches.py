@@ -17,6 +17,7 @@ import structlog
 from aio_datadist._engine.plan import CopyPlan, Ops, block_ops, row_ops, staged
 from aio_datadist._engine.registry import CacheEntry, CacheRegistry, KeyIdentity
 from aio_datadist._memory.pool import Allocation, MemoryPool, PoolStats
+from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime.base import CopyKind, DeviceRuntime
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
@@ -72,6 +73,8 @@ class CacheService:
         self.pools = dict(pools)
         self.remote_cache_accessible = remote_cache_accessible
         self.registry = CacheRegistry()
+        #: Pinned host buffers through which device rows take host-only routes.
+        self.staging = Staging(runtime)
         #: Set once a two-sided ``link`` exists: registrations default to not remote-accessible.
         self.two_sided_linked = False
         self._log = log
@@ -95,6 +98,7 @@ class CacheService:
             self.registry.clear()
         for pool in self.pools.values():
             pool.close()
+        self.staging.close()
         self.runtime.close()
 
     def pool_stats(self, placement: Placement) -> PoolStats | None:
@@ -102,6 +106,10 @@ class CacheService:
         check_type("placement", placement, Placement)
         pool = self.pools.get(placement)
         return None if pool is None else pool.stats()
+
+    def on_device(self, entry: CacheEntry) -> bool:
+        """True when ``entry`` lives in device memory that host-only routes must stage."""
+        return entry.placement is Placement.DEVICE and self.staging.needed
 
     # -- resolution -----------------------------------------------------------------------
     def entry(self, cache: Any, name: str = "cache") -> CacheEntry:
@@ -458,7 +466,7 @@ class CacheService:
             )
             if d is s and dst_batch_index == src_batch_index:
                 ops = ops[:0]
-            plan = self._plan([ops], _KINDS[s.desc.placement, d.desc.placement], [d, s])
+            plan = self._plan([ops], _KINDS[s.placement, d.placement], [d, s])
         self._log.debug(
             "cache.copy", dst=dst.cache_id, src=src.cache_id, nbytes=plan.nbytes, req_id=req_id
         )
@@ -494,12 +502,12 @@ class CacheService:
             dsts = self._block_indices("destination", list(last_src), num_blocks)
             srcs = self._block_indices("source", list(last_src.values()), num_blocks)
             ops = block_ops(entry.addrs, entry.addrs, dsts, srcs, entry.row_bytes)
-            kind = _KINDS[entry.desc.placement, entry.desc.placement]
+            kind = _KINDS[entry.placement, entry.placement]
             plan = self._plan([ops], kind, [entry])
             if set(last_src) & set(last_src.values()):
                 gather, scatter, plan.stage_bytes = staged(ops)
                 plan.batches = [gather, scatter]
-                plan.stage_device = entry.desc.placement is Placement.DEVICE
+                plan.stage_device = entry.placement is Placement.DEVICE
         return plan
 
     def plan_swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> CopyPlan:

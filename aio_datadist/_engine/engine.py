@@ -346,7 +346,7 @@ class Engine:
                     e.addrs,
                 )
                 for e in registry.entries()
-                if not e.released and (host_readable or e.desc.placement is Placement.HOST)
+                if not e.released and (host_readable or e.placement is Placement.HOST)
             )
             if board.overflowed and not was_full:
                 log.warning("samehost.board_full", note="peers use the link for every transfer")

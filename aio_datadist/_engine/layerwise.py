@@ -211,7 +211,7 @@ class LayerJob:
                 access = Access(
                     Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields
                 )
-        return self.service.step(cluster, RequestKind.PUSH, access, rows)
+        return self.service.step(cluster, RequestKind.PUSH, access, rows, entry=self.entry)
 
 
 def plan_layer_job(

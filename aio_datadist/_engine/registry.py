@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from aio_datadist._memory.pool import Allocation, MemoryPool
 from aio_datadist.cache import Cache
+from aio_datadist.enums import Placement
 from aio_datadist.types import BlocksCacheKey, CacheDesc
 
 __all__ = ("CacheEntry", "CacheRegistry", "KeyIdentity")
@@ -45,11 +46,14 @@ class CacheEntry:
     num_rows: int = field(init=False)
     #: Bytes of one batch row (or one block) of each tensor.
     row_bytes: int = field(init=False)
+    #: Where the memory lives.
+    placement: Placement = field(init=False)
 
     def __post_init__(self) -> None:
         self.tensor_bytes = self.desc.size
         self.num_rows = self.desc.batch_size
         self.row_bytes = self.tensor_bytes // self.num_rows if self.num_rows else 0
+        self.placement = self.desc.placement
 
 
 class CacheRegistry:

@@ -5,7 +5,9 @@ tensor, row, block, offset and size must lie inside it, raw addresses must lie i
 this engine allocated or registered, and the rows must add up to the size the requester
 expects. A violation refuses that request (``LLM_PARAM_INVALID`` or
 ``LLM_KV_CACHE_NOT_EXIST``) and leaves the link usable. Memory being served is pinned, so a
-cache released meanwhile keeps its memory until the transfer ends.
+cache released meanwhile keeps its memory until the transfer ends. Device memory under an
+accelerator runtime is served through pinned host buffers (:mod:`aio_datadist._memory.staging`):
+read out before a pull's bytes leave, and written to the device before a push is answered.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from aio_datadist._engine.access import Access, Target, decode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
+from aio_datadist._memory.staging import Mask, Staged
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
 from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
@@ -106,13 +109,15 @@ class Server:
         caches.check_open()
         registry = caches.registry
         commit: Callable[[], None] | None = None
+        on_device: Mask | bool
         with registry.lock:
             if access.target is Target.ADDRESSES:
-                entries, iov = self._address_rows(access)
+                entries, iov, on_device = self._address_rows(access)
             else:
                 entry, row = self._resolve(access)
                 entries = [entry]
                 iov = access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
+                on_device = caches.on_device(entry)
             total = access.nbytes
             if total != nbytes:
                 raise _invalid(
@@ -121,9 +126,25 @@ class Server:
             if kind is RequestKind.PULL and access.drop_key and not entries[0].registered:
                 commit = self._dropper(("req", access.ident, access.model_id), entries[0])
             registry.pin(entries)
+        staged: Staged | None = None
+        if on_device is not False:
+            mask = None if on_device is True else on_device
+            try:
+                if kind is RequestKind.PULL:
+                    staged = caches.staging.outbound(iov, mask)
+                else:
+                    staged = caches.staging.inbound(iov, mask)
+            except BaseException:
+                registry.unpin(entries)
+                raise
+            iov = staged.iov
 
         def done(ok: bool) -> None:
-            registry.unpin(entries)
+            try:
+                if staged is not None:
+                    staged.finish(ok)
+            finally:
+                registry.unpin(entries)
 
         return Served(iov, nbytes, done, commit)
 
@@ -148,7 +169,9 @@ class Server:
             raise _not_exist(f"no blocks cache is registered under model_id={access.ident}")
         return entry, 0
 
-    def _address_rows(self, access: Access) -> tuple[list[CacheEntry], Iov]:
+    def _address_rows(self, access: Access) -> tuple[list[CacheEntry], Iov, Mask | bool]:
+        """The rows of an address request, the entries they touch, and which rows lie in
+        device memory that needs staging (a mask, or one bool for all rows)."""
         rows = access.rows
         if not len(rows):
             raise _invalid("the request names no memory")
@@ -172,8 +195,13 @@ class Server:
                 f"address {int(rows[bad, 0]):#x} (+{int(rows[bad, 1])} bytes) is not inside "
                 "memory allocated or registered here"
             )
-        entries = list({id(spans[i][2]): spans[i][2] for i in set(idx.tolist())}.values())
-        return entries, np.ascontiguousarray(rows)
+        touched = [spans[i][2] for i in idx.tolist()]
+        entries = list({id(entry): entry for entry in touched}.values())
+        device = [self._caches.on_device(entry) for entry in entries]
+        on_device: Mask | bool = device[0]
+        if any(device) and not all(device):
+            on_device = np.fromiter((self._caches.on_device(e) for e in touched), np.bool_)
+        return entries, np.ascontiguousarray(rows), on_device
 
     def _dropper(self, identity: KeyIdentity, entry: CacheEntry) -> Callable[[], None]:
         registry = self._caches.registry

@@ -26,6 +26,7 @@ from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.onesided import PeerMemory
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
+from aio_datadist._memory.staging import Staged
 from aio_datadist._native import api
 from aio_datadist._transport.base import Channel, Iov, RequestKind
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
@@ -123,6 +124,8 @@ class Step:
     commit: bool = False
     #: The one-sided route to a same-host peer, when the step may take it.
     peer: PeerMemory | None = None
+    #: True when ``local`` is device memory, staged through host buffers on every route.
+    device: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -131,8 +134,9 @@ class Step:
 
     @property
     def in_caller(self) -> bool:
-        """True when starting the step moves its payload in the calling thread."""
-        if self.peer is not None:
+        """True when starting the step moves its payload (or stages it) in the calling
+        thread."""
+        if self.peer is not None or self.device:
             return True
         return (
             self.channel.pull_in_caller
@@ -174,6 +178,28 @@ class TransferPlan:
             self.release()
 
 
+def _finished_after(moved: Future[None], staged: Staged) -> Future[None]:
+    """A future that completes once ``moved`` did and ``staged`` was finished accordingly."""
+    result: Future[None] = Future()
+
+    def finish(future: Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        ok = not future.cancelled() and error is None
+        try:
+            staged.finish(ok)
+        except Exception as exc:
+            error = error or exc
+        if future.cancelled():
+            result.cancel()
+        elif error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(None)
+
+    moved.add_done_callback(finish)
+    return result
+
+
 def wait_blocking(future: Future[None], deadline_ns: int) -> None:
     """Wait for a request's future in this thread; raise its ``LLMException``."""
     remaining = max(0.0, (deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
@@ -211,8 +237,9 @@ class TransferService:
         local: Iov,
         *,
         commit: bool = False,
+        entry: CacheEntry | None = None,
     ) -> Step:
-        """A request to ``cluster_id`` over its live link.
+        """A request to ``cluster_id`` over its live link; ``entry`` holds the ``local`` rows.
 
         :raises LLMException: ``LLM_NOT_YET_LINK`` when there is no link.
         """
@@ -225,7 +252,8 @@ class TransferService:
         peer = link.peer_memory
         if peer is not None and not peer.serves(access.target):
             peer = None
-        return Step(link.channel, kind, access, local, commit=commit, peer=peer)
+        device = entry is not None and self.caches.on_device(entry)
+        return Step(link.channel, kind, access, local, commit=commit, peer=peer, device=device)
 
     def _plan(self, steps: list[Step], entries: list[CacheEntry]) -> TransferPlan:
         """Pin ``entries`` (registry lock held) for a plan of ``steps``."""
@@ -249,18 +277,30 @@ class TransferService:
         plan.track(future)
         return future
 
+    def _submit(self, plan: TransferPlan, step: Step) -> Future[None]:
+        if not step.device:
+            return self._route(plan, step, step.local)
+        staging = self.caches.staging
+        pull = step.kind is RequestKind.PULL
+        staged = staging.inbound(step.local) if pull else staging.outbound(step.local)
+        try:
+            moved = self._route(plan, step, staged.iov)
+        except BaseException:
+            staged.finish(False)
+            raise
+        return _finished_after(moved, staged)
+
     @staticmethod
-    def _submit(plan: TransferPlan, step: Step) -> Future[None]:
-        if step.peer is not None and step.peer.transfer(step.kind, step.access, step.local):
+    def _route(plan: TransferPlan, step: Step, local: Iov) -> Future[None]:
+        """Move ``step``'s payload between the host rows ``local`` and the peer."""
+        if step.peer is not None and step.peer.transfer(step.kind, step.access, local):
             done: Future[None] = Future()
             done.set_result(None)
             return done
         body = encode_access(step.access)
         if step.kind is RequestKind.PULL:
-            return step.channel.pull(
-                body, step.local, step.nbytes, plan.deadline_ns, commit=step.commit
-            )
-        return step.channel.push(body, step.local, step.nbytes, plan.deadline_ns)
+            return step.channel.pull(body, local, step.nbytes, plan.deadline_ns, commit=step.commit)
+        return step.channel.push(body, local, step.nbytes, plan.deadline_ns)
 
     def run(self, plan: TransferPlan) -> None:
         """Run every step in this thread and wait for all (the blocking face)."""
@@ -376,7 +416,9 @@ class TransferService:
                     drop_key=True,
                 )
             rows = local_rows(entry, local, row=batch_index, seg=seg)
-            step = self.step(cache_key.cluster_id, RequestKind.PULL, access, rows, commit=drop)
+            step = self.step(
+                cache_key.cluster_id, RequestKind.PULL, access, rows, commit=drop, entry=entry
+            )
             return self._plan([step], [entry])
 
     def plan_pull_blocks(
@@ -427,7 +469,7 @@ class TransferService:
                     seg_bytes=block * len(dst_blocks),
                 )
             rows = local_rows(entry, local, seg=block, blocks=list(dst_blocks))
-            step = self.step(src_cache_key.cluster_id, RequestKind.PULL, access, rows)
+            step = self.step(src_cache_key.cluster_id, RequestKind.PULL, access, rows, entry=entry)
             return self._plan([step], [entry])
 
     # -- pushes ---------------------------------------------------------------------------
@@ -483,7 +525,7 @@ class TransferService:
                 dst_cache_key, tensor_start=remote[0], tensor_count=remote[1], seg_bytes=seg
             )
             rows = local_rows(entry, local, row=src_batch_index, seg=seg)
-            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows)
+            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows, entry=entry)
             return self._plan([step], [entry])
 
     def plan_push_blocks(
@@ -527,5 +569,5 @@ class TransferService:
                 blocks=np.asarray(dst_blocks, dtype=np.uint64),
             )
             rows = local_rows(entry, local, seg=block, blocks=list(src_blocks))
-            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows)
+            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows, entry=entry)
             return self._plan([step], [entry])

@@ -78,8 +78,10 @@ class Served:
     """The serving side's answer to a request: which of its memory rows move.
 
     ``done(ok)`` is called exactly once, when the transport no longer touches ``iov``
-    (``ok``: every byte moved). ``commit`` (pulls only) is called at most once, after the
-    requester confirmed that every byte landed; a pull that drops the remote key uses it.
+    (``ok``: every byte moved); when it raises after a push, the push failed and the
+    requester is answered with the error instead of success. ``commit`` (pulls only) is
+    called at most once, after the requester confirmed that every byte landed; a pull that
+    drops the remote key uses it.
     """
 
     iov: Iov

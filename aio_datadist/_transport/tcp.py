@@ -901,11 +901,15 @@ class TcpChannel(Channel):
             return None
         return served
 
-    def _call_done(self, served: Served, ok: bool) -> None:
+    def _call_done(self, served: Served, ok: bool) -> str | None:
+        """Tell the handler the transport is done with ``served``; why finishing failed, if
+        it did."""
         try:
             served.done(ok)
-        except Exception:
+        except Exception as exc:
             self._log.warning("tcp.done_failed", exc_info=True)
+            return str(exc)
+        return None
 
     def _call_commit(self, fn: Callable[[], None]) -> None:
         try:
@@ -976,7 +980,10 @@ class TcpChannel(Channel):
         except BaseException:
             self._call_done(served, False)
             raise
-        self._call_done(served, True)
+        failure = self._call_done(served, True)
+        if failure is not None:
+            self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
+            return
         self._reader_send(_Send(_frame(FrameKind.PUSH_ACK, rid)))
 
 

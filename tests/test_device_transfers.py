@@ -1,0 +1,236 @@
+"""Transfers of device caches under accelerator runtimes, over every transport and both faces.
+
+The runtimes run over the fake libcudart and libascendcl of ``tests/fakelibs``, whose device
+memory cannot be read as host memory: every byte that crosses a link must be staged through
+the runtime's pinned host buffers, or the byte checks here fail. Memory is read back and
+written through the runtime only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aio_datadist import (
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    DataType,
+    LLMStatusCode,
+    Placement,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+)
+from aio_datadist._runtime.base import DeviceRuntime
+from tests.acl_fake import FAKE_VARS, FakeAcl, read_device, write_device
+from tests.conftest import Face, push_blocks
+from tests.fakelibs import build
+from tests.test_runtime_cuda import _fake as fake_cudart
+from tests.test_transfers import (  # noqa: F401 - fixtures
+    Pair,
+    PairFactory,
+    Recorder,
+    expect_status,
+    make_pair,
+    results,
+    transport,
+)
+
+S = LLMStatusCode
+BLOCKS = 8
+ELEMS = 256
+
+
+@pytest.fixture(params=["cuda", "acl"])
+def accelerator(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> Iterator[str]:
+    """The engines of the test run on this accelerator runtime (over its fake library)."""
+    name = str(request.param)
+    monkeypatch.setenv("AIO_DATADIST_RUNTIME", name)
+    if name == "cuda":
+        fake = fake_cudart()
+        monkeypatch.setenv("AIO_DATADIST_CUDART", str(fake.path))
+        monkeypatch.setenv("FAKE_CUDA_DEVICES", "1")
+        fake.reset()
+        yield name
+        return
+    for var in FAKE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    path = build("fake_ascendcl.c", "libascendcl.so")
+    monkeypatch.setenv("AIO_DATADIST_ASCENDCL", str(path))
+    monkeypatch.setenv("AIO_DATADIST_HCCL", str(tmp_path / "absent-libhccl.so"))
+    acl = FakeAcl(path, tmp_path / "acl.log")
+    yield name
+    acl.assert_released()  # staging buffers included
+
+
+def runtime(engine: Any) -> DeviceRuntime:
+    """The runtime of an ``AsyncLLMDataDist`` or a test face."""
+    dd = engine.dd if isinstance(engine, Face) else engine
+    rt: DeviceRuntime = dd._engine.caches.runtime
+    assert not rt.device_memory_is_host
+    return rt
+
+
+def write(engine: Any, cache: Cache, seed: int) -> list[np.ndarray]:
+    """Random bytes into every tensor of a device cache; returns them as ``(rows, -1)`` arrays."""
+    rt, desc = runtime(engine), cache.cache_desc
+    rng = np.random.default_rng(seed)
+    out = []
+    for addr in cache.tensor_addrs:
+        data = rng.integers(0, 256, desc.size, dtype=np.uint8)
+        write_device(rt, addr, data.tobytes())
+        out.append(data.reshape(desc.shape[0], -1))
+    return out
+
+
+def read(engine: Any, cache: Cache) -> list[np.ndarray]:
+    """Every tensor of a device cache as ``(rows, -1)`` bytes, read through the runtime."""
+    rt, desc = runtime(engine), cache.cache_desc
+    return [
+        np.frombuffer(read_device(rt, addr, desc.size), np.uint8).reshape(desc.shape[0], -1)
+        for addr in cache.tensor_addrs
+    ]
+
+
+def blocks_desc(num_tensors: int = 4, placement: Placement = Placement.DEVICE) -> CacheDesc:
+    return CacheDesc(num_tensors, [BLOCKS, ELEMS], DataType.DT_FLOAT, placement)
+
+
+async def test_pull_device_blocks_and_rows(accelerator: str, make_pair: PairFactory) -> None:
+    pair: Pair = await make_pair()
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    dst = await dcm.allocate_blocks_cache(blocks_desc())
+    sent = write(pair.prompt, src, seed=1)
+    before = read(pair.decoder, dst)
+    await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [0, 3, 5], [7, 1, 2])
+    for s, d in zip(sent, read(pair.decoder, dst), strict=True):
+        np.testing.assert_array_equal(d[[7, 1, 2]], s[[0, 3, 5]])
+    # a refused pull leaves the destination as it was
+    before = read(pair.decoder, dst)
+    await expect_status(S.LLM_PARAM_INVALID, dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [9], [0]))
+    for b, d in zip(before, read(pair.decoder, dst), strict=True):
+        np.testing.assert_array_equal(b, d)
+
+    # host blocks of the peer into device blocks (one-sided over TCP, the peer's host memory
+    # being on its region board)
+    host_src = await pcm.allocate_blocks_cache(
+        blocks_desc(placement=Placement.HOST), BlocksCacheKey(1, 1)
+    )
+    host_views = [v.view(np.uint8).reshape(BLOCKS, -1) for v in host_src.as_numpy()]
+    for i, view in enumerate(host_views):
+        view[...] = 10 + i
+    await dcm.pull_blocks(BlocksCacheKey(1, 1), dst, [2, 6], [4, 0])
+    link = pair.decoder.dd._engine.links.get(1)
+    assert (link.peer_memory is not None) == (pair.transport == "tcp")
+    for i, d in enumerate(read(pair.decoder, dst)):
+        assert (d[[4, 0]] == 10 + i).all()
+    await pcm.deallocate_blocks_cache(host_src)
+
+    # a batch row by key, into a row of a device cache
+    key = CacheKey(1, req_id=4)
+    rows_desc = CacheDesc(2, [2, 1024], DataType.DT_FLOAT16, Placement.DEVICE)
+    row_src = await pcm.allocate_cache(rows_desc, [key])
+    row_dst = await dcm.allocate_cache(rows_desc)
+    sent = write(pair.prompt, row_src, seed=2)
+    await dcm.pull_cache(key, row_dst, batch_index=1)
+    for s, d in zip(sent, read(pair.decoder, row_dst), strict=True):
+        np.testing.assert_array_equal(d[1], s[0])
+    await pcm.deallocate_blocks_cache(src)
+    await pcm.deallocate_cache(row_src)
+    await dcm.deallocate_blocks_cache(dst)
+    await dcm.deallocate_cache(row_dst)
+
+
+async def test_push_between_device_and_host(accelerator: str, make_pair: PairFactory) -> None:
+    pair: Pair = await make_pair(remote_accessible=True)
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    remote = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    local = await dcm.allocate_blocks_cache(blocks_desc())
+    sent = write(pair.decoder, local, seed=3)
+    await push_blocks(pair.decoder, BlocksCacheKey(1, 0), local, [0, 1, 2], [5, 4, 3])
+    for s, r in zip(sent, read(pair.prompt, remote), strict=True):
+        np.testing.assert_array_equal(r[[5, 4, 3]], s[[0, 1, 2]])
+
+    # host blocks into device blocks, then device blocks back into host blocks
+    host = await dcm.allocate_blocks_cache(blocks_desc(placement=Placement.HOST))
+    host_views = [v.view(np.uint8).reshape(BLOCKS, -1) for v in host.as_numpy()]
+    for i, view in enumerate(host_views):
+        view[...] = i + 1
+    await push_blocks(pair.decoder, BlocksCacheKey(1, 0), host, [6], [7])
+    for i, r in enumerate(read(pair.prompt, remote)):
+        assert (r[7] == i + 1).all()
+    await dcm.pull_blocks(BlocksCacheKey(1, 0), host, [5], [0])
+    for s, view in zip(sent, host_views, strict=True):
+        np.testing.assert_array_equal(view[0], s[0])
+
+    # push_cache: a device batch row into a remote device row named by id and index
+    rows_desc = CacheDesc(2, [2, 512], DataType.DT_FLOAT, Placement.DEVICE)
+    remote_rows = await pcm.allocate_cache(rows_desc)
+    local_rows = await dcm.allocate_cache(rows_desc)
+    sent = write(pair.decoder, local_rows, seed=4)
+    await pair.decoder.cm.push_cache(CacheKeyByIdAndIndex(1, remote_rows.cache_id, 1), local_rows)
+    for s, r in zip(sent, read(pair.prompt, remote_rows), strict=True):
+        np.testing.assert_array_equal(r[1], s[0])
+    await pcm.deallocate_blocks_cache(remote)
+    await pcm.deallocate_cache(remote_rows)
+    for blocks in (local, host):
+        await dcm.deallocate_blocks_cache(blocks)
+    await dcm.deallocate_cache(local_rows)
+
+
+async def test_layerwise_transfer_of_device_caches(
+    accelerator: str, make_pair: PairFactory
+) -> None:
+    pair: Pair = await make_pair(remote_accessible=True)
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    layers = 3
+    remote = await pcm.allocate_blocks_cache(blocks_desc(2 * layers), BlocksCacheKey(1, 0))
+    local = await dcm.allocate_blocks_cache(blocks_desc(2 * layers))
+    sent = write(pair.decoder, local, seed=5)
+    task = pair.decoder.dd.cache_manager.transfer_cache_async(
+        local,
+        Recorder(),
+        [TransferWithCacheKeyConfig(BlocksCacheKey(1, 0), range(1, 3), range(0, 2))],
+        src_block_indices=[0, 2],
+        dst_block_indices=[4, 1],
+    )
+    assert await results(pair.decoder, task) == [S.LLM_SUCCESS]
+    got = read(pair.prompt, remote)
+    for src_layer, dst_layer in ((1, 0), (2, 1)):
+        for j in range(2):
+            np.testing.assert_array_equal(
+                got[2 * dst_layer + j][[4, 1]], sent[2 * src_layer + j][[0, 2]]
+            )
+    await pcm.deallocate_blocks_cache(remote)
+    await dcm.deallocate_blocks_cache(local)
+
+
+async def test_layerwise_transfer_by_address_into_device_memory(
+    accelerator: str, make_pair: PairFactory
+) -> None:
+    pair: Pair = await make_pair()
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    layers = 2
+    remote = await pcm.allocate_blocks_cache(blocks_desc(2 * layers), BlocksCacheKey(1, 0))
+    local = await dcm.allocate_blocks_cache(blocks_desc(2 * layers))
+    sent = write(pair.decoder, local, seed=6)
+    task = pair.decoder.dd.cache_manager.transfer_cache_async(
+        local,
+        Recorder(),
+        [TransferConfig(1, list(remote.tensor_addrs), range(0, layers))],
+        src_block_indices=[3],
+        dst_block_indices=[6],
+    )
+    assert await results(pair.decoder, task) == [S.LLM_SUCCESS]
+    for s, r in zip(sent, read(pair.prompt, remote), strict=True):
+        np.testing.assert_array_equal(r[6], s[3])
+    await pcm.deallocate_blocks_cache(remote)
+    await dcm.deallocate_blocks_cache(local)
