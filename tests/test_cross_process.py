@@ -51,13 +51,13 @@ def free_port() -> int:
 class Peer:
     """The prompt process, serving ``blocks`` blocks of ``block_bytes`` per tensor."""
 
-    def __init__(self, blocks: int, block_bytes: int) -> None:
+    def __init__(self, blocks: int, block_bytes: int, script: Path = PEER) -> None:
         self.blocks, self.block_bytes = blocks, block_bytes
         self.port = free_port()
         root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, str(PEER), str(self.port), str(blocks), str(block_bytes)],
+            [sys.executable, str(script), str(self.port), str(blocks), str(block_bytes)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

@@ -9,6 +9,7 @@ written through the runtime only.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from aio_datadist import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LLMRole,
     LLMStatusCode,
     Placement,
     TransferConfig,
@@ -28,8 +30,10 @@ from aio_datadist import (
 )
 from aio_datadist._runtime.base import DeviceRuntime
 from tests.acl_fake import FAKE_VARS, FakeAcl, read_device, write_device
-from tests.conftest import Face, push_blocks
+from tests.conftest import Face, make_options, pool_cfg, push_blocks
 from tests.fakelibs import build
+from tests.peer_prompt import TENSORS, pattern
+from tests.test_cross_process import Peer, link, peer_memory
 from tests.test_runtime_cuda import _fake as fake_cudart
 from tests.test_transfers import (  # noqa: F401 - fixtures
     Pair,
@@ -42,6 +46,7 @@ from tests.test_transfers import (  # noqa: F401 - fixtures
 )
 
 S = LLMStatusCode
+DEVICE_PEER = Path(__file__).with_name("peer_device.py")
 BLOCKS = 8
 ELEMS = 256
 
@@ -234,3 +239,60 @@ async def test_layerwise_transfer_by_address_into_device_memory(
         np.testing.assert_array_equal(r[6], s[3])
     await pcm.deallocate_blocks_cache(remote)
     await dcm.deallocate_blocks_cache(local)
+
+
+# -- same host, two processes: the peer's device memory mapped through CUDA IPC --------------
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both processes run the CUDA runtime over the fake libcudart."""
+    fake = fake_cudart()
+    monkeypatch.setenv("AIO_DATADIST_RUNTIME", "cuda")
+    monkeypatch.setenv("AIO_DATADIST_CUDART", str(fake.path))
+    monkeypatch.setenv("FAKE_CUDA_DEVICES", "1")
+
+
+async def test_same_host_device_memory_moves_through_ipc(fake_cuda: None, face_kind: str) -> None:
+    blocks, block_bytes = 16, 4096
+    peer = Peer(blocks, block_bytes, script=DEVICE_PEER)
+    face = Face(face_kind, LLMRole.DECODER, 2)
+    try:
+        await face.init(
+            make_options(
+                device_pool=pool_cfg(),
+                host_pool=pool_cfg(),
+                remote_accessible=True,
+                transport="tcp",
+                same_host=True,
+            )
+        )
+        await link(face, peer)
+        desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
+        dev = await face.cm.allocate_blocks_cache(desc)
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), dev, [3, 0, 15], [0, 1, 2])
+        for t, got in enumerate(read(face, dev)):
+            np.testing.assert_array_equal(
+                got[[0, 1, 2]], pattern(t, blocks, block_bytes)[[3, 0, 15]]
+            )
+        memory = peer_memory(face)
+        assert memory is not None and memory.device_sharing and memory._mapped
+
+        # into host memory, and back out of device memory into the peer's
+        host_desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.HOST)
+        host = await face.cm.allocate_blocks_cache(host_desc)
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), host, [7], [7])
+        for t, view in enumerate(host.as_numpy()):
+            np.testing.assert_array_equal(view[7], pattern(t, blocks, block_bytes)[7])
+        await push_blocks(face, BlocksCacheKey(1, 0), dev, [0], [9])
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), host, [9], [1])
+        for t, view in enumerate(host.as_numpy()):
+            np.testing.assert_array_equal(view[1], pattern(t, blocks, block_bytes)[3])
+        # the serving side's refusals are unchanged
+        await expect_status(
+            S.LLM_PARAM_INVALID, face.cm.pull_blocks(BlocksCacheKey(1, 0), dev, [16], [0])
+        )
+        assert memory.device_sharing
+        await face.cm.deallocate_blocks_cache(dev)
+        await face.cm.deallocate_blocks_cache(host)
+    finally:
+        await face.finalize()
+        peer.close()

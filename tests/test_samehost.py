@@ -18,6 +18,8 @@ from aio_datadist._engine.regions import (
     RegionView,
     RemoteRegions,
 )
+from aio_datadist._memory.staging import Staging
+from aio_datadist._runtime import HostRuntime
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.samehost import (
     HostPresence,
@@ -120,7 +122,9 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
 
             warning = info
 
-        peer = onesided.PeerMemory(os.getpid(), RegionView(os.getpid(), board.fd), Log())  # type: ignore[arg-type]
+        view = RegionView(os.getpid(), board.fd)
+        staging = Staging(HostRuntime(0))
+        peer = onesided.PeerMemory(os.getpid(), view, staging, Log())  # type: ignore[arg-type]
         access = onesided.Access(
             onesided.Target.BLOCKS_KEY,
             ident=5,

@@ -12,6 +12,7 @@ from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
 from aio_datadist._engine.links import LinkTable, check_clusters
 from aio_datadist._engine.regions import BoardEntry, RegionBoard
+from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.serving import Server
 from aio_datadist._engine.transfers import TransferService
 from aio_datadist._log import get_logger
@@ -47,6 +48,7 @@ from aio_datadist.config import (
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import (
     ExistLinkError,
+    LLMException,
     LLMFailedError,
     LLMStatusCode,
     ParamInvalidError,
@@ -171,6 +173,7 @@ class Engine:
                 make_transport(settings.transport),
                 Server(caches),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
+                staging=caches.staging,
             )
             links.retry_count = max(1, settings.link_retry_count)
             if settings.listen is not None:
@@ -332,22 +335,45 @@ class Engine:
             log.info("samehost.unavailable", reason=f"no region board: {exc}")
             return None
         registry = caches.registry
-        host_readable = caches.runtime.device_memory_is_host
+        tokens: dict[tuple[int, int], bytes | None] = {}
+
+        def token(e: CacheEntry) -> bytes | None:
+            """b"" for host-readable memory; the runtime's sharing token for device memory
+            (cached per cache); None when the entry cannot be published."""
+            if not caches.on_device(e):
+                return b""
+            low = min(e.addrs, default=0)
+            key = (e.cache_id, low)
+            if key not in tokens:
+                span = max(e.addrs, default=0) + e.tensor_bytes - low
+                try:
+                    tokens[key] = caches.runtime.share(low, span) if e.addrs else None
+                except LLMException:
+                    tokens[key] = None
+            return tokens[key]
 
         def publish() -> None:
             was_full = board.overflowed
-            board.publish(
-                BoardEntry(
-                    e.cache_id,
-                    e.blocks_key.model_id if e.blocks_key is not None else -1,
-                    e.row_bytes,
-                    e.num_rows,
-                    e.tensor_bytes,
-                    e.addrs,
-                )
-                for e in registry.entries()
-                if not e.released and (host_readable or e.placement is Placement.HOST)
-            )
+            live = [e for e in registry.entries() if not e.released]
+            for key in set(tokens) - {(e.cache_id, min(e.addrs, default=0)) for e in live}:
+                del tokens[key]
+            published = []
+            for e in live:
+                shared = token(e)
+                if shared is not None:
+                    model_id = e.blocks_key.model_id if e.blocks_key is not None else -1
+                    published.append(
+                        BoardEntry(
+                            e.cache_id,
+                            model_id,
+                            e.row_bytes,
+                            e.num_rows,
+                            e.tensor_bytes,
+                            e.addrs,
+                            shared,
+                        )
+                    )
+            board.publish(published)
             if board.overflowed and not was_full:
                 log.warning("samehost.board_full", note="peers use the link for every transfer")
 

@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
+from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import (
     Channel,
     Hello,
@@ -105,8 +106,12 @@ class LinkTable:
         transport: Transport,
         handler: RequestHandler,
         log: structlog.stdlib.BoundLogger,
+        *,
+        staging: Staging | None = None,
     ) -> None:
         self.local = local
+        #: How same-host routes reach device memory; None: this engine publishes no board.
+        self.staging = staging
         self.transport = transport
         self._handler = handler
         self._links: dict[int, Link] = {}
@@ -178,9 +183,11 @@ class LinkTable:
 
     def _attach_peer_memory(self, link: Link) -> None:
         """Open the one-sided route to a same-host peer (both ends must offer presence)."""
-        if self.local.presence is not None:
+        if self.local.presence is not None and self.staging is not None:
             link.peer_memory = open_peer_memory(
-                link.remote.presence, self._log.bind(remote_cluster_id=link.remote.cluster_id)
+                link.remote.presence,
+                self.staging,
+                self._log.bind(remote_cluster_id=link.remote.cluster_id),
             )
 
     def _forget(self, channel: Channel) -> None:

@@ -8,6 +8,12 @@ moved with one batched ``process_vm_readv``/``process_vm_writev`` call: no reque
 the socket and the peer's threads do nothing. Requests by cache key (which may drop the
 key on the peer) and anything the board does not show go over the link as before.
 
+Device caches the peer shared through its runtime (CUDA IPC) are mapped here once per
+allocation and copied by this engine's runtime (device to device, or to and from host
+rows); a local device cache against the peer's host memory is staged through pinned host
+buffers around the ``process_vm`` call. Where the runtime cannot map the peer's memory,
+device requests go over the link for good, with one log line.
+
 Where the kernel refuses cross-process access (``ptrace_scope``, another user, container
 policy) the link falls back to its socket for good, with one log line. One-sided pulls see
 the peer's caches as published at the time of the call; a cache the peer releases while a
@@ -16,6 +22,9 @@ pull reads it fails that pull with ``LLM_KV_CACHE_NOT_EXIST`` (the board changed
 
 from __future__ import annotations
 
+import os
+import threading
+
 import numpy as np
 import structlog
 
@@ -23,7 +32,9 @@ from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.regions import BoardEntry, RegionView, RemoteRegions
 from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
+from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api
+from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist.status import (
@@ -40,7 +51,7 @@ ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADD
 
 
 def open_peer_memory(
-    presence: HostPresence | None, log: structlog.stdlib.BoundLogger
+    presence: HostPresence | None, staging: Staging, log: structlog.stdlib.BoundLogger
 ) -> PeerMemory | None:
     """The one-sided route to a peer that offered ``presence``; None when it cannot be had."""
     if presence is None or presence.host_key != local_host_key():
@@ -51,30 +62,47 @@ def open_peer_memory(
         log.info("samehost.unavailable", peer_pid=presence.pid, reason=str(exc))
         return None
     log.info("samehost.ready", peer_pid=presence.pid)
-    return PeerMemory(presence.pid, view, log)
+    return PeerMemory(presence.pid, view, staging, log)
 
 
 class PeerMemory:
     """One-sided access to the caches a same-host peer published."""
 
-    def __init__(self, pid: int, view: RegionView, log: structlog.stdlib.BoundLogger) -> None:
+    def __init__(
+        self, pid: int, view: RegionView, staging: Staging, log: structlog.stdlib.BoundLogger
+    ) -> None:
         self.pid = pid
         self._view = view
+        self._staging = staging
         self._log = log
         #: False once the kernel refused: every later request goes over the link.
         self.enabled = True
+        #: False once the runtime could not map the peer's device memory (or never can:
+        #: a process cannot map its own).
+        self.device_sharing = pid != os.getpid()
+        self._mapped: dict[bytes, int] = {}
+        self._map_lock = threading.Lock()
 
     def close(self) -> None:
-        """Stop one-sided access (the link closed)."""
+        """Stop one-sided access (the link closed) and unmap the peer's device memory."""
         self.enabled = False
         self._view.close()
+        with self._map_lock:
+            mapped, self._mapped = self._mapped, {}
+            self.device_sharing = False
+        for addr in mapped.values():
+            self._staging.runtime.close_shared(addr)
 
     def serves(self, target: Target) -> bool:
         """True while requests naming the peer's memory this way may go one-sided."""
         return self.enabled and target in ONE_SIDED_TARGETS
 
-    def transfer(self, kind: RequestKind, access: Access, local: Iov) -> bool:
+    def transfer(
+        self, kind: RequestKind, access: Access, local: Iov, *, local_on_device: bool = False
+    ) -> bool:
         """Move one request's bytes one-sided; False when the link must carry it instead.
+
+        ``local_on_device``: the ``local`` rows are device memory of this engine's runtime.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` (outside the peer's cache),
             ``LLM_KV_CACHE_NOT_EXIST`` (released meanwhile), ``LLM_LINK_FAILED`` (the peer
@@ -89,13 +117,75 @@ class PeerMemory:
         if resolved is None:
             return False
         entries, remote = resolved
-        try:
-            ops = pair_rows(local, remote) if kind is RequestKind.PULL else pair_rows(remote, local)
-        except ValueError as exc:
-            raise ParamInvalidError(
-                f"the request does not match the peer's cache: {exc}",
-                status_code=LLMStatusCode.LLM_PARAM_INVALID,
-            ) from None
+        on_device = [bool(e.token) for e in entries]
+        if any(on_device):
+            mapped = self._map(entries, remote) if all(on_device) else None
+            if mapped is None:
+                return False
+            ops = _paired(kind, local, mapped)
+            device_kind = {
+                (True, RequestKind.PULL): CopyKind.DEVICE_TO_DEVICE,
+                (True, RequestKind.PUSH): CopyKind.DEVICE_TO_DEVICE,
+                (False, RequestKind.PULL): CopyKind.DEVICE_TO_HOST,
+                (False, RequestKind.PUSH): CopyKind.HOST_TO_DEVICE,
+            }[local_on_device, kind]
+            self._staging.runtime.copy_batch(ops, device_kind)
+            self._check_still_there(regions, entries)
+            return True
+        if not local_on_device:
+            moved = self._vm_copy(kind, _paired(kind, local, remote), regions, entries)
+        else:
+            pull = kind is RequestKind.PULL
+            staged = self._staging.inbound(local) if pull else self._staging.outbound(local)
+            ok = False
+            try:
+                moved = self._vm_copy(kind, _paired(kind, staged.iov, remote), regions, entries)
+                ok = moved
+            finally:
+                staged.finish(ok)
+        if moved:
+            self._check_still_there(regions, entries)
+        return moved
+
+    def _map(self, entries: list[BoardEntry], remote: Iov) -> Iov | None:
+        """``remote`` rows translated into this process through the peer's sharing tokens;
+        None when the runtime cannot map them (the link carries such requests from then on)."""
+        out = remote.copy()
+        for entry in entries:
+            base = self._open(entry)
+            if base is None:
+                return None
+            low, nbytes = entry.span
+            inside = (remote[:, 0] >= low) & (remote[:, 0] < low + nbytes)
+            out[inside, 0] = remote[inside, 0] - np.uint64(low) + np.uint64(base)
+        return out
+
+    def _open(self, entry: BoardEntry) -> int | None:
+        with self._map_lock:
+            if not self.device_sharing:
+                return None
+            base = self._mapped.get(entry.token)
+            if base is not None:
+                return base
+            try:
+                base = self._staging.runtime.open_shared(entry.token)
+            except (LLMException, TypeError) as exc:
+                self.device_sharing = False
+                self._log.warning(
+                    "samehost.device_unshared", peer_pid=self.pid, reason=str(exc), fallback="link"
+                )
+                return None
+            self._mapped[entry.token] = base
+            return base
+
+    def _vm_copy(
+        self,
+        kind: RequestKind,
+        ops: np.ndarray,
+        regions: RemoteRegions,
+        entries: list[BoardEntry],
+    ) -> bool:
+        """Copy with the peer's host memory; False when the kernel refused (use the link)."""
         try:
             api.vm_copy_batch(self.pid, ops, write=kind is RequestKind.PUSH)
         except PermissionError as exc:
@@ -114,7 +204,6 @@ class PeerMemory:
                 f"one-sided transfer with process {self.pid} failed: {exc}",
                 status_code=LLMStatusCode.LLM_FAILED,
             ) from None
-        self._check_still_there(regions, entries)
         return True
 
     def _resolve(
@@ -157,3 +246,17 @@ class PeerMemory:
             "the peer released the cache while it was being transferred",
             status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
+
+
+def _paired(kind: RequestKind, local: Iov, remote: Iov) -> np.ndarray:
+    """Copy ops from ``remote`` into ``local`` (pull) or back (push).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when the two sides differ in size.
+    """
+    try:
+        return pair_rows(local, remote) if kind is RequestKind.PULL else pair_rows(remote, local)
+    except ValueError as exc:
+        raise ParamInvalidError(
+            f"the request does not match the peer's cache: {exc}",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        ) from None

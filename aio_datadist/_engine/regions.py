@@ -13,7 +13,11 @@ then ``nbytes`` of table. The writer makes ``seq`` odd, writes the table, then m
 even again; a reader takes a snapshot only when ``seq`` is even and unchanged across the
 read and the CRC matches, so it never uses a torn table. Table entries:
 ``u64 cache_id, i64 blocks_model_id (-1: none), u64 row_bytes, u64 num_rows,
-u64 tensor_bytes, u32 num_tensors``, then the tensor addresses (``u64`` each).
+u64 tensor_bytes, u32 num_tensors, u32 token_len``, then the tensor addresses (``u64``
+each), then ``token_len`` bytes of the device runtime's sharing token: empty for host
+memory (read with ``process_vm_readv``); for device memory, what the peer's runtime maps
+with ``open_shared`` to reach the span from the lowest tensor address to the end of the
+highest tensor (device caches the runtime cannot share are not published).
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ __all__ = ("BOARD_BYTES", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegi
 #: Size of a board file (sparse: only the pages a table uses are ever committed).
 BOARD_BYTES = 16 << 20
 _MAGIC = 0x41494F52  # "AIOR"
-_LAYOUT = 1
+_LAYOUT = 2
 _HEAD = struct.Struct("<IIQQI")
 _SEQ_AT = 8
-_ENTRY = struct.Struct("<QqQQQI")
+_ENTRY = struct.Struct("<QqQQQII")
+#: Largest sharing token a table may carry.
+MAX_TOKEN = 256
 _READ_TRIES = 8
 
 
@@ -50,6 +56,14 @@ class BoardEntry:
     num_rows: int
     tensor_bytes: int
     addrs: tuple[int, ...]
+    #: The device runtime's sharing token; empty for host memory.
+    token: bytes = b""
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """``(start, nbytes)`` from the lowest tensor to the end of the highest."""
+        low = min(self.addrs)
+        return low, max(self.addrs) + self.tensor_bytes - low
 
 
 def encode_entries(entries: Iterable[BoardEntry]) -> bytes:
@@ -58,10 +72,17 @@ def encode_entries(entries: Iterable[BoardEntry]) -> bytes:
     for e in entries:
         parts.append(
             _ENTRY.pack(
-                e.cache_id, e.blocks_model_id, e.row_bytes, e.num_rows, e.tensor_bytes, len(e.addrs)
+                e.cache_id,
+                e.blocks_model_id,
+                e.row_bytes,
+                e.num_rows,
+                e.tensor_bytes,
+                len(e.addrs),
+                len(e.token),
             )
         )
         parts.append(struct.pack(f"<{len(e.addrs)}Q", *e.addrs))
+        parts.append(e.token)
     return b"".join(parts)
 
 
@@ -82,11 +103,19 @@ class RemoteRegions:
         entries: list[BoardEntry] = []
         at = 0
         while at < len(table):
-            cache_id, model_id, row_bytes, num_rows, tensor_bytes, n = _ENTRY.unpack_from(table, at)
+            cache_id, model_id, row_bytes, num_rows, tensor_bytes, n, token_len = (
+                _ENTRY.unpack_from(table, at)
+            )
             at += _ENTRY.size
             addrs = struct.unpack_from(f"<{n}Q", table, at)
             at += 8 * n
-            entries.append(BoardEntry(cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs))
+            if token_len > MAX_TOKEN or at + token_len > len(table) or (token_len and not n):
+                raise ValueError("board entry has a malformed sharing token")
+            token = bytes(table[at : at + token_len])
+            at += token_len
+            entries.append(
+                BoardEntry(cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs, token)
+            )
         if at != len(table):
             raise ValueError("board table has trailing bytes")
         return cls(seq, entries)

@@ -278,25 +278,28 @@ class TransferService:
         return future
 
     def _submit(self, plan: TransferPlan, step: Step) -> Future[None]:
+        if step.peer is not None and step.peer.transfer(
+            step.kind, step.access, step.local, local_on_device=step.device
+        ):
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
         if not step.device:
-            return self._route(plan, step, step.local)
+            return self._send(plan, step, step.local)
         staging = self.caches.staging
         pull = step.kind is RequestKind.PULL
         staged = staging.inbound(step.local) if pull else staging.outbound(step.local)
         try:
-            moved = self._route(plan, step, staged.iov)
+            moved = self._send(plan, step, staged.iov)
         except BaseException:
             staged.finish(False)
             raise
         return _finished_after(moved, staged)
 
     @staticmethod
-    def _route(plan: TransferPlan, step: Step, local: Iov) -> Future[None]:
-        """Move ``step``'s payload between the host rows ``local`` and the peer."""
-        if step.peer is not None and step.peer.transfer(step.kind, step.access, local):
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
+    def _send(plan: TransferPlan, step: Step, local: Iov) -> Future[None]:
+        """Send ``step``'s request over its link, moving the payload to or from the host
+        rows ``local``."""
         body = encode_access(step.access)
         if step.kind is RequestKind.PULL:
             return step.channel.pull(body, local, step.nbytes, plan.deadline_ns, commit=step.commit)

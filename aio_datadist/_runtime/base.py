@@ -12,6 +12,8 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist.status import LLMException, LLMStatusCode
+
 __all__ = ("CopyKind", "DeviceRuntime", "RuntimeUnavailable")
 
 
@@ -71,6 +73,25 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until every copy this runtime started has completed."""
+
+    def share(self, addr: int, nbytes: int) -> bytes | None:
+        """A token through which another process on this host reaches ``[addr, addr +
+        nbytes)`` of device memory (see :meth:`open_shared`); None when this runtime cannot
+        share that range (no support, or memory it did not allocate in one piece)."""
+        return None
+
+    def open_shared(self, token: bytes) -> int:
+        """Map a range another process shared with :meth:`share`; returns its start here.
+
+        :raises LLMException: the range cannot be mapped (``LLM_FAILED``).
+        """
+        raise LLMException(
+            f"the {self.name} runtime cannot map other processes' device memory",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+
+    def close_shared(self, addr: int) -> None:  # noqa: B027 - optional, pairs open_shared
+        """Drop a mapping from :meth:`open_shared` (``addr`` is what it returned)."""
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release runtime resources (streams, contexts); the runtime is unusable afterwards."""

@@ -228,8 +228,14 @@ class CudaRuntime(DeviceRuntime):
         if "copy_kernel" not in self._ctx.features:
             return CopyMode.ENGINE
         lengths = ops[:, 2]
-        inside = self._device.covers(ops[:, 0], lengths) & self._device.covers(ops[:, 1], lengths)
+        inside = self._mapped(ops[:, 0], lengths) & self._mapped(ops[:, 1], lengths)
         return CopyMode.KERNEL if bool(inside.all()) else CopyMode.ENGINE
+
+    def _mapped(
+        self, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]
+    ) -> npt.NDArray[np.bool_]:
+        """Rows inside device memory this runtime allocated or mapped from a peer."""
+        return self._device.covers(addrs, lengths) | self._ipc.covers(addrs, lengths)
 
     def _pinned_rows(
         self, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]
@@ -331,6 +337,22 @@ class CudaRuntime(DeviceRuntime):
                 self._ipc.add(base, size)
             ref[1] += 1
             return ref[0] + int(offset)
+
+    def share(self, addr: int, nbytes: int) -> bytes | None:
+        """An :meth:`ipc_handle` token for ``addr`` when ``[addr, addr + nbytes)`` lies in one
+        allocation of this runtime; else None."""
+        found = self._device.find(addr)
+        if found is None or addr + nbytes > found[0] + found[1]:
+            return None
+        return self.ipc_handle(addr)
+
+    def open_shared(self, token: bytes) -> int:
+        """:meth:`open_ipc`."""
+        return self.open_ipc(token)
+
+    def close_shared(self, addr: int) -> None:
+        """:meth:`close_ipc`."""
+        self.close_ipc(addr)
 
     def close_ipc(self, addr: int) -> None:
         """Drop one :meth:`open_ipc` of the allocation holding ``addr``; unmapped at the last.
