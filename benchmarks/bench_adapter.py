@@ -34,6 +34,10 @@ HARNESS = os.environ.get(
 sys.path.insert(0, HARNESS)
 import common  # noqa: E402
 
+# numpy buffers stand in for device memory here: use the host runtime even where an
+# accelerator exists (device caches on an accelerator are not host-addressable).
+os.environ["AIO_DATADIST_RUNTIME"] = "host"
+
 from aio_datadist import (  # noqa: E402
     AsyncLLMDataDist,
     BlocksCacheKey,

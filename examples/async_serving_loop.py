@@ -12,10 +12,15 @@ millisecond; the script prints how fast the pings were answered while bytes move
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import time
 
 import numpy as np
+
+# numpy buffers stand in for device memory here: use the host runtime even where an
+# accelerator exists (device caches on an accelerator are not host-addressable).
+os.environ["AIO_DATADIST_RUNTIME"] = "host"
 
 from aio_datadist import (
     AsyncLLMDataDist,

@@ -13,12 +13,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import socket
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+# numpy buffers stand in for device memory here: use the host runtime even where an
+# accelerator exists (device caches on an accelerator are not host-addressable).
+os.environ["AIO_DATADIST_RUNTIME"] = "host"
 
 from aio_datadist import (
     AsyncLLMDataDist,

@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import numpy as np
 
 import aio_datadist as llm_datadist
+
+# numpy buffers stand in for device memory here: use the host runtime even where an
+# accelerator exists (device caches on an accelerator are not host-addressable).
+os.environ["AIO_DATADIST_RUNTIME"] = "host"
+
 from aio_datadist import (
     AsyncLLMDataDist,
     BlocksCacheKey,
