@@ -29,9 +29,9 @@ from aio_datadist import (
     LLMConfig,
     LLMException,
     LLMRole,
-    LLMStatusCode,
     Placement,
 )
+from aio_datadist import LLMStatusCode as S
 from aio_datadist._engine import links as links_module
 from aio_datadist._transport._wire import FrameKind, HelloExtension
 from aio_datadist._transport.auth import (
@@ -48,7 +48,7 @@ from aio_datadist._transport.auth import (
 from aio_datadist._transport.base import LinkRefused
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
 from aio_datadist._transport.tcp import TcpTransport
-from tests.conftest import Face, make_options, pool_cfg
+from tests.conftest import Cleanup, Face, make_options, pool_cfg
 from tests.peer_prompt import TENSORS, pattern
 from tests.test_cross_process import Peer
 from tests.test_transport_tcp import (
@@ -56,7 +56,6 @@ from tests.test_transport_tcp import (
     HOST,
     SERVER_HELLO,
     WAIT,
-    Cleanup,
     FakeAcceptor,
     MemoryHandler,
     RawServer,
@@ -68,17 +67,8 @@ from tests.test_transport_tcp import (
     rows,
 )
 
-S = LLMStatusCode
 SECRET = "correct horse battery staple"
 OTHER = "a different secret"
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    c = Cleanup()
-    yield c
-    for fn in reversed(c.items):
-        fn()
 
 
 @pytest.fixture(autouse=True)
@@ -484,17 +474,13 @@ def expected_blocks(t: int) -> np.ndarray:
 
 
 def engine_options(transport: str, secret: str | None, listen: str | None = None) -> dict[str, str]:
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    cfg.mem_pool_cfg = pool_cfg()
-    cfg.transport = transport
-    if listen is not None:
-        cfg.listen_ip_info = listen
-    if secret is not None:
-        cfg.link_secret = secret
-    return dict(cfg.generate_options())
+    return make_options(
+        device_pool=pool_cfg(),
+        remote_accessible=True,
+        transport=transport,
+        listen=listen,
+        link_secret=secret,
+    )
 
 
 class Engines:
@@ -527,10 +513,10 @@ class Engines:
         await face.init(engine_options(self.transport, secret))
         return face
 
-    async def link(self, face: Face) -> LLMStatusCode:
+    async def link(self, face: Face) -> S:
         ret, rets = await face.call(face.dd.link_clusters, [self.info], 5000)
         assert rets == [ret]
-        return LLMStatusCode(ret)
+        return S(ret)
 
     async def close(self) -> None:
         for face in reversed(self.made):
