@@ -33,7 +33,13 @@ from aio_datadist import (
 )
 from aio_datadist import LLMStatusCode as S
 from aio_datadist._engine import links as links_module
-from aio_datadist._transport._wire import FrameKind, HelloExtension
+from aio_datadist._transport._wire import (
+    FrameKind,
+    HelloExtension,
+    WireError,
+    decode_extension_records,
+    decode_hello,
+)
 from aio_datadist._transport.auth import (
     NONCE_BYTES,
     PROOF_BYTES,
@@ -47,6 +53,7 @@ from aio_datadist._transport.auth import (
 )
 from aio_datadist._transport.base import LinkRefused
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
+from aio_datadist._transport.samehost import decode_extensions
 from aio_datadist._transport.tcp import TcpTransport
 from tests.conftest import Cleanup, Face, make_options, pool_cfg
 from tests.peer_prompt import TENSORS, pattern
@@ -454,9 +461,13 @@ def test_listener_logs_unauthenticated_on_a_public_address(
     assert record.levelno == logging.WARNING and "0.0.0.0" in record.getMessage()
 
 
-def test_hello_nonce_record_type() -> None:
-    blob = hello_to_wire(CLIENT_HELLO, auth_nonce=b"n" * NONCE_BYTES)
-    assert int(HelloExtension.AUTH_NONCE).to_bytes(2, "little") in blob
+def test_the_nonce_is_an_extension_record_older_peers_skip() -> None:
+    nonce = b"n" * NONCE_BYTES
+    body = decode_hello(hello_to_wire(CLIENT_HELLO, auth_nonce=nonce))
+    assert decode_extension_records(body.extensions) == {HelloExtension.AUTH_NONCE: nonce}
+    assert decode_extensions(body.extensions) is None  # the same-host reader ignores it
+    with pytest.raises(WireError):
+        hello_from_wire(hello_to_wire(CLIENT_HELLO, auth_nonce=b"short"))
 
 
 # -- engines over both transports ----------------------------------------------------------------
