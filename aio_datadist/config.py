@@ -12,6 +12,13 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from aio_datadist._transport.auth import (
+    SECRET_ENV,
+    LinkSecret,
+    decode_secret_option,
+    encode_secret_option,
+    secret_from_environment,
+)
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import ip_str_to_int
 from aio_datadist.enums import LLMRole
@@ -31,6 +38,7 @@ __all__ = (
     "OPTION_HOST_MEM_POOL_CONFIG",
     "OPTION_KEYS",
     "OPTION_LINK_RETRY_COUNT",
+    "OPTION_LINK_SECRET",
     "OPTION_LINK_TOTAL_TIME",
     "OPTION_LISTEN_IP",
     "OPTION_LISTEN_IP_INFO",
@@ -57,6 +65,7 @@ __all__ = (
     "parse_listen_ip_info",
     "parse_mem_pool_cfg",
     "prepare_init_options",
+    "resolve_link_secret",
 )
 
 # Option keys of the reference package (spec §5, §7).
@@ -92,6 +101,8 @@ OPTION_TRANSPORT = "aio.Transport"
 OPTION_COMM_BASE_PORT = "aio.CommBasePort"
 #: "1" (default) or "0": one-sided transfers with linked processes on this host.
 OPTION_SAME_HOST = "aio.SameHost"
+#: The shared secret that authenticates links (``hex:`` and hex digits for raw bytes).
+OPTION_LINK_SECRET = "aio.LinkSecret"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -116,6 +127,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "cluster_info": OPTION_CLUSTER_INFO,
     "transport": OPTION_TRANSPORT,
     "same_host": OPTION_SAME_HOST,
+    "link_secret": OPTION_LINK_SECRET,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -175,6 +187,7 @@ class LLMConfig:
         "_global_resource_config",
         "_host_mem_pool_cfg",
         "_link_retry_count",
+        "_link_secret",
         "_link_total_time",
         "_listen_ip_info",
         "_local_comm_res",
@@ -215,6 +228,7 @@ class LLMConfig:
         self._cluster_info: str = ""
         self._transport: str | None = None
         self._same_host: bool | None = None
+        self._link_secret: str | bytes | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -279,6 +293,8 @@ class LLMConfig:
             opts[OPTION_TRANSPORT] = self._transport
         if self._same_host is not None:
             opts[OPTION_SAME_HOST] = "1" if self._same_host else "0"
+        if self._link_secret is not None:
+            opts[OPTION_LINK_SECRET] = encode_secret_option(self._link_secret)
         return opts
 
     @property
@@ -580,10 +596,36 @@ class LLMConfig:
         _check_optional("same_host", same_host, bool)
         self._same_host = same_host
 
+    @property
+    def link_secret(self) -> str | bytes | None:
+        """The shared secret that authenticates links (key ``aio.LinkSecret``).
+
+        str (used as UTF-8) or bytes, not empty. Engines linked to each other must all have
+        the same secret, or all none: a link between a pair that differs is refused with
+        ``LLM_LINK_FAILED`` on both sides. Each side proves that it knows the secret with
+        HMAC-SHA256 over fresh nonces; the secret itself never travels and never appears in
+        a repr or a log line (the options dict does carry it, spelled ``hex:...`` for
+        bytes). None (the default) takes the environment variable
+        ``AIO_DATADIST_LINK_SECRET`` when it is set, else links are not authenticated. Not
+        part of the reference API.
+
+        :raises TypeError: not str, bytes or None.
+        :raises ValueError: empty.
+        """
+        return self._link_secret
+
+    @link_secret.setter
+    def link_secret(self, link_secret: str | bytes | None) -> None:
+        _check_optional("link_secret", link_secret, str, bytes)
+        if link_secret is not None:
+            LinkSecret(link_secret)  # refuses an empty secret
+        self._link_secret = link_secret
+
     def __repr__(self) -> str:
-        # Only the settings that differ from a fresh config; self.options is left out.
+        # Only the settings that differ from a fresh config; self.options is left out and
+        # the link secret is never shown.
         changed = ", ".join(
-            f"{slot[1:]}={getattr(self, slot)!r}"
+            f"{slot[1:]}={'<hidden>' if slot == '_link_secret' else repr(getattr(self, slot))}"
             for slot in self.__slots__
             if slot != "_options" and getattr(self, slot) != getattr(_DEFAULT_CONFIG, slot)
         )
@@ -617,6 +659,20 @@ def parse_listen_ip_info(value: str) -> tuple[str, int]:
     port = int(port_text)
     check_int("listen port", port, "uint16")
     return ip, port
+
+
+def resolve_link_secret(options: Mapping[str, str]) -> LinkSecret | None:
+    """The link secret of ``aio.LinkSecret``, else of ``AIO_DATADIST_LINK_SECRET``; or None.
+
+    Raises ``LLMException(LLM_PARAM_INVALID)`` for an empty or malformed value (the message
+    never shows the value).
+    """
+    text = options.get(OPTION_LINK_SECRET)
+    source = OPTION_LINK_SECRET if text is not None else SECRET_ENV
+    try:
+        return decode_secret_option(text) if text is not None else secret_from_environment()
+    except (TypeError, ValueError) as exc:
+        param_invalid(f"{source} is not a valid link secret: {exc}")
 
 
 def parse_mem_pool_cfg(value: str, *, host: bool) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import json
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -45,6 +46,7 @@ def make_options(
     listen: str | None = None,
     sync_kv_timeout: int | None = None,
     same_host: bool | None = None,
+    link_secret: str | bytes | None = None,
 ) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
@@ -56,6 +58,8 @@ def make_options(
         cfg.sync_kv_timeout = sync_kv_timeout
     if same_host is not None:
         cfg.same_host = same_host
+    if link_secret is not None:
+        cfg.link_secret = link_secret
     if device_pool is not None:
         cfg.mem_pool_cfg = device_pool
     if host_pool is not None:
@@ -163,6 +167,24 @@ async def make_face(face_kind: str) -> AsyncIterator[Callable[..., Face]]:
     yield factory
     for f in made:
         await f.finalize()
+
+
+@dataclass
+class Cleanup:
+    """Undo steps a test registers as it goes (``cleanup(fn)``), run in reverse order."""
+
+    items: list[Callable[[], object]] = field(default_factory=list)
+
+    def __call__(self, fn: Callable[[], object]) -> None:
+        self.items.append(fn)
+
+
+@pytest.fixture
+def cleanup() -> Iterator[Cleanup]:
+    c = Cleanup()
+    yield c
+    for fn in reversed(c.items):
+        fn()
 
 
 @pytest.fixture(autouse=True)

@@ -108,6 +108,7 @@ def test_every_setting_writes_its_key() -> None:
     cfg.cluster_info = '{"cluster_id": 1}'
     cfg.transport = "loopback"
     cfg.same_host = False
+    cfg.link_secret = b"\x00k"
     assert cfg.generate_options() == {
         "ge.flowGraphMemMaxSize": "4106127360",
         "ge.exec.deviceId": "0;1",
@@ -133,6 +134,7 @@ def test_every_setting_writes_its_key() -> None:
         "llm.ClusterInfo": '{"cluster_id": 1}',
         "aio.Transport": "loopback",
         "aio.SameHost": "0",
+        "aio.LinkSecret": "hex:006b",
     }
     # The table names exactly the keys the settings wrote (plus ge_options and the session id).
     written = set(cfg.options) - {"ge.flowGraphMemMaxSize", "ge.session_device_id"}

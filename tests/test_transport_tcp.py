@@ -13,9 +13,9 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -51,6 +51,7 @@ from aio_datadist._transport.deadlines import Reaper, after_s, now_ns
 from aio_datadist._transport.tcp import TcpTransport
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
+from tests.conftest import Cleanup
 
 U8 = npt.NDArray[np.uint8]
 KiB = 1 << 10
@@ -221,22 +222,6 @@ class Link:
 @pytest.fixture
 def transport() -> TcpTransport:
     return TcpTransport(handshake_timeout=2.0, stall_timeout=2.0)
-
-
-@dataclass
-class Cleanup:
-    items: list[Callable[[], object]] = field(default_factory=list)
-
-    def __call__(self, fn: Callable[[], object]) -> None:
-        self.items.append(fn)
-
-
-@pytest.fixture
-def cleanup() -> Iterator[Cleanup]:
-    c = Cleanup()
-    yield c
-    for fn in reversed(c.items):
-        fn()
 
 
 @pytest.fixture

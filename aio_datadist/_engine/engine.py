@@ -44,6 +44,7 @@ from aio_datadist.config import (
     parse_listen_ip_info,
     parse_mem_pool_cfg,
     prepare_init_options,
+    resolve_link_secret,
 )
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import (
@@ -85,6 +86,7 @@ class EngineSettings:
         self.transport = options.get(OPTION_TRANSPORT)
         self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
         self.same_host = options.get(OPTION_SAME_HOST, "1") != "0"
+        self.link_secret = resolve_link_secret(options)
         self.link_total_time_s = _int_option(options, OPTION_LINK_TOTAL_TIME, 0)
         self.link_retry_count = _int_option(options, OPTION_LINK_RETRY_COUNT, 1)
         self.local_comm_res = options.get(OPTION_LOCAL_COMM_RES)
@@ -170,7 +172,7 @@ class Engine:
                 presence = HostPresence(host_key[0], host_key[1], os.getpid(), board.fd)
             links = LinkTable(
                 Hello(self.cluster_id, self.role, presence=presence),
-                make_transport(settings.transport),
+                make_transport(settings.transport, settings.link_secret),
                 Server(caches),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
                 staging=caches.staging,

@@ -178,8 +178,21 @@ class LinkTable:
             self._links[peer.cluster_id] = link
         self._attach_peer_memory(link)
         channel.on_close(self._forget)
-        self._log.info("link.accepted", remote_cluster_id=peer.cluster_id)
+        self._log.info(
+            "link.accepted",
+            remote_cluster_id=peer.cluster_id,
+            authenticated=channel.authenticated,
+        )
+        self._note_unauthenticated(link)
         return self.local
+
+    def _note_unauthenticated(self, link: Link) -> None:
+        if not link.channel.authenticated:
+            self._log.info(
+                "link.unauthenticated",
+                remote_cluster_id=link.remote.cluster_id,
+                note="no link secret: the peer did not prove who it is",
+            )
 
     def _attach_peer_memory(self, link: Link) -> None:
         """Open the one-sided route to a same-host peer (both ends must offer presence)."""
@@ -264,8 +277,12 @@ class LinkTable:
             self._attach_peer_memory(link)
             channel.on_close(self._forget)
             self._log.info(
-                "link.established", remote_cluster_id=remote_id, address=f"{host}:{port}"
+                "link.established",
+                remote_cluster_id=remote_id,
+                address=f"{host}:{port}",
+                authenticated=channel.authenticated,
             )
+            self._note_unauthenticated(link)
             return LLMStatusCode.LLM_SUCCESS
         return status
 

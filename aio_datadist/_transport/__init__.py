@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from aio_datadist._transport.auth import LinkSecret
 from aio_datadist._transport.base import Transport
 
 __all__ = ("DEFAULT_TRANSPORT", "make_transport")
@@ -10,8 +11,10 @@ __all__ = ("DEFAULT_TRANSPORT", "make_transport")
 DEFAULT_TRANSPORT = "tcp"
 
 
-def make_transport(name: str | None) -> Transport:
+def make_transport(name: str | None, secret: LinkSecret | None = None) -> Transport:
     """A new transport of the registered ``name`` (``"tcp"`` when None).
+
+    With ``secret`` its links are authenticated (both ends must hold the same secret).
 
     :raises ValueError: unknown name (options are validated before this is called).
     """
@@ -19,9 +22,9 @@ def make_transport(name: str | None) -> Transport:
     if name == "loopback":
         from aio_datadist._transport.loopback import LoopbackTransport
 
-        return LoopbackTransport()
+        return LoopbackTransport(secret=secret)
     if name == "tcp":
         from aio_datadist._transport.tcp import TcpTransport
 
-        return TcpTransport()
+        return TcpTransport(secret=secret)
     raise ValueError(f"unknown transport {name!r}")

@@ -37,11 +37,14 @@ __all__ = (
     "FrameHeader",
     "FrameKind",
     "HelloBody",
+    "HelloExtension",
     "WireError",
     "decode_error_text",
+    "decode_extension_records",
     "decode_header",
     "decode_hello",
     "encode_error_text",
+    "encode_extension_record",
     "encode_header",
     "encode_hello",
     "pack_header",
@@ -71,6 +74,7 @@ class FrameKind(IntEnum):
     BYE_ACK = 4
     PING = 5
     PONG = 6
+    AUTH = 7
     PULL = 16
     PULL_DATA = 17
     PULL_DONE = 18
@@ -301,8 +305,9 @@ class HelloBody:
     """The body of a HELLO or HELLO_ACK frame.
 
     Layout: ``u64 cluster_id, u32 role, u8 has_to, u64 to_cluster_id`` (0 unless ``has_to``),
-    then a blob of extensions (``u32`` length and bytes). The extension blob is reserved for
-    later fields (same-host identity, authentication); decoders accept any content in it.
+    then a blob of extensions (``u32`` length and bytes): a sequence of records, each
+    ``u16 type, u16 length`` and that many bytes (:class:`HelloExtension`). This decoder
+    accepts any content in it; :func:`decode_extension_records` splits it.
     """
 
     cluster_id: int
@@ -344,6 +349,47 @@ def decode_hello(data: bytes | bytearray | memoryview) -> HelloBody:
     if has_to not in (0, 1):
         raise WireError(f"hello has_to flag is {has_to}, expected 0 or 1")
     return HelloBody(cluster_id, role, to_cluster_id if has_to else None, extensions)
+
+
+class HelloExtension(IntEnum):
+    """Record types of the HELLO extension blob; readers skip types they do not know."""
+
+    #: Same-host identity and region board (``samehost.HostPresence``).
+    HOST_PRESENCE = 1
+    #: The client's nonce: it has a link secret and starts authentication (``auth``).
+    AUTH_NONCE = 2
+
+
+_RECORD = struct.Struct("<HH")
+
+
+def encode_extension_record(kind: HelloExtension, body: bytes) -> bytes:
+    """One extension record: its type, its length and ``body``.
+
+    :raises WireError: ``body`` is longer than a record can say.
+    """
+    if len(body) > 0xFFFF:
+        raise WireError(f"hello extension record of {len(body)} bytes is too long")
+    return _RECORD.pack(kind, len(body)) + body
+
+
+def decode_extension_records(blob: bytes | bytearray | memoryview) -> dict[int, bytes]:
+    """The records of a HELLO extension blob by type (the last one of a repeated type wins).
+
+    :raises WireError: a record is truncated or runs past the blob.
+    """
+    view = memoryview(blob).cast("B")
+    at, records = 0, {}
+    while at < len(view):
+        if at + _RECORD.size > len(view):
+            raise WireError("truncated hello extension record")
+        kind, size = _RECORD.unpack_from(view, at)
+        at += _RECORD.size
+        if at + size > len(view):
+            raise WireError("hello extension record runs past the body")
+        records[kind] = bytes(view[at : at + size])
+        at += size
+    return records
 
 
 #: Longest ERROR message a sender puts on the wire, in bytes.

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._transport.auth import LinkSecret
 from aio_datadist._transport.samehost import HostPresence
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMStatusCode
@@ -109,6 +110,8 @@ class Channel(ABC):
 
     #: The peer's handshake.
     peer: Hello
+    #: True when both ends proved that they hold the same link secret (``auth``).
+    authenticated: bool = False
     #: True when :meth:`pull` moves the payload in the calling thread before it returns
     #: (so an event loop should call it from a worker thread for large payloads).
     pull_in_caller: bool = False
@@ -188,9 +191,16 @@ class Transport(ABC):
     #: Registered name, the value of the ``aio.Transport`` option.
     name: str
 
+    #: The link secret peers must prove (None: links are not authenticated). Both ends of
+    #: a link must have the same secret, or both none; otherwise the link is refused with
+    #: ``LLM_LINK_FAILED``.
+    secret: LinkSecret | None = None
+
     @abstractmethod
     def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
         """Listen on ``host:port`` and hand every handshake to ``acceptor``.
+
+        A client that fails authentication is refused before ``acceptor`` sees it.
 
         :raises OSError: the address cannot be used (in use, not local).
         """
@@ -203,7 +213,7 @@ class Transport(ABC):
 
         ``handler`` serves the requests the peer sends on the new channel.
 
-        :raises LinkRefused: with ``LLM_LINK_FAILED`` (nobody listens, handshake refused or
-            broken) or ``LLM_TIMEOUT`` (no answer within ``timeout`` seconds), or the code
-            the acceptor refused with.
+        :raises LinkRefused: with ``LLM_LINK_FAILED`` (nobody listens, authentication
+            failed, handshake refused or broken) or ``LLM_TIMEOUT`` (no answer within
+            ``timeout`` seconds), or the code the acceptor refused with.
         """

@@ -1,8 +1,9 @@
 """The loopback transport: engines in one process link by address, with no sockets.
 
 Real code, not a mock: listeners occupy addresses, handshakes run the peer's acceptor,
-closing one end is seen by the other, and a vanished listener refuses links. Async test
-suites run every link and transfer scenario over it.
+closing one end is seen by the other, and a vanished listener refuses links. Link secrets
+are checked as over TCP (the same proofs, computed in-process). Async test suites run every
+link and transfer scenario over it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ from concurrent.futures import Future
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._log import get_logger
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._native import api
+from aio_datadist._transport.auth import (
+    WRONG_CLIENT_PROOF,
+    LinkSecret,
+    Side,
+    Transcript,
+    new_nonce,
+    refusal_reason,
+)
 from aio_datadist._transport.base import (
     Acceptor,
     Channel,
@@ -27,6 +37,7 @@ from aio_datadist._transport.base import (
     RequestKind,
     Transport,
 )
+from aio_datadist._transport.handshake import hello_to_wire
 from aio_datadist.status import LLMException, LLMStatusCode
 
 #: Runs one batch of ``(dst, src, nbytes)`` copy rows.
@@ -124,9 +135,12 @@ class LoopbackChannel(Channel):
 class LoopbackListener(Listener):
     """An address in the process-wide loopback table."""
 
-    def __init__(self, address: tuple[str, int], acceptor: Acceptor) -> None:
+    def __init__(
+        self, address: tuple[str, int], acceptor: Acceptor, secret: LinkSecret | None
+    ) -> None:
         self.address = address
         self.acceptor = acceptor
+        self.secret = secret
 
     def close(self) -> None:
         with _lock:
@@ -137,20 +151,22 @@ class LoopbackListener(Listener):
 class LoopbackTransport(Transport):
     """In-process links between engines, found by their listen address.
 
-    ``copy`` runs the byte copies of requests (default: the native host batch copy).
+    ``copy`` runs the byte copies of requests (default: the native host batch copy). With
+    ``secret``, links need a listener of the same secret, as over TCP.
     """
 
     name = "loopback"
 
-    def __init__(self, copy: CopyBatch | None = None) -> None:
+    def __init__(self, copy: CopyBatch | None = None, secret: LinkSecret | None = None) -> None:
         self._copy: CopyBatch = copy or api.copy_batch
+        self.secret = secret
 
     def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
         address = (host, port)
         with _lock:
             if address in _listeners:
                 raise OSError(f"loopback address {host}:{port} is already in use")
-            listener = _listeners[address] = LoopbackListener(address, acceptor)
+            listener = _listeners[address] = LoopbackListener(address, acceptor, self.secret)
         return listener
 
     def connect(
@@ -162,8 +178,39 @@ class LoopbackTransport(Transport):
             raise LinkRefused(
                 LLMStatusCode.LLM_LINK_FAILED, f"nobody listens on loopback {host}:{port}"
             )
+        authenticated = self._authenticate(hello, listener)
         client = LoopbackChannel(hello, handler, self._copy)  # peer filled in below
         server = LoopbackChannel(hello, listener.acceptor.handler, self._copy)
         client.other, server.other = server, client
+        client.authenticated = server.authenticated = authenticated
         client.peer = listener.acceptor.accept(hello, server)
         return client
+
+    def _authenticate(self, hello: Hello, listener: LoopbackListener) -> bool:
+        """Check the client's proof with the listener's secret; True when both have one.
+
+        In one process a proof that checks out shows that both secrets are equal, so the
+        listener's own proof would add nothing and is not computed.
+
+        :raises LinkRefused: ``LLM_LINK_FAILED`` when the secrets differ or one is missing.
+        """
+        client_secret, server_secret = self.secret, listener.secret
+        reason = refusal_reason(
+            client_secret=client_secret is not None, server_secret=server_secret is not None
+        )
+        if reason is None and client_secret is not None and server_secret is not None:
+            client_nonce = new_nonce()
+            transcript = Transcript(
+                hello_to_wire(hello, auth_nonce=client_nonce), client_nonce, new_nonce()
+            )
+            proof = client_secret.prove(Side.CLIENT, transcript)
+            if server_secret.verify(Side.CLIENT, transcript, proof):
+                return True
+            reason = WRONG_CLIENT_PROOF
+        if reason is None:
+            return False
+        host, port = listener.address
+        get_logger("loopback", listen=f"{host}:{port}").warning("link.auth_failed", reason=reason)
+        raise LinkRefused(
+            LLMStatusCode.LLM_LINK_FAILED, f"loopback {host}:{port} refused the link: {reason}"
+        )

@@ -17,15 +17,25 @@ import functools
 import os
 import struct
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from aio_datadist._transport._wire import WireError
+from aio_datadist._transport._wire import (
+    HelloExtension,
+    WireError,
+    decode_extension_records,
+    encode_extension_record,
+)
 
-__all__ = ("HostPresence", "decode_extensions", "encode_extensions", "local_host_key")
+__all__ = (
+    "HostPresence",
+    "decode_extensions",
+    "encode_extensions",
+    "local_host_key",
+    "presence_from_records",
+)
 
-_RECORD = struct.Struct("<HH")
 _PRESENCE = struct.Struct("<16sQII")
-_TYPE_PRESENCE = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,7 +69,7 @@ def encode_extensions(presence: HostPresence | None) -> bytes:
     if presence is None:
         return b""
     body = _PRESENCE.pack(presence.boot_id, presence.pid_ns, presence.pid, presence.board_fd)
-    return _RECORD.pack(_TYPE_PRESENCE, len(body)) + body
+    return encode_extension_record(HelloExtension.HOST_PRESENCE, body)
 
 
 def decode_extensions(blob: bytes | bytearray | memoryview) -> HostPresence | None:
@@ -67,19 +77,18 @@ def decode_extensions(blob: bytes | bytearray | memoryview) -> HostPresence | No
 
     :raises WireError: a truncated record, or a presence record of the wrong size.
     """
-    view = memoryview(blob).cast("B")
-    at, presence = 0, None
-    while at < len(view):
-        if at + _RECORD.size > len(view):
-            raise WireError("truncated hello extension record")
-        kind, size = _RECORD.unpack_from(view, at)
-        at += _RECORD.size
-        if at + size > len(view):
-            raise WireError("hello extension record runs past the body")
-        if kind == _TYPE_PRESENCE:
-            if size != _PRESENCE.size:
-                raise WireError(f"host presence record of {size} bytes, not {_PRESENCE.size}")
-            boot, pid_ns, pid, fd = _PRESENCE.unpack_from(view, at)
-            presence = HostPresence(bytes(boot), pid_ns, pid, fd)
-        at += size
-    return presence
+    return presence_from_records(decode_extension_records(blob))
+
+
+def presence_from_records(records: Mapping[int, bytes]) -> HostPresence | None:
+    """The presence among decoded extension records, if any.
+
+    :raises WireError: a presence record of the wrong size.
+    """
+    body = records.get(HelloExtension.HOST_PRESENCE)
+    if body is None:
+        return None
+    if len(body) != _PRESENCE.size:
+        raise WireError(f"host presence record of {len(body)} bytes, not {_PRESENCE.size}")
+    boot, pid_ns, pid, fd = _PRESENCE.unpack(body)
+    return HostPresence(bytes(boot), pid_ns, pid, fd)

@@ -8,6 +8,8 @@ Frames and what they carry (``rid``: the header's ``request_id``)::
 
     HELLO      client -> server   body: HelloBody (cluster id, role, to_cluster_id, extensions)
     HELLO_ACK  server -> client   body: the server's HelloBody
+    AUTH       handshake only, when both ends have a link secret (``auth``): the server's
+               nonce, then the client's proof, then the server's proof after HELLO_ACK
     ERROR      rid 0 answers a HELLO: status = the refusal code, body = UTF-8 message;
                rid n answers request n: status = the LLMStatusCode, body = UTF-8 message
     PULL       rid, body: u64 nbytes (the payload the requester expects), then the engine's
@@ -43,6 +45,7 @@ import collections
 import contextlib
 import errno
 import functools
+import ipaddress
 import itertools
 import socket
 import struct
@@ -50,6 +53,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
+from dataclasses import replace
 
 import numpy as np
 import structlog
@@ -71,14 +75,22 @@ from aio_datadist._transport._wire import (
     MAX_PAYLOAD,
     FrameHeader,
     FrameKind,
-    HelloBody,
     WireError,
     decode_error_text,
     decode_header,
-    decode_hello,
     encode_error_text,
-    encode_hello,
     pack_header,
+)
+from aio_datadist._transport.auth import (
+    NONCE_BYTES,
+    PROOF_BYTES,
+    WRONG_CLIENT_PROOF,
+    WRONG_SERVER_PROOF,
+    LinkSecret,
+    Side,
+    Transcript,
+    new_nonce,
+    refusal_reason,
 )
 from aio_datadist._transport.base import (
     Acceptor,
@@ -93,8 +105,7 @@ from aio_datadist._transport.base import (
     Transport,
 )
 from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
-from aio_datadist._transport.samehost import decode_extensions, encode_extensions
-from aio_datadist.enums import LLMRole
+from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("TcpChannel", "TcpListener", "TcpTransport")
@@ -231,24 +242,43 @@ def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
     return buf
 
 
-def _hello_to_wire(hello: Hello) -> bytes:
-    return encode_hello(
-        HelloBody(
-            hello.cluster_id,
-            int(hello.role),
-            hello.to_cluster_id,
-            extensions=encode_extensions(hello.presence),
-        )
-    )
+def _recv_handshake_frame(fd: int, deadline_ns: int) -> tuple[FrameHeader, bytearray]:
+    """One handshake frame (no payload, a bounded body) and its body, by the deadline."""
+    h = decode_header(_recv_exact(fd, _HEADER_SIZE, deadline_ns))
+    if h.payload_len or h.body_len > MAX_HELLO_BODY:
+        raise WireError(f"oversized {h.kind.name} frame in the handshake")
+    return h, _recv_exact(fd, h.body_len, deadline_ns)
 
 
-def _hello_from_wire(data: bytes | bytearray) -> Hello:
-    body = decode_hello(data)
+def _recv_answer(fd: int, where: str, deadline_ns: int) -> tuple[FrameHeader, bytearray]:
+    """The server's next handshake frame; LinkRefused when it is an ERROR."""
+    h, body = _recv_handshake_frame(fd, deadline_ns)
+    if h.kind is FrameKind.ERROR:
+        raise LinkRefused(_status(h.status), f"{where} refused the link: {decode_error_text(body)}")
+    return h, body
+
+
+def _auth_body(h: FrameHeader, body: bytearray, size: int) -> bytes:
+    """The body of an AUTH frame of ``size`` bytes; WireError for anything else."""
+    if h.kind is not FrameKind.AUTH or len(body) != size:
+        raise WireError(f"expected an AUTH frame of {size} bytes, got {h.kind.name}")
+    return bytes(body)
+
+
+def _auth_frame(body: bytes) -> bytes:
+    return _frame(FrameKind.AUTH, body_len=len(body)) + body
+
+
+def _error_frame(message: str, status: LLMStatusCode = LLMStatusCode.LLM_LINK_FAILED) -> bytes:
+    body = encode_error_text(message)
+    return _frame(FrameKind.ERROR, status=int(status), body_len=len(body)) + body
+
+
+def _is_loopback(host: str) -> bool:
     try:
-        role = LLMRole(body.role)
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        raise WireError(f"unknown role {body.role} in hello") from None
-    return Hello(body.cluster_id, role, body.to_cluster_id, decode_extensions(body.extensions))
+        return False
 
 
 def _tune(sock: socket.socket, sndbuf: int, rcvbuf: int) -> None:
@@ -987,6 +1017,10 @@ class TcpChannel(Channel):
         self._reader_send(_Send(_frame(FrameKind.PUSH_ACK, rid)))
 
 
+class _ClientRefused(Exception):
+    """The listener refused a client during authentication (and told it why)."""
+
+
 class TcpListener(Listener):
     """A listening TCP socket; every accepted connection is handshaken on its own thread."""
 
@@ -1061,17 +1095,43 @@ class TcpListener(Listener):
 
     def _refuse(self, conn: socket.socket, status: LLMStatusCode, message: str) -> None:
         """Answer ERROR, then wait briefly for the client to close (so it reads the answer)."""
-        body = encode_error_text(message)
         fd = conn.fileno()
         deadline = after_s(_LINGER_S)
         with contextlib.suppress(*_IO_ERRORS):
-            sock_send_bytes(
-                fd, _frame(FrameKind.ERROR, status=int(status), body_len=len(body)) + body, deadline
-            )
+            sock_send_bytes(fd, _error_frame(message, status), deadline)
             conn.shutdown(socket.SHUT_WR)
             scratch = bytearray(4096)
             while True:
                 sock_recv_into(fd, scratch, deadline)
+
+    def _authenticate(
+        self, conn: socket.socket, remote: str, hello: bytes, nonce: bytes | None, deadline: int
+    ) -> Transcript | None:
+        """Run the listener's half of authentication before the acceptor sees the client.
+
+        Returns the transcript the server's proof is bound to, or None when neither end
+        has a secret. Raises :class:`_ClientRefused` when the client was refused.
+        """
+        secret = self._transport.secret
+        reason = refusal_reason(client_secret=nonce is not None, server_secret=secret is not None)
+        if reason is None and secret is not None and nonce is not None:
+            fd = conn.fileno()
+            server_nonce = new_nonce()
+            sock_send_bytes(fd, _auth_frame(server_nonce), deadline)
+            try:
+                proof = _auth_body(*_recv_handshake_frame(fd, deadline), PROOF_BYTES)
+            except WireError as exc:
+                self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
+                raise _ClientRefused from None
+            transcript = Transcript(hello, nonce, server_nonce)
+            if secret.verify(Side.CLIENT, transcript, proof):
+                return transcript
+            reason = WRONG_CLIENT_PROOF
+        if reason is None:
+            return None
+        self._log.warning("link.auth_failed", remote=remote, reason=reason)
+        self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, reason)
+        raise _ClientRefused
 
     def _run_handshake(self, conn: socket.socket, remote: str) -> bool:
         """Handshake one connection; True when a channel took the socket over."""
@@ -1084,15 +1144,21 @@ class TcpListener(Listener):
             h = decode_header(raw)
             if h.kind is not FrameKind.HELLO or h.payload_len or h.body_len > MAX_HELLO_BODY:
                 raise WireError(f"expected a HELLO frame, got {h.kind.name}")
-            peer = _hello_from_wire(_recv_exact(fd, h.body_len, deadline))
+            hello = bytes(_recv_exact(fd, h.body_len, deadline))
+            peer, nonce = hello_from_wire(hello)
         except WireError as exc:
             self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
             if raw[:4] == MAGIC:  # one of ours, of another version: tell it why
                 self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}")
             return False
+        try:
+            transcript = self._authenticate(conn, remote, hello, nonce, deadline)
+        except _ClientRefused:
+            return False
         channel = TcpChannel(
             conn, peer, self._acceptor.handler, remote=remote, stall_timeout=transport.stall_timeout
         )
+        channel.authenticated = transcript is not None
         # Hold the send lock from registration to HELLO_ACK: a request the server side sends
         # on the new channel meanwhile goes out after the acknowledgement.
         with channel._slock:
@@ -1123,10 +1189,12 @@ class TcpListener(Listener):
                 return False
             channel.start()
             try:
-                body = _hello_to_wire(local)
-                sock_send_bytes(
-                    fd, _frame(FrameKind.HELLO_ACK, body_len=len(body)) + body, deadline
-                )
+                body = hello_to_wire(local)
+                answer = _frame(FrameKind.HELLO_ACK, body_len=len(body)) + body
+                if transcript is not None and transport.secret is not None:
+                    bound = replace(transcript, server_hello=body)
+                    answer += _auth_frame(transport.secret.prove(Side.SERVER, bound))
+                sock_send_bytes(fd, answer, deadline)
             except (*_IO_ERRORS, WireError) as exc:
                 failure: str | None = f"handshake answer failed: {exc}"
             else:
@@ -1134,7 +1202,12 @@ class TcpListener(Listener):
         if failure is not None:
             channel._break(failure)
         else:
-            self._log.info("tcp.accepted", remote=remote, remote_cluster_id=peer.cluster_id)
+            self._log.info(
+                "tcp.accepted",
+                remote=remote,
+                remote_cluster_id=peer.cluster_id,
+                authenticated=channel.authenticated,
+            )
         return True
 
 
@@ -1142,8 +1215,10 @@ class TcpTransport(Transport):
     """Links over TCP: one connection per link, payloads by scatter-gather native calls.
 
     ``sndbuf``/``rcvbuf`` (bytes, 0: the kernel's auto-tuning) size the socket buffers;
-    ``handshake_timeout`` bounds a server-side handshake, ``stall_timeout`` a frame that
-    stops moving.
+    ``handshake_timeout`` bounds a server-side handshake (authentication included),
+    ``stall_timeout`` a frame that stops moving. With ``secret`` every link is authenticated
+    (``auth``); without one, a listener on an address other than loopback logs the warning
+    ``link.unauthenticated``.
     """
 
     name = "tcp"
@@ -1155,7 +1230,9 @@ class TcpTransport(Transport):
         stall_timeout: float = STALL_TIMEOUT,
         sndbuf: int = 0,
         rcvbuf: int = 0,
+        secret: LinkSecret | None = None,
     ) -> None:
+        self.secret = secret
         self.handshake_timeout = handshake_timeout
         self.stall_timeout = stall_timeout
         self.sndbuf = sndbuf
@@ -1175,7 +1252,13 @@ class TcpTransport(Transport):
             sock.close()
             raise
         listener = TcpListener(self, sock, host, acceptor)
-        get_logger("tcp").info("tcp.listening", address=f"{host}:{listener.address[1]}")
+        log = get_logger("tcp", address=f"{host}:{listener.address[1]}")
+        log.info("tcp.listening", authenticated=self.secret is not None)
+        if self.secret is None and not _is_loopback(str(sock.getsockname()[0])):
+            log.warning(
+                "link.unauthenticated",
+                note="no link secret: any host that reaches this address can link",
+            )
         return listener
 
     def connect(
@@ -1198,23 +1281,11 @@ class TcpTransport(Transport):
         try:
             sock.settimeout(None)
             _tune(sock, self.sndbuf, self.rcvbuf)
-            fd = sock.fileno()
-            body = _hello_to_wire(hello)
-            sock_send_bytes(fd, _frame(FrameKind.HELLO, body_len=len(body)) + body, deadline)
-            h = decode_header(_recv_exact(fd, _HEADER_SIZE, deadline))
-            if h.payload_len or h.body_len > MAX_HELLO_BODY:
-                raise WireError(f"oversized {h.kind.name} answer to HELLO")
-            answer = _recv_exact(fd, h.body_len, deadline)
-            if h.kind is FrameKind.ERROR:
-                raise LinkRefused(
-                    _status(h.status), f"{where} refused the link: {decode_error_text(answer)}"
-                )
-            if h.kind is not FrameKind.HELLO_ACK:
-                raise WireError(f"expected HELLO_ACK, got {h.kind.name}")
-            peer = _hello_from_wire(answer)
+            peer, authenticated = self._client_handshake(sock.fileno(), where, hello, deadline)
             channel = TcpChannel(
                 sock, peer, handler, remote=where, stall_timeout=self.stall_timeout
             )
+            channel.authenticated = authenticated
             channel.start()
             handed_over = True
         except NetTimeout:
@@ -1237,5 +1308,48 @@ class TcpTransport(Transport):
         finally:
             if not handed_over:
                 sock.close()
-        get_logger("tcp").info("tcp.connected", remote=where, remote_cluster_id=peer.cluster_id)
+        get_logger("tcp").info(
+            "tcp.connected",
+            remote=where,
+            remote_cluster_id=peer.cluster_id,
+            authenticated=channel.authenticated,
+        )
         return channel
+
+    def _client_handshake(
+        self, fd: int, where: str, hello: Hello, deadline: int
+    ) -> tuple[Hello, bool]:
+        """The client's half of the handshake: the server's hello, and whether both proved
+        the link secret. The listener registers the link before its proof is checked here,
+        so a refusal here is also sent to it (ERROR), and the caller closes the socket.
+
+        :raises LinkRefused: the server refused, or authentication failed here.
+        """
+        secret = self.secret
+        nonce = None if secret is None else new_nonce()
+        body = hello_to_wire(hello, auth_nonce=nonce)
+        sock_send_bytes(fd, _frame(FrameKind.HELLO, body_len=len(body)) + body, deadline)
+        h, answer = _recv_answer(fd, where, deadline)
+        transcript = None
+        if h.kind is FrameKind.AUTH:
+            if secret is None or nonce is None:
+                reason = refusal_reason(client_secret=False, server_secret=True)
+                raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, f"link to {where}: {reason}")
+            transcript = Transcript(body, nonce, _auth_body(h, answer, NONCE_BYTES))
+            sock_send_bytes(fd, _auth_frame(secret.prove(Side.CLIENT, transcript)), deadline)
+            h, answer = _recv_answer(fd, where, deadline)
+        if h.kind is not FrameKind.HELLO_ACK:
+            raise WireError(f"expected HELLO_ACK, got {h.kind.name}")
+        if secret is not None:
+            if transcript is None:
+                reason = refusal_reason(client_secret=True, server_secret=False)
+            else:
+                proof = _auth_body(*_recv_handshake_frame(fd, deadline), PROOF_BYTES)
+                bound = replace(transcript, server_hello=bytes(answer))
+                reason = None if secret.verify(Side.SERVER, bound, proof) else WRONG_SERVER_PROOF
+            if reason is not None:
+                with contextlib.suppress(*_IO_ERRORS):
+                    sock_send_bytes(fd, _error_frame(reason), deadline)
+                raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, f"link to {where}: {reason}")
+        peer, _ = hello_from_wire(answer)
+        return peer, transcript is not None
