@@ -522,11 +522,18 @@ async def test_link_unlink_and_switch_role(make_pair: PairFactory) -> None:
         S.LLM_NOT_YET_LINK,
         [S.LLM_NOT_YET_LINK],
     )
+    presence = dd.dd._engine.link_table().local.presence
+    assert (presence is not None) == (pair.transport == "tcp")
     await dd.call(dd.dd.switch_role, LLMRole.PROMPT, options.generate_options())
     assert dd.dd._engine.link_table().listen_address is not None
     await dd.call(dd.dd.switch_role, LLMRole.DECODER)
     assert dd.dd._engine.link_table().listen_address is None
+    # the new role keeps the same-host identity (and with it the one-sided route)
+    local = dd.dd._engine.link_table().local
+    assert local.role is LLMRole.DECODER and local.presence == presence
     await pair.link()
+    if presence is not None:
+        assert dd.dd._engine.link_table().get(1).peer_memory is not None
     await dd.cm.deallocate_cache(cache)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from typing import Any
@@ -281,7 +282,7 @@ class Engine:
                     status_code=LLMStatusCode.LLM_FAILED,
                 ) from None
         self.role = role
-        links.local = Hello(self.cluster_id, role)
+        links.local = dataclasses.replace(links.local, role=role)
         self._log.info("engine.role_switched", new_role=role.name, listen=listen)
 
     def comm_domains(self) -> CommDomains:
