@@ -184,3 +184,10 @@ def test_a_tensor_count_past_the_table_is_refused() -> None:
     table[40:44] = (2**32 - 1).to_bytes(4, "little")
     with pytest.raises(ValueError, match="past the end"):
         RemoteRegions.decode(2, bytes(table))
+
+
+def test_two_entries_over_the_same_memory_parse() -> None:
+    # Found by tools/fuzz.py: equal spans made the sort compare entries (TypeError).
+    twins = [BoardEntry(1, -1, 64, 2, 128, (0x1000,)), BoardEntry(2, -1, 64, 2, 128, (0x1000,))]
+    regions = RemoteRegions.decode(2, encode_entries(twins))
+    assert regions.holder(0x1000, 128) in twins

@@ -91,7 +91,10 @@ class RemoteRegions:
         self.seq = seq
         self.by_id = {e.cache_id: e for e in entries}
         self.by_model = {e.blocks_model_id: e for e in entries if e.blocks_model_id >= 0}
-        spans = sorted((a, a + e.tensor_bytes, e) for e in entries for a in e.addrs)
+        # Sorted by bounds only: entries never compare (two may name the same memory).
+        spans = sorted(
+            ((a, a + e.tensor_bytes, e) for e in entries for a in e.addrs), key=lambda s: s[:2]
+        )
         self._starts = [s for s, _, _ in spans]
         self._spans = spans
 
