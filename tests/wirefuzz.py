@@ -23,31 +23,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from aio_datadist import (
-    BlocksCacheKey,
-    CacheDesc,
-    CacheKey,
-    DataType,
-    LLMConfig,
-    LLMDataDist,
-    LLMRole,
-    LLMStatusCode,
-    Placement,
-)
+import aio_datadist as llm
 from aio_datadist._engine.access import Access, Target, decode_access, encode_access
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions, encode_entries
-from aio_datadist._transport._wire import (
-    HEADER,
-    MAX_HELLO_BODY,
-    FrameKind,
-    HelloBody,
-    WireError,
-    decode_error_text,
-    decode_header,
-    decode_hello,
-    encode_hello,
-    pack_header,
-)
+from aio_datadist._transport import _wire as wire
 from aio_datadist._transport.samehost import decode_extensions
 
 HOST = "127.0.0.1"
@@ -70,15 +49,15 @@ def pattern(n: int, seed: int) -> np.ndarray:
     return ((np.arange(n, dtype=np.uint64) * 7 + seed * 13) % 251).astype(np.uint8)
 
 
-def _desc(rows: int, row_bytes: int) -> CacheDesc:
-    return CacheDesc(TENSORS, [rows, row_bytes], DataType.DT_UINT8, Placement.HOST)
+def _desc(rows: int, row_bytes: int) -> llm.CacheDesc:
+    return llm.CacheDesc(TENSORS, [rows, row_bytes], llm.DataType.DT_UINT8, llm.Placement.HOST)
 
 
 class ServingEngine:
     """A blocking ``LLMDataDist`` (cluster 1) listening on TCP with three filled caches."""
 
     def __init__(self) -> None:
-        cfg = LLMConfig()
+        cfg = llm.LLMConfig()
         cfg.device_id = 0
         cfg.enable_cache_manager = True
         cfg.transport = "tcp"
@@ -87,15 +66,15 @@ class ServingEngine:
         pool = json.dumps({"memory_size": 16 << 20, "page_shift": 16})
         cfg.mem_pool_cfg = pool
         cfg.host_mem_pool_cfg = pool
-        self.dd = LLMDataDist(LLMRole.PROMPT, SERVER_ID)
+        self.dd = llm.LLMDataDist(llm.LLMRole.PROMPT, SERVER_ID)
         self.dd.init(dict(cfg.generate_options()))
         try:
             cm = self.dd.cache_manager
-            keys = [CacheKey(SERVER_ID, REQ_ID), CacheKey(SERVER_ID, 0, 0, PREFIX_ID)]
+            keys = [llm.CacheKey(SERVER_ID, REQ_ID), llm.CacheKey(SERVER_ID, 0, 0, PREFIX_ID)]
             self.batch = cm.allocate_cache(_desc(ROWS, ROW_BYTES), keys)
             assert self.batch.cache_id == BATCH_ID
             self.blocks = cm.allocate_blocks_cache(
-                _desc(BLOCKS, BLOCK_BYTES), BlocksCacheKey(SERVER_ID, MODEL_ID)
+                _desc(BLOCKS, BLOCK_BYTES), llm.BlocksCacheKey(SERVER_ID, MODEL_ID)
             )
             self.user = np.zeros((TENSORS, ROWS * ROW_BYTES), np.uint8)
             addrs = [int(self.user[i].ctypes.data) for i in range(TENSORS)]
@@ -123,7 +102,7 @@ class ServingEngine:
     def pool_used(self) -> int:
         """Bytes in use in both pools."""
         cm = self.dd.cache_manager
-        stats = [cm.pool_stats(p) for p in (Placement.DEVICE, Placement.HOST)]
+        stats = [cm.pool_stats(p) for p in (llm.Placement.DEVICE, llm.Placement.HOST)]
         return sum(s.used for s in stats if s is not None)
 
     def pins(self) -> int:
@@ -141,31 +120,33 @@ class ServingEngine:
 class Answer(NamedTuple):
     """One frame the server sent: its kind, request id, status and body or payload."""
 
-    kind: FrameKind
+    kind: wire.FrameKind
     rid: int
     status: int
     data: bytes
 
 
-def frame(kind: FrameKind, rid: int = 0, body: bytes = b"", payload: bytes = b"") -> bytes:
+def frame(kind: wire.FrameKind, rid: int = 0, body: bytes = b"", payload: bytes = b"") -> bytes:
     """A whole frame: header, body, payload."""
-    return pack_header(kind, rid, body_len=len(body), payload_len=len(payload)) + body + payload
+    return (
+        wire.pack_header(kind, rid, body_len=len(body), payload_len=len(payload)) + body + payload
+    )
 
 
 def hello_frame(cluster_id: int) -> bytes:
     """A HELLO from a decoder ``cluster_id`` to the serving engine."""
-    body = encode_hello(HelloBody(cluster_id, int(LLMRole.DECODER), SERVER_ID))
-    return frame(FrameKind.HELLO, body=body)
+    body = wire.encode_hello(wire.HelloBody(cluster_id, int(llm.LLMRole.DECODER), SERVER_ID))
+    return frame(wire.FrameKind.HELLO, body=body)
 
 
 def pull_frame(rid: int, access: Access, nbytes: int) -> bytes:
     """A PULL of ``nbytes`` of ``access``."""
-    return frame(FrameKind.PULL, rid, struct.pack("<Q", nbytes) + encode_access(access))
+    return frame(wire.FrameKind.PULL, rid, struct.pack("<Q", nbytes) + encode_access(access))
 
 
 def push_frame(rid: int, access: Access, payload: bytes) -> bytes:
     """A PUSH of ``payload`` into ``access``."""
-    return frame(FrameKind.PUSH, rid, encode_access(access), payload)
+    return frame(wire.FrameKind.PUSH, rid, encode_access(access), payload)
 
 
 _cluster_ids = itertools.count(1000)
@@ -183,7 +164,7 @@ class RawPeer:
         except BaseException:
             self.sock.close()
             raise
-        if answer is None or answer.kind is not FrameKind.HELLO_ACK:
+        if answer is None or answer.kind is not wire.FrameKind.HELLO_ACK:
             self.sock.close()
             raise ConnectionError(f"handshake refused: {answer}")
 
@@ -209,10 +190,10 @@ class RawPeer:
     def read(self) -> Answer | None:
         """The next frame from the server, or None once it closed the connection."""
         try:
-            raw = self._recv_exact(HEADER.size)
+            raw = self._recv_exact(wire.HEADER.size)
             if raw is None:
                 return None
-            h = decode_header(raw)
+            h = wire.decode_header(raw)
             data = self._recv_exact(h.body_len + h.payload_len)
         except ConnectionResetError:
             return None
@@ -240,7 +221,7 @@ class RawPeer:
 
     def pull_done(self, rid: int) -> None:
         """Confirm that pull ``rid`` landed (lets the server drop a req key)."""
-        self.sock.sendall(frame(FrameKind.PULL_DONE, rid))
+        self.sock.sendall(frame(wire.FrameKind.PULL_DONE, rid))
 
 
 def valid_accesses() -> list[tuple[Access, int]]:
@@ -272,13 +253,13 @@ def seed_frames() -> list[bytes]:
     rows = np.array([[0x1000, 16], [0x2000, 32]], dtype=np.uint64)
     frames.append(pull_frame(9, Access(Target.ADDRESSES, rows=rows), 48))
     frames += [
-        frame(FrameKind.PING, 5),
-        frame(FrameKind.PONG, 5),
-        frame(FrameKind.PULL_DONE, 1),
-        frame(FrameKind.PUSH_ACK, 3),
-        frame(FrameKind.PULL_DATA, 4, payload=bytes(64)),
-        frame(FrameKind.ERROR, 6, b"no"),
-        frame(FrameKind.BYE),
+        frame(wire.FrameKind.PING, 5),
+        frame(wire.FrameKind.PONG, 5),
+        frame(wire.FrameKind.PULL_DONE, 1),
+        frame(wire.FrameKind.PUSH_ACK, 3),
+        frame(wire.FrameKind.PULL_DATA, 4, payload=bytes(64)),
+        frame(wire.FrameKind.ERROR, 6, b"no"),
+        frame(wire.FrameKind.BYE),
         hello_frame(77),
     ]
     return frames
@@ -315,7 +296,9 @@ def mutate(rng: random.Random, data: bytes, others: list[bytes]) -> bytes:
     return bytes(buf)
 
 
-def complete(data: bytes, limit: int = MAX_HELLO_BODY + HEADER.size) -> tuple[bytes, bool]:
+def complete(
+    data: bytes, limit: int = wire.MAX_HELLO_BODY + wire.HEADER.size
+) -> tuple[bytes, bool]:
     """``data`` padded so that every frame the server would wait on is whole.
 
     Returns the bytes to send and whether they are whole (False: a frame announces more than
@@ -325,13 +308,13 @@ def complete(data: bytes, limit: int = MAX_HELLO_BODY + HEADER.size) -> tuple[by
     out = bytearray(data)
     at = 0
     while at < len(out) or at == 0:
-        if len(out) < at + HEADER.size:
-            out += bytes(at + HEADER.size - len(out))
+        if len(out) < at + wire.HEADER.size:
+            out += bytes(at + wire.HEADER.size - len(out))
         try:
-            h = decode_header(bytes(out[at : at + HEADER.size]))
-        except WireError:
+            h = wire.decode_header(bytes(out[at : at + wire.HEADER.size]))
+        except wire.WireError:
             return bytes(out), True
-        end = at + HEADER.size + h.body_len + h.payload_len
+        end = at + wire.HEADER.size + h.body_len + h.payload_len
         if end - len(out) > limit:
             return bytes(out), False
         if end > len(out):
@@ -349,7 +332,7 @@ def _open_fds() -> int:
 
 def _status_name(status: int) -> str:
     try:
-        return LLMStatusCode(status).name
+        return llm.LLMStatusCode(status).name
     except ValueError:
         return str(status)
 
@@ -376,14 +359,14 @@ def _outcome(peer: socket.socket, sentinel: bool) -> str:
             answer = reader.read()
         except TimeoutError:
             return "timeout"
-        except WireError:
+        except wire.WireError:
             return "garbled answer"
         if answer is None:
             return first or "closed"
-        if answer.kind is FrameKind.PONG and answer.rid == _SENTINEL_RID and sentinel:
+        if answer.kind is wire.FrameKind.PONG and answer.rid == _SENTINEL_RID and sentinel:
             return first or "served"
         if first is None:
-            if answer.kind is FrameKind.ERROR:
+            if answer.kind is wire.FrameKind.ERROR:
                 first = f"error {_status_name(answer.status)}"
             else:
                 first = answer.kind.name.lower()
@@ -430,7 +413,7 @@ class LinkSession:
         try:
             sock.sendall(whole)
             if ok:
-                sock.sendall(frame(FrameKind.PING, _SENTINEL_RID))
+                sock.sendall(frame(wire.FrameKind.PING, _SENTINEL_RID))
             else:
                 sock.shutdown(socket.SHUT_WR)
             result = _outcome(sock, ok)
@@ -473,7 +456,7 @@ def good_client_works(engine: ServingEngine) -> bool:
     )
     with RawPeer(engine.port) as peer:
         answer = peer.pull(access, TENSORS * ROW_BYTES)
-    if answer is None or answer.kind is not FrameKind.PULL_DATA:
+    if answer is None or answer.kind is not wire.FrameKind.PULL_DATA:
         return False
     expected = b"".join(
         engine.tensor(0, t)[ROW_BYTES : 2 * ROW_BYTES].tobytes() for t in range(TENSORS)
@@ -526,19 +509,19 @@ def _reason(exc: Exception) -> str:
 
 
 def parse_frame(data: bytes) -> None:
-    """Run every decoder a server applies to ``data`` (raises WireError/ValueError when bad)."""
-    h = decode_header(data[: HEADER.size])
-    body = data[HEADER.size : HEADER.size + h.body_len]
-    if h.kind in (FrameKind.HELLO, FrameKind.HELLO_ACK):
-        decode_extensions(decode_hello(body).extensions)
-    elif h.kind is FrameKind.PULL:
+    """Run every decoder a server applies to ``data`` (WireError or ValueError when bad)."""
+    h = wire.decode_header(data[: wire.HEADER.size])
+    body = data[wire.HEADER.size : wire.HEADER.size + h.body_len]
+    if h.kind in (wire.FrameKind.HELLO, wire.FrameKind.HELLO_ACK):
+        decode_extensions(wire.decode_hello(body).extensions)
+    elif h.kind is wire.FrameKind.PULL:
         if len(body) < 8:
-            raise WireError("PULL body lacks its byte count")
+            raise wire.WireError("PULL body lacks its byte count")
         decode_access(body[8:]).nbytes  # noqa: B018 (the size computation is parsed too)
-    elif h.kind is FrameKind.PUSH:
+    elif h.kind is wire.FrameKind.PUSH:
         decode_access(body).nbytes  # noqa: B018
-    elif h.kind is FrameKind.ERROR:
-        decode_error_text(body)
+    elif h.kind is wire.FrameKind.ERROR:
+        wire.decode_error_text(body)
 
 
 def fuzz_parsers(rng: random.Random, frames: int, report: FuzzReport) -> None:
@@ -546,14 +529,14 @@ def fuzz_parsers(rng: random.Random, frames: int, report: FuzzReport) -> None:
     seeds = [
         *(pull_frame(i, a, n) for i, (a, n) in enumerate(valid_accesses())),
         hello_frame(3),
-        frame(FrameKind.ERROR, 1, b"refused"),
-        frame(FrameKind.PING, 1),
+        frame(wire.FrameKind.ERROR, 1, b"refused"),
+        frame(wire.FrameKind.PING, 1),
     ]
     for _ in range(frames):
         try:
             parse_frame(mutate(rng, rng.choice(seeds), seeds))
             report.parser["frame accepted"] += 1
-        except (WireError, ValueError) as exc:
+        except (wire.WireError, ValueError) as exc:
             report.parser[f"frame: {_reason(exc)}"] += 1
     table = encode_entries(
         [BoardEntry(1, 5, 128, 8, 1024, (0x10000, 0x20000)), BoardEntry(2, -1, 64, 4, 256, (0,))]
