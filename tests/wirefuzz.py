@@ -152,11 +152,18 @@ def push_frame(rid: int, access: Access, payload: bytes) -> bytes:
 _cluster_ids = itertools.count(1000)
 
 
+def _connect(port: int, timeout: float = WAIT) -> socket.socket:
+    sock = socket.create_connection((HOST, port), timeout=timeout)
+    # A frame and the sentinel after it go out at once, not 40 ms apart (Nagle, delayed ACK).
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 class RawPeer:
     """A client that made a real handshake and then speaks frames by hand."""
 
     def __init__(self, port: int, timeout: float = WAIT) -> None:
-        self.sock = socket.create_connection((HOST, port), timeout=timeout)
+        self.sock = _connect(port, timeout)
         self._rids = itertools.count(1)
         try:
             self.sock.sendall(hello_frame(next(_cluster_ids)))
@@ -377,7 +384,7 @@ def _outcome(peer: socket.socket, sentinel: bool) -> str:
 def fuzz_handshake_frame(port: int, data: bytes) -> str:
     """Send ``data`` as the first frame of a new connection; the outcome."""
     whole, ok = complete(data)
-    sock = socket.create_connection((HOST, port), timeout=WAIT)
+    sock = _connect(port)
     try:
         try:
             sock.sendall(whole)
@@ -411,10 +418,10 @@ class LinkSession:
             self.handshakes += 1
         sock = self.peer.sock
         try:
-            sock.sendall(whole)
             if ok:
-                sock.sendall(frame(wire.FrameKind.PING, _SENTINEL_RID))
+                sock.sendall(whole + frame(wire.FrameKind.PING, _SENTINEL_RID))
             else:
+                sock.sendall(whole)
                 sock.shutdown(socket.SHUT_WR)
             result = _outcome(sock, ok)
         except TimeoutError:
