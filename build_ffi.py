@@ -7,11 +7,15 @@ nothing here needs CUDA or CANN to build.
 
 setuptools runs this through ``cffi_modules`` in setup.py; ``python build_ffi.py`` builds
 the extension in place for development. Nothing here runs at import time of the package.
+
+``AIO_DATADIST_CFLAGS`` (environment, split like a shell word list) adds flags to both the
+compile and the link, e.g. ``-fsanitize=address,undefined`` for ``tools/asan.sh``.
 """
 
 from __future__ import annotations
 
 import os
+import shlex
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -33,6 +37,9 @@ def read_cdef(header: Path) -> str:
     return text[begin:end]
 
 
+#: Extra compile and link flags from the environment (sanitizers, debug builds).
+EXTRA_FLAGS = shlex.split(os.environ.get("AIO_DATADIST_CFLAGS", ""))
+
 ffibuilder = FFI()
 _present = [h for h in HEADERS if (ROOT / NATIVE / h).exists()]
 ffibuilder.cdef("\n".join(read_cdef(ROOT / NATIVE / h) for h in _present))
@@ -42,8 +49,16 @@ ffibuilder.set_source(
     # Relative paths: distutils would put objects for absolute ones beside the sources.
     sources=[str(NATIVE / name) for name in SOURCES],
     include_dirs=[str(NATIVE)],
-    extra_compile_args=["-O3", "-std=c11", "-pthread", "-fvisibility=hidden", "-Wall", "-Wextra"],
-    extra_link_args=["-pthread"],
+    extra_compile_args=[
+        "-O3",
+        "-std=c11",
+        "-pthread",
+        "-fvisibility=hidden",
+        "-Wall",
+        "-Wextra",
+        *EXTRA_FLAGS,
+    ],
+    extra_link_args=["-pthread", *EXTRA_FLAGS],
     libraries=["pthread", "dl"],
 )
 

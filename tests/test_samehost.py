@@ -17,6 +17,7 @@ from aio_datadist._engine.regions import (
     RegionBoard,
     RegionView,
     RemoteRegions,
+    encode_entries,
 )
 from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime import HostRuntime
@@ -148,3 +149,49 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
         peer.close()
     finally:
         board.close()
+
+
+def test_a_board_cannot_shrink_under_its_readers() -> None:
+    board = RegionBoard()
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(board.fd, 0)  # a reader's mapping would fault (SIGBUS)
+    finally:
+        board.close()
+
+
+def test_an_unsealed_file_is_not_mapped() -> None:
+    fd = os.memfd_create("not-a-board")
+    try:
+        os.ftruncate(fd, BOARD_BYTES)
+        with pytest.raises(OSError, match="not a region board"):
+            RegionView(os.getpid(), fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        BoardEntry(1, -1, 4096, 9, 32768, (0x10000,)),  # rows past the tensor
+        BoardEntry(1, -1, 64, 1, 128, (2**64 - 64,)),  # a tensor wrapping the address space
+    ],
+    ids=["rows", "wrap"],
+)
+def test_entries_outside_their_tensors_are_refused(entry: BoardEntry) -> None:
+    with pytest.raises(ValueError, match="board entry"):
+        RemoteRegions.decode(2, encode_entries([entry]))
+
+
+def test_a_tensor_count_past_the_table_is_refused() -> None:
+    table = bytearray(encode_entries([ENTRY]))
+    table[40:44] = (2**32 - 1).to_bytes(4, "little")
+    with pytest.raises(ValueError, match="past the end"):
+        RemoteRegions.decode(2, bytes(table))
+
+
+def test_two_entries_over_the_same_memory_parse() -> None:
+    # Found by tools/fuzz.py: equal spans made the sort compare entries (TypeError).
+    twins = [BoardEntry(1, -1, 64, 2, 128, (0x1000,)), BoardEntry(2, -1, 64, 2, 128, (0x1000,))]
+    regions = RemoteRegions.decode(2, encode_entries(twins))
+    assert regions.holder(0x1000, 128) in twins

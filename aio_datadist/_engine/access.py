@@ -22,7 +22,7 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-from aio_datadist._transport._wire import WireError
+from aio_datadist._transport._wire import MAX_PAYLOAD, WireError
 
 __all__ = ("Access", "Target", "decode_access", "encode_access")
 
@@ -123,12 +123,20 @@ def decode_access(body: bytes | bytearray | memoryview) -> Access:
         raise WireError(f"unknown access target {fields[0]}") from None
     if fields[1] > 1:
         raise WireError(f"bad access flags {fields[1]}")
+    if fields[8] > MAX_PAYLOAD or fields[9] > MAX_PAYLOAD:
+        raise WireError(f"access segments of {fields[8]}/{fields[9]} bytes exceed {MAX_PAYLOAD}")
     blocks = np.frombuffer(view, dtype="<u8", count=n_blocks, offset=head).astype(np.uint64)
     rows = (
         np.frombuffer(view, dtype="<u8", count=2 * n_rows, offset=head + 8 * n_blocks)
         .astype(np.uint64)
         .reshape(n_rows, 2)
     )
+    # Bounded rows keep every sum over them exact in uint64 (2**20 rows of 2**40 bytes at
+    # most), and no row wraps around the address space.
+    if n_rows and (
+        bool((rows[:, 1] > MAX_PAYLOAD).any()) or bool((rows[:, 0] + rows[:, 1] < rows[:, 0]).any())
+    ):
+        raise WireError("an access row is longer than a payload or wraps around the address space")
     return Access(
         target,
         ident=fields[2],

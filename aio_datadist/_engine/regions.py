@@ -18,12 +18,17 @@ each), then ``token_len`` bytes of the device runtime's sharing token: empty for
 memory (read with ``process_vm_readv``); for device memory, what the peer's runtime maps
 with ``open_shared`` to reach the span from the lowest tensor address to the end of the
 highest tensor (device caches the runtime cannot share are not published).
+
+A board comes from another process, so a reader trusts nothing in it: it maps only a memfd
+sealed against shrinking (a file shrunk under a mapping kills its reader with ``SIGBUS``),
+and refuses a table whose entries run past its end or whose rows do not fit their tensors.
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import fcntl
 import mmap
 import os
 import struct
@@ -44,6 +49,9 @@ _ENTRY = struct.Struct("<QqQQQII")
 #: Largest sharing token a table may carry.
 MAX_TOKEN = 256
 _READ_TRIES = 8
+_ADDR_LIMIT = 1 << 64
+#: Seals a board carries, so no one can shrink it under a reader's mapping (SIGBUS).
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +94,17 @@ def encode_entries(entries: Iterable[BoardEntry]) -> bytes:
     return b"".join(parts)
 
 
+def _check_entry(entry: BoardEntry) -> None:
+    """Refuse an entry whose rows would not lie inside its own tensors."""
+    if entry.row_bytes * entry.num_rows > entry.tensor_bytes:
+        raise ValueError(
+            f"board entry of cache {entry.cache_id}: {entry.num_rows} rows of "
+            f"{entry.row_bytes} bytes exceed tensors of {entry.tensor_bytes} bytes"
+        )
+    if any(addr + entry.tensor_bytes > _ADDR_LIMIT for addr in entry.addrs):
+        raise ValueError(f"board entry of cache {entry.cache_id} wraps around the address space")
+
+
 class RemoteRegions:
     """A decoded board: lookups by cache id, blocks key and address."""
 
@@ -93,7 +112,10 @@ class RemoteRegions:
         self.seq = seq
         self.by_id = {e.cache_id: e for e in entries}
         self.by_model = {e.blocks_model_id: e for e in entries if e.blocks_model_id >= 0}
-        spans = sorted((a, a + e.tensor_bytes, e) for e in entries for a in e.addrs)
+        # Sorted by bounds only: entries never compare (two may name the same memory).
+        spans = sorted(
+            ((a, a + e.tensor_bytes, e) for e in entries for a in e.addrs), key=lambda s: s[:2]
+        )
         self._starts = [s for s, _, _ in spans]
         self._spans = spans
 
@@ -107,17 +129,17 @@ class RemoteRegions:
                 _ENTRY.unpack_from(table, at)
             )
             at += _ENTRY.size
+            if at + 8 * n > len(table):
+                raise ValueError(f"board entry of cache {cache_id} names {n} tensors past the end")
             addrs = struct.unpack_from(f"<{n}Q", table, at)
             at += 8 * n
             if token_len > MAX_TOKEN or at + token_len > len(table) or (token_len and not n):
-                raise ValueError("board entry has a malformed sharing token")
+                raise ValueError(f"board entry of cache {cache_id} has a malformed sharing token")
             token = bytes(table[at : at + token_len])
             at += token_len
-            entries.append(
-                BoardEntry(cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs, token)
-            )
-        if at != len(table):
-            raise ValueError("board table has trailing bytes")
+            entry = BoardEntry(cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs, token)
+            _check_entry(entry)
+            entries.append(entry)
         return cls(seq, entries)
 
     def holder(self, addr: int, nbytes: int) -> BoardEntry | None:
@@ -133,9 +155,10 @@ class RegionBoard:
     """The writer: this engine's board, rewritten by :meth:`publish`."""
 
     def __init__(self) -> None:
-        self.fd = os.memfd_create("aio-datadist-regions", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("aio-datadist-regions", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(self.fd, BOARD_BYTES)
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _SEALS)
             self._map = mmap.mmap(self.fd, BOARD_BYTES)
         except BaseException:
             os.close(self.fd)
@@ -170,6 +193,13 @@ class RegionBoard:
                 os.close(self.fd)
 
 
+def _seals(fd: int) -> int:
+    try:
+        return int(fcntl.fcntl(fd, fcntl.F_GET_SEALS))
+    except OSError:  # not a memfd (or a file system without seals)
+        return 0
+
+
 class RegionView:
     """The reader: a same-host peer's board, mapped read-only.
 
@@ -181,7 +211,9 @@ class RegionView:
         board = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(board).st_size
-            if size < _HEAD.size:
+            # Only a board sealed against shrinking is safe to map: reading a page a
+            # shrunken file no longer has would kill this process with SIGBUS.
+            if size < _HEAD.size or _seals(board) & _SEALS != _SEALS:
                 raise OSError(f"{path} is not a region board")
             self._map = mmap.mmap(board, size, prot=mmap.PROT_READ)
         finally:

@@ -93,6 +93,12 @@ def access_rows(
     return rows
 
 
+def _check_size(access: Access, nbytes: int) -> None:
+    total = access.nbytes
+    if total != nbytes:
+        raise _invalid(f"the request moves {nbytes} bytes but names {total} bytes of cache here")
+
+
 class Server:
     """Serves the peers' pulls and pushes from one engine's caches (a ``RequestHandler``)."""
 
@@ -105,6 +111,11 @@ class Server:
             access = decode_access(body)
         except WireError as exc:
             raise _invalid(f"malformed request from cluster {peer.cluster_id}: {exc}") from None
+        may_drop = kind is RequestKind.PULL and access.target is Target.REQ_KEY
+        if access.drop_key and not may_drop:
+            # Only a pull by req key may drop its key; honouring the flag elsewhere would let
+            # a request by index or address drop an unrelated req key of the same cache.
+            raise _invalid(f"a {kind.value} by {access.target.name} cannot drop a cache key")
         caches = self._caches
         caches.check_open()
         registry = caches.registry
@@ -113,17 +124,15 @@ class Server:
         with registry.lock:
             if access.target is Target.ADDRESSES:
                 entries, iov, on_device = self._address_rows(access)
+                _check_size(access, nbytes)
             else:
                 entry, row = self._resolve(access)
                 entries = [entry]
+                # The size first: a request whose sizes cannot match costs no row table.
+                _check_size(access, nbytes)
                 iov = access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
                 on_device = caches.on_device(entry)
-            total = access.nbytes
-            if total != nbytes:
-                raise _invalid(
-                    f"the request moves {nbytes} bytes but names {total} bytes of cache here"
-                )
-            if kind is RequestKind.PULL and access.drop_key and not entries[0].registered:
+            if access.drop_key and not entries[0].registered:
                 commit = self._dropper(("req", access.ident, access.model_id), entries[0])
             registry.pin(entries)
         staged: Staged | None = None

@@ -951,9 +951,11 @@ class TcpChannel(Channel):
         if len(body) < 8:
             raise WireError("PULL body lacks its byte count")
         nbytes = int(_U64.unpack_from(body)[0])
-        if nbytes > MAX_PAYLOAD:
-            raise WireError(f"PULL of {nbytes} bytes exceeds {MAX_PAYLOAD}")
         rid = h.request_id
+        if nbytes > MAX_PAYLOAD:  # the frame itself was whole: refuse the request only
+            message = f"a pull of {nbytes} bytes exceeds {MAX_PAYLOAD}"
+            self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, message)
+            return
         served = self._serve(RequestKind.PULL, rid, bytes(body[8:]), nbytes)
         if served is None:
             return
