@@ -644,3 +644,56 @@ async def test_rank_table_link(make_pair: PairFactory) -> None:
         await dd.call(dd.dd.query_register_mem_status, comm_id)
     await pair.prompt.cache_manager.deallocate_cache(src)
     await dd.cm.deallocate_cache(dst)
+
+
+async def hidden_cache(pair: Pair) -> list[np.ndarray]:
+    """A blocks cache the prompt registers with ``remote_accessible=False``; its arrays."""
+    desc = CacheDesc(2, [4, 256], DataType.DT_FLOAT, Placement.DEVICE)
+    hidden = pair.arrays(2, 4, 256, seed=9)
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in hidden], BlocksCacheKey(1, 0), remote_accessible=False
+    )
+    return hidden
+
+
+async def test_memory_registered_as_not_remote_accessible_is_not_offered(
+    make_pair: PairFactory,
+) -> None:
+    pair = await make_pair(remote_accessible=True)
+    hidden = await hidden_cache(pair)
+    sent = [a.copy() for a in hidden]
+    dcm = pair.decoder.cm
+    local = await dcm.allocate_blocks_cache(
+        CacheDesc(2, [4, 256], DataType.DT_FLOAT, Placement.DEVICE)
+    )
+    for view in local.as_numpy():
+        view[...] = 1.0
+    key = BlocksCacheKey(1, 0)
+    await expect_status(S.LLM_KV_CACHE_NOT_EXIST, dcm.pull_blocks(key, local, [0], [0]))
+    with pytest.raises(LLMException) as info:
+        await push_blocks(pair.decoder, key, local, [1], [1])
+    assert info.value.status_code == S.LLM_KV_CACHE_NOT_EXIST
+    task = pair.decoder.dd.cache_manager.transfer_cache_async(
+        local, Recorder(), [TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1))]
+    )
+    assert await results(pair.decoder, task) == [S.LLM_KV_CACHE_NOT_EXIST]
+    for before, after in zip(sent, hidden, strict=True):
+        np.testing.assert_array_equal(before, after)
+    assert all((view == 1.0).all() for view in local.as_numpy())
+    await dcm.deallocate_blocks_cache(local)
+
+
+async def test_raw_addresses_of_memory_not_remote_accessible_are_refused(
+    make_pair: PairFactory,
+) -> None:
+    pair = await make_pair()
+    hidden = await hidden_cache(pair)
+    sent = [a.copy() for a in hidden]
+    src = await pair.decoder.cm.allocate_cache(batch_desc(2, rows=1, elems=256))
+    task = pair.decoder.dd.cache_manager.transfer_cache_async(
+        src, Recorder(), [TransferConfig(1, [int(a.ctypes.data) for a in hidden])]
+    )
+    assert await results(pair.decoder, task) == [S.LLM_PARAM_INVALID]
+    for before, after in zip(sent, hidden, strict=True):
+        np.testing.assert_array_equal(before, after)
+    await pair.decoder.cm.deallocate_cache(src)

@@ -357,7 +357,7 @@ class Engine:
 
         def publish() -> None:
             was_full = board.overflowed
-            live = [e for e in registry.entries() if not e.released]
+            live = [e for e in registry.entries() if not e.released and e.remote_accessible]
             for key in set(tokens) - {(e.cache_id, min(e.addrs, default=0)) for e in live}:
                 del tokens[key]
             published = []

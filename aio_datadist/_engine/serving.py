@@ -158,6 +158,14 @@ class Server:
         return Served(iov, nbytes, done, commit)
 
     def _resolve(self, access: Access) -> tuple[CacheEntry, int]:
+        """The cache a request names and its batch row; a cache registered with
+        ``remote_accessible=False`` is not there for peers."""
+        entry, row = self._lookup(access)
+        if not entry.remote_accessible:
+            raise _not_exist(f"cache {entry.cache_id} is not remote accessible")
+        return entry, row
+
+    def _lookup(self, access: Access) -> tuple[CacheEntry, int]:
         registry = self._caches.registry
         target = access.target
         if target in (Target.REQ_KEY, Target.PREFIX_KEY):
@@ -187,6 +195,7 @@ class Server:
         spans = [
             (addr, addr + entry.tensor_bytes, entry)
             for entry in self._caches.registry.entries()
+            if entry.remote_accessible
             for addr in entry.addrs
         ]
         spans.sort(key=lambda span: span[0])
@@ -202,7 +211,7 @@ class Server:
             bad = int(np.flatnonzero(~inside)[0])
             raise _invalid(
                 f"address {int(rows[bad, 0]):#x} (+{int(rows[bad, 1])} bytes) is not inside "
-                "memory allocated or registered here"
+                "memory allocated or registered here for remote access"
             )
         touched = [spans[i][2] for i in idx.tolist()]
         entries = list({id(entry): entry for entry in touched}.values())
