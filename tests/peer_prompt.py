@@ -1,11 +1,12 @@
 """A prompt process for the cross-process tests: serves a known paged cache over TCP.
 
-Usage: python tests/peer_prompt.py PORT BLOCKS BLOCK_BYTES
+Usage: python tests/peer_prompt.py PORT BLOCKS BLOCK_BYTES [CLUSTER_ID]
 
-It registers a blocks cache of 4 tensors x BLOCKS blocks of BLOCK_BYTES under
-``BlocksCacheKey(1, 0)`` (tensor ``t`` filled by :func:`pattern`), allocates a batch cache
-with ``CacheKey(1, req_id=1)`` bound to row 0, prints ``ready`` and serves until stdin
-closes. Remote caches are accessible, so peers may also push into it.
+As cluster CLUSTER_ID (default 1) it registers a blocks cache of 4 tensors x BLOCKS blocks
+of BLOCK_BYTES under ``BlocksCacheKey(CLUSTER_ID, 0)`` (tensor ``t`` filled by
+:func:`pattern`), allocates a batch cache (id 2) with ``CacheKey(CLUSTER_ID, req_id=1)``
+bound to row 0, prints ``ready`` and serves until stdin closes. Remote caches are
+accessible, so peers may also push into it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ def pattern(t: int, blocks: int, block_bytes: int) -> np.ndarray:
 
 def main() -> None:
     port, blocks, block_bytes = (int(a) for a in sys.argv[1:4])
+    cluster_id = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     tensors = [pattern(t, blocks, block_bytes) for t in range(TENSORS)]
     cfg = LLMConfig()
     cfg.device_id = 0
@@ -47,13 +49,15 @@ def main() -> None:
     cfg.enable_remote_cache_accessible = True
     cfg.listen_ip_info = f"127.0.0.1:{port}"
     cfg.mem_pool_cfg = json.dumps({"memory_size": 1 << 24})
-    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    dd = LLMDataDist(LLMRole.PROMPT, cluster_id)
     dd.init(cfg.generate_options())
     cm = dd.cache_manager
     desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
-    cm.register_blocks_cache(desc, [int(t.ctypes.data) for t in tensors], BlocksCacheKey(1, 0))
+    cm.register_blocks_cache(
+        desc, [int(t.ctypes.data) for t in tensors], BlocksCacheKey(cluster_id, 0)
+    )
     rows = cm.allocate_cache(
-        CacheDesc(TENSORS, [1, ROW_BYTES], DataType.DT_UINT8), [CacheKey(1, req_id=1)]
+        CacheDesc(TENSORS, [1, ROW_BYTES], DataType.DT_UINT8), [CacheKey(cluster_id, req_id=1)]
     )
     for t, view in enumerate(rows.as_numpy()):
         view[...] = t + 7

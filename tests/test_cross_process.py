@@ -51,13 +51,29 @@ def free_port() -> int:
 class Peer:
     """The prompt process, serving ``blocks`` blocks of ``block_bytes`` per tensor."""
 
-    def __init__(self, blocks: int, block_bytes: int, script: Path = PEER) -> None:
+    def __init__(
+        self,
+        blocks: int,
+        block_bytes: int,
+        script: Path = PEER,
+        *,
+        cluster_id: int = 1,
+        port: int | None = None,
+    ) -> None:
         self.blocks, self.block_bytes = blocks, block_bytes
-        self.port = free_port()
+        self.cluster_id = cluster_id
+        self.port = free_port() if port is None else port
         root = str(Path(__file__).resolve().parents[1])
         env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, str(script), str(self.port), str(blocks), str(block_bytes)],
+            [
+                sys.executable,
+                str(script),
+                str(self.port),
+                str(blocks),
+                str(block_bytes),
+                str(cluster_id),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,
@@ -68,7 +84,7 @@ class Peer:
 
     def info(self) -> LLMClusterInfo:
         info = LLMClusterInfo()
-        info.remote_cluster_id = 1
+        info.remote_cluster_id = self.cluster_id
         info.append_local_ip_info("127.0.0.1", 0)
         info.append_remote_ip_info("127.0.0.1", self.port)
         return info
@@ -100,8 +116,8 @@ class Peer:
 def peer_factory() -> Iterator[Callable[[int, int], Peer]]:
     made: list[Peer] = []
 
-    def factory(blocks: int = 16, block_bytes: int = 64 * 1024) -> Peer:
-        peer = Peer(blocks, block_bytes)
+    def factory(blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> Peer:
+        peer = Peer(blocks, block_bytes, **kwargs)
         made.append(peer)
         return peer
 
