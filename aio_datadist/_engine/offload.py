@@ -10,6 +10,7 @@ be writing memory that cancellation would free, so the caller waits for it to fi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Callable
 from typing import TypeVar
@@ -43,4 +44,16 @@ async def run_native(fn: Callable[[], T], *, nbytes: int) -> T:
     """Run ``fn`` inline when it moves at most :data:`INLINE_BYTES`, else on a worker thread."""
     if nbytes <= INLINE_BYTES:
         return fn()
-    return await anyio.to_thread.run_sync(fn, limiter=_limiter())
+    # anyio stops waiting for its thread when the awaiting asyncio task is cancelled; the
+    # work then runs on unwatched. Shield it, and on cancellation wait for it to end before
+    # letting the cancellation through.
+    work = asyncio.ensure_future(anyio.to_thread.run_sync(fn, limiter=_limiter()))
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        while not work.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(work)
+        if not work.cancelled():
+            work.exception()  # retrieved: the cancellation is what the caller sees
+        raise

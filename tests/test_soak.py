@@ -1,0 +1,29 @@
+"""A bounded slice of the soak (``tools/soak.py``): mixed transfers with a real peer process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
+
+
+@pytest.mark.parametrize("route", ["link", "samehost"])
+def test_soak_slice(route: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(SOAK), "--transfers", "400", "--seed", "3", "--route", route]
+        + ["--cancel-rate", "0.3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["problems"] == [] and report["mismatches"] == 0
+    assert sum(report["completed"].values()) + report["cancelled"] == 400
+    assert report["pool_used_at_end"] == {"blocking": 0, "async": 0}
