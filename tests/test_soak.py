@@ -14,9 +14,9 @@ SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 
 @pytest.mark.parametrize("route", ["link", "samehost"])
 def test_soak_slice(route: str) -> None:
+    args = ["--transfers", "400", "--seed", "3", "--route", route, "--cancel-rate", "0.3"]
     done = subprocess.run(
-        [sys.executable, str(SOAK), "--transfers", "400", "--seed", "3", "--route", route]
-        + ["--cancel-rate", "0.3", "--json"],
+        [sys.executable, str(SOAK), *args, "--json"],
         capture_output=True,
         text=True,
         timeout=120,
