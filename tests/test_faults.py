@@ -161,6 +161,17 @@ async def still_works(face: Face, peer_factory: Any) -> None:
     await face.cm.deallocate_blocks_cache(cache)
 
 
+async def linked(
+    decoder: Any, peer_factory: Any, timeout_ms: int = TIMEOUT_MS
+) -> tuple[Peer, Face, Caches, int]:
+    """A peer process, a decoder linked to it, the decoder's caches and its pool usage."""
+    peer = peer_factory(BLOCKS, BLOCK_BYTES)
+    face = await decoder(timeout_ms=timeout_ms)
+    await link(face, peer)
+    caches = await Caches.make(face, peer)
+    return peer, face, caches, face.pool_used()[Placement.DEVICE]
+
+
 def kill(peer: Peer) -> None:
     peer.signal(signal.SIGKILL)
     peer.proc.wait(10)
@@ -183,11 +194,7 @@ async def repeat(caches: Caches, op: str) -> None:
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("when", ["before", "during", "after"])
 async def test_peer_killed(decoder: Any, peer_factory: Any, route: str, op: str, when: str) -> None:
-    peer = peer_factory(BLOCKS, BLOCK_BYTES)
-    face = await decoder(timeout_ms=TIMEOUT_MS)
-    await link(face, peer)
-    caches = await Caches.make(face, peer)
-    used = face.pool_used()[Placement.DEVICE]
+    peer, face, caches, used = await linked(decoder, peer_factory)
     run = OPS[op]
     if when == "before":
         kill(peer)
@@ -215,11 +222,7 @@ async def test_peer_killed(decoder: Any, peer_factory: Any, route: str, op: str,
 @pytest.mark.parametrize("op", ["pull_blocks", "push_blocks", "transfer_cache_async"])
 @pytest.mark.parametrize("route", ["link"], indirect=True)
 async def test_peer_stalls_mid_transfer(decoder: Any, peer_factory: Any, op: str) -> None:
-    peer = peer_factory(BLOCKS, BLOCK_BYTES)
-    face = await decoder(timeout_ms=1000)
-    await link(face, peer)
-    caches = await Caches.make(face, peer)
-    used = face.pool_used()[Placement.DEVICE]
+    peer, face, caches, used = await linked(decoder, peer_factory, 1000)
     stopper = later(0.2, lambda: peer.signal(signal.SIGSTOP))
     try:
         await fails_in_time(repeat(caches, op), {S.LLM_TIMEOUT, S.LLM_LINK_FAILED}, 1.0 + 2)
@@ -235,11 +238,7 @@ async def test_peer_stalls_mid_transfer(decoder: Any, peer_factory: Any, op: str
 async def test_link_closed_during_transfers(
     decoder: Any, peer_factory: Any, route: str, side: str
 ) -> None:
-    peer = peer_factory(BLOCKS, BLOCK_BYTES)
-    face = await decoder(timeout_ms=TIMEOUT_MS)
-    await link(face, peer)
-    caches = await Caches.make(face, peer)
-    used = face.pool_used()[Placement.DEVICE]
+    peer, face, caches, used = await linked(decoder, peer_factory)
     loop = asyncio.get_running_loop()
 
     def close() -> None:
@@ -352,11 +351,7 @@ async def test_every_call_that_takes_a_timeout_keeps_it(decoder: Any, peer_facto
 async def test_cancelled_awaits_at_random_points(
     decoder: Any, peer_factory: Any, route: str
 ) -> None:
-    peer = peer_factory(BLOCKS, BLOCK_BYTES)
-    face = await decoder(timeout_ms=TIMEOUT_MS)
-    await link(face, peer)
-    caches = await Caches.make(face, peer)
-    used = face.pool_used()[Placement.DEVICE]
+    _, face, caches, used = await linked(decoder, peer_factory)
     rng = random.Random(5)
     for _ in range(12):
         op = OPS[rng.choice(sorted(OPS))]
