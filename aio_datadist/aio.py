@@ -390,7 +390,7 @@ class AsyncCacheManager(_LoopBound):
                         job.fail(indices, LLMStatusCode.LLM_PARAM_INVALID)
                     break
                 for i, step in job.steps(layer, indices):
-                    job.track(i, layer, await self._start(job.plan, step))
+                    job.track(task, i, layer, await self._start(job.plan, step))
             for future in job.futures:
                 with contextlib.suppress(LLMException):  # recorded by the job
                     await _wait(future, job.plan.deadline_ns)

@@ -38,9 +38,21 @@ class CacheTask:
 
     # -- producer side --------------------------------------------------------------------
     def _set_result(self, index: int, status: LLMStatusCode) -> None:
+        """Record config ``index``'s outcome; producers report a success once it finished.
+
+        After :meth:`cancel`, a config that had not finished never becomes a success: its
+        requests may still complete, but the caller was told the task stopped.
+        """
         with self._cond:
-            if not self._done:
-                self._results[index] = status
+            if self._done:
+                return
+            if (
+                status == LLMStatusCode.LLM_SUCCESS
+                and self._cancel_requested
+                and self._results[index] != LLMStatusCode.LLM_SUCCESS
+            ):
+                status = LLMStatusCode.LLM_FAILED
+            self._results[index] = status
 
     def _finish(self) -> None:
         with self._cond:

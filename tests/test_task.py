@@ -101,6 +101,19 @@ async def test_cancel_runs_callbacks_and_reports_status() -> None:
     assert not task.cancel()
 
 
+def test_a_config_unfinished_at_cancel_never_reports_success() -> None:
+    """Requests that complete after ``cancel()`` do not make their config a success."""
+    task = CacheTask(3)
+    task._set_result(0, S)  # finished before the cancel
+    assert task.cancel()
+    task._set_result(1, S)  # its last request completed after the cancel
+    task._set_result(0, S)
+    task._set_result(1, S)
+    task._finish()
+    assert task.get_results(0) == [S, F, None]
+    assert task.synchronize(0) == F
+
+
 async def test_blocking_wait_on_the_producing_loop_is_refused() -> None:
     task = CacheTask(1, loop=asyncio.get_running_loop())
     with pytest.raises(RuntimeError, match="await the task"):

@@ -56,7 +56,13 @@ class _Config:
     dst_start: int
     started: bool = False
     submitted_last: bool = False
+    outstanding: int = 0  # requests started and not yet completed
     failure: LLMStatusCode | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Every layer was sent and every request completed without a failure."""
+        return self.submitted_last and not self.outstanding and self.failure is None
 
 
 class LayerJob:
@@ -115,11 +121,16 @@ class LayerJob:
                 break
         return out
 
-    def track(self, index: int, layer: int, future: Future[None]) -> None:
-        """Record a started request of config ``index``."""
+    def track(self, task: CacheTask, index: int, layer: int, future: Future[None]) -> None:
+        """Record a started request of config ``index``.
+
+        A config's success is reported as soon as its last request completed, so a later
+        ``task.cancel()`` leaves it alone (and turns every unfinished config into a failure).
+        """
         cfg = self.configs[index]
         with self._lock:
             cfg.started = True
+            cfg.outstanding += 1
             if layer == cfg.src.stop - 1:
                 cfg.submitted_last = True
             self._futures.append(future)
@@ -129,6 +140,11 @@ class LayerJob:
             if exc is not None:
                 status = exc.status_code if isinstance(exc, LLMException) else _S.LLM_FAILED
                 self.fail([index], status)
+            with self._lock:
+                cfg.outstanding -= 1
+                finished = cfg.finished
+            if finished:
+                task._set_result(index, _S.LLM_SUCCESS)
 
         future.add_done_callback(done)
 
@@ -139,12 +155,23 @@ class LayerJob:
             return list(self._futures)
 
     def finish(self, task: CacheTask) -> None:
-        """Fill the task's results and finish it; the pins go once every request completed."""
-        for i, cfg in enumerate(self.configs):
-            if cfg.failure is not None:
-                task._set_result(i, cfg.failure)
-            elif cfg.started:
-                task._set_result(i, _S.LLM_SUCCESS if cfg.submitted_last else _S.LLM_FAILED)
+        """Fill the task's results and finish it; the pins go once every request completed.
+
+        A config whose requests did not all complete (the wait gave up) reports
+        ``LLM_TIMEOUT``; one stopped before its last layer ``LLM_FAILED``.
+        """
+        with self._lock:
+            outcomes = [
+                (cfg.failure, cfg.started, cfg.submitted_last, cfg.outstanding)
+                for cfg in self.configs
+            ]
+        for i, (failure, started, submitted_last, outstanding) in enumerate(outcomes):
+            if failure is not None:
+                task._set_result(i, failure)
+            elif outstanding:
+                task._set_result(i, _S.LLM_TIMEOUT)
+            elif started:
+                task._set_result(i, _S.LLM_SUCCESS if submitted_last else _S.LLM_FAILED)
         self.plan.seal()
         task._finish()
 
@@ -333,7 +360,7 @@ def run_blocking(job: LayerJob, task: CacheTask) -> None:
             if task._cancelled:
                 break
             for i, step in job.steps(layer, indices):
-                job.track(i, layer, job.service.start(job.plan, step))
+                job.track(task, i, layer, job.service.start(job.plan, step))
         for future in job.futures:
             with contextlib.suppress(LLMException):  # recorded by the future's callback
                 wait_blocking(future, job.plan.deadline_ns)
