@@ -345,6 +345,10 @@ async def test_every_call_that_takes_a_timeout_keeps_it(decoder: Any, peer_facto
         assert time.monotonic() - start < 0.5 + SLACK_S
     finally:
         peer.signal(signal.SIGCONT)
+    # a port nobody listens on refuses at once
+    peer.close()
+    ret, rets = await face.call(face.dd.link_clusters, [peer.info()], 500)
+    assert (ret, rets) == (S.LLM_LINK_FAILED, [S.LLM_LINK_FAILED])
 
 
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)
@@ -360,6 +364,25 @@ async def test_cancelled_awaits_at_random_points(
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await pool_settles(face, used)
+    # CacheTask.cancel() at random points: a config unfinished at the cancel never reports
+    # success
+    key = BlocksCacheKey(1, 0)
+    for _ in range(8):
+        cache_task = face.dd.cache_manager.transfer_cache_async(
+            caches.blocks,
+            Ready(),
+            [TransferWithCacheKeyConfig(key, range(i, i + 1), range(i, i + 1)) for i in (0, 1)],
+            src_block_indices=_all(),
+            dst_block_indices=_all(),
+        )
+        await asyncio.sleep(rng.uniform(0, 0.02))
+        cancelled = cache_task.cancel()
+        results = await cache_task.wait_results()
+        if cancelled:  # success only for a config that finished before the cancel
+            assert all(r in (S.LLM_SUCCESS, S.LLM_FAILED, None) for r in results), results
+        else:
+            assert results == [S.LLM_SUCCESS, S.LLM_SUCCESS]
         await pool_settles(face, used)
     # the link is intact: what a push stores, a pull brings back byte for byte
     sent = [
