@@ -240,21 +240,25 @@ async def test_link_closed_during_transfers(
 ) -> None:
     peer, face, caches, used = await linked(decoder, peer_factory)
     loop = asyncio.get_running_loop()
+    unlinking: list[Any] = []
 
     def close() -> None:
         if side == "remote":  # the peer finalizes: it says goodbye and goes away
             peer.close()
             return
-        # a forced unlink from another thread while pulls run
+        # a forced unlink from another thread while pulls run (on the async face, the
+        # unlink runs on the loop: it is collected below, never waited for here)
         unlink = face.dd.unlink_clusters([peer.info()], 1000, True)
         if face.kind == "async":
-            asyncio.run_coroutine_threadsafe(unlink, loop).result(10)
+            unlinking.append(asyncio.run_coroutine_threadsafe(unlink, loop))
 
     closer = later(0.2, close)
     try:
         await fails_in_time(repeat(caches, "pull_blocks"), GONE, TIMEOUT_MS / 1000)
     finally:
-        closer.join()
+        await asyncio.to_thread(closer.join)
+        for future in unlinking:
+            await asyncio.wait_for(asyncio.wrap_future(future), 10)
     await pool_settles(face, used)
     await fails_in_time(pull_blocks(caches), GONE, TIMEOUT_MS / 1000)
     await caches.release()
