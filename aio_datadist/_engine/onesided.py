@@ -48,6 +48,13 @@ __all__ = ("ONE_SIDED_TARGETS", "PeerMemory", "open_peer_memory")
 
 #: Targets a peer's board can resolve without the peer.
 ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADDRESSES})
+#: The copy kind with a peer's shared device memory, by (local rows on device, request kind).
+_SHARED_COPY = {
+    (True, RequestKind.PULL): CopyKind.DEVICE_TO_DEVICE,
+    (True, RequestKind.PUSH): CopyKind.DEVICE_TO_DEVICE,
+    (False, RequestKind.PULL): CopyKind.DEVICE_TO_HOST,
+    (False, RequestKind.PUSH): CopyKind.HOST_TO_DEVICE,
+}
 
 
 def open_peer_memory(
@@ -123,13 +130,7 @@ class PeerMemory:
             if mapped is None:
                 return False
             ops = _paired(kind, local, mapped)
-            device_kind = {
-                (True, RequestKind.PULL): CopyKind.DEVICE_TO_DEVICE,
-                (True, RequestKind.PUSH): CopyKind.DEVICE_TO_DEVICE,
-                (False, RequestKind.PULL): CopyKind.DEVICE_TO_HOST,
-                (False, RequestKind.PUSH): CopyKind.HOST_TO_DEVICE,
-            }[local_on_device, kind]
-            self._staging.runtime.copy_batch(ops, device_kind)
+            self._staging.runtime.copy_batch(ops, _SHARED_COPY[local_on_device, kind])
             self._check_still_there(regions, entries)
             return True
         if not local_on_device:
