@@ -84,6 +84,20 @@ async def _wait(future: Future[None], deadline_ns: int) -> None:
     future.result()
 
 
+async def _drain(futures: list[Future[None]], deadline_ns: int) -> None:
+    """Wait, through further cancellations, until every request has ended or timed out.
+
+    A cancelled transfer still owns the caller's memory while its requests run (a pull's
+    answer lands in the destination); the cancellation goes through once nothing writes it.
+    """
+    settled = asyncio.ensure_future(
+        asyncio.gather(*(_wait(f, deadline_ns) for f in futures), return_exceptions=True)
+    )
+    while not settled.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(settled)
+
+
 class AsyncCacheManager(_LoopBound):
     """The cache manager of an ``AsyncLLMDataDist``: every call is a coroutine.
 
@@ -112,17 +126,21 @@ class AsyncCacheManager(_LoopBound):
 
     async def _transfer(self, plan: TransferPlan) -> None:
         futures: list[Future[None]] = []
-        try:
-            for step in plan.steps:
-                futures.append(await self._start(plan, step))
-        finally:
-            plan.seal()
         first: LLMException | None = None
-        for future in futures:
+        try:
             try:
-                await _wait(future, plan.deadline_ns)
-            except LLMException as exc:
-                first = first or exc
+                for step in plan.steps:
+                    futures.append(await self._start(plan, step))
+            finally:
+                plan.seal()
+            for future in futures:
+                try:
+                    await _wait(future, plan.deadline_ns)
+                except LLMException as exc:
+                    first = first or exc
+        except asyncio.CancelledError:
+            await _drain(futures, plan.deadline_ns)
+            raise
         if first is not None:
             raise first
 

@@ -356,6 +356,39 @@ async def test_every_call_that_takes_a_timeout_keeps_it(decoder: Any, peer_facto
 
 
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)
+@pytest.mark.parametrize("route", ["link"], indirect=True)
+async def test_cancelled_pull_writes_nothing_after_the_cancel(
+    decoder: Any, peer_factory: Any
+) -> None:
+    # The peer holds the answer; the awaiting task is cancelled meanwhile. The cancellation
+    # surfaces only once the answer has landed, and the destination does not change after.
+    peer, face, caches, used = await linked(decoder, peer_factory)
+    for view in caches.blocks.as_numpy():
+        view[...] = 0
+    peer.signal(signal.SIGSTOP)
+    resumer = later(0.3, lambda: peer.signal(signal.SIGCONT))
+    try:
+        task = asyncio.ensure_future(pull_blocks(caches))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        start = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert time.monotonic() - start > 0.1  # it waited for the stalled answer
+    finally:
+        resumer.join()
+        peer.signal(signal.SIGCONT)
+    landed = [view.copy() for view in caches.blocks.as_numpy()]
+    for t, view in enumerate(landed):
+        np.testing.assert_array_equal(view, pattern(t, BLOCKS, BLOCK_BYTES))
+    await asyncio.sleep(0.2)
+    for view, before in zip(caches.blocks.as_numpy(), landed, strict=True):
+        np.testing.assert_array_equal(view, before)
+    await pool_settles(face, used)
+    await caches.release()
+
+
+@pytest.mark.parametrize("face_kind", ["async"], indirect=True)
 async def test_cancelled_awaits_at_random_points(
     decoder: Any, peer_factory: Any, route: str
 ) -> None:

@@ -116,7 +116,13 @@ class Worker:
         result = fn(*args, **kwargs)
         if asyncio.iscoroutine(result):
             return await result
-        status = await result  # push_blocks: a CacheTask
+        try:
+            status = await result  # push_blocks: a CacheTask
+        except asyncio.CancelledError:
+            # Cancelling the wait leaves the push running, and it still reads the source
+            # blocks: they are reused only once it has ended.
+            await result
+            raise
         if status != LLMStatusCode.LLM_SUCCESS:
             raise LLMException(f"{name}: {status}", status_code=status)
         return None
