@@ -22,12 +22,14 @@ from aio_datadist import (
     CacheKey,
     CacheKeyByIdAndIndex,
     DataType,
+    LLMException,
     LLMRole,
     LLMStatusCode,
     Placement,
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime.base import DeviceRuntime
 from tests.acl_fake import FAKE_VARS, FakeAcl, read_device, write_device
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
@@ -43,6 +45,7 @@ from tests.test_transfers import (  # noqa: F401 - fixtures
     make_pair,
     results,
     transport,
+    wait_until,
 )
 
 S = LLMStatusCode
@@ -152,6 +155,101 @@ async def test_pull_device_blocks_and_rows(accelerator: str, make_pair: PairFact
     await pcm.deallocate_cache(row_src)
     await dcm.deallocate_blocks_cache(dst)
     await dcm.deallocate_cache(row_dst)
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+async def test_device_bytes_stream_over_tcp_in_small_chunks(
+    accelerator: str, make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 4 KiB chunks, so every transfer here crosses the socket as dozens of staged pieces on
+    # both ends; no same-host route, so every byte does cross it.
+    monkeypatch.setattr("aio_datadist._runtime.cuda.STAGE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr("aio_datadist._memory.staging.STREAM_CHUNK_BYTES", 4096)
+    streams: list[bool] = []
+    stream = Staging.stream
+
+    def spy(self: Staging, iov: Any, on_device: Any = None, *, outbound: bool) -> Any:
+        streams.append(outbound)
+        return stream(self, iov, on_device, outbound=outbound)
+
+    monkeypatch.setattr(Staging, "stream", spy)
+    pair: Pair = await make_pair(remote_accessible=True, same_host=False)
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    desc = CacheDesc(4, [16, 4096], DataType.DT_FLOAT, Placement.DEVICE)  # 16 KiB blocks
+    src = await pcm.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    dst = await dcm.allocate_blocks_cache(desc)
+    sent = write(pair.prompt, src, seed=11)
+    picked, into = [15, 0, 7, 3, 9, 12, 1, 4, 8, 2], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, picked, into)
+    for s_, d in zip(sent, read(pair.decoder, dst), strict=True):
+        np.testing.assert_array_equal(d[into], s_[picked])
+    assert sorted(set(streams)) == [False, True]  # the decoder received, the prompt sent
+    streams.clear()
+    back = write(pair.decoder, dst, seed=12)
+    await push_blocks(pair.decoder, BlocksCacheKey(1, 0), dst, [5, 6, 7], [10, 11, 13])
+    for b, r in zip(back, read(pair.prompt, src), strict=True):
+        np.testing.assert_array_equal(r[[10, 11, 13]], b[[5, 6, 7]])
+    assert sorted(set(streams)) == [False, True]  # the decoder sent, the prompt received
+    # untouched blocks of the prompt stay as they were
+    for s_, r in zip(sent, read(pair.prompt, src), strict=True):
+        keep = [i for i in range(16) if i not in (10, 11, 13)]
+        np.testing.assert_array_equal(r[keep], s_[keep])
+    await pcm.deallocate_blocks_cache(src)
+    await dcm.deallocate_blocks_cache(dst)
+
+
+@pytest.mark.parametrize("side", ["sender", "receiver"])
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+async def test_a_device_copy_failing_mid_stream(
+    accelerator: str, make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch, side: str
+) -> None:
+    # The fourth staged piece of every stream of one side fails to copy. A sender cannot
+    # finish the frame in flight, so that link breaks; a receiver drains the rest and fails
+    # just that request. Either way the call reports it, pins come back, the link works after.
+    monkeypatch.setattr("aio_datadist._runtime.cuda.STAGE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr("aio_datadist._memory.staging.STREAM_CHUNK_BYTES", 4096)
+    chunks = Staging.chunks
+
+    def failing(self: Staging, iov: Any, outbound: bool) -> Any:
+        for i, piece in enumerate(chunks(self, iov, outbound)):
+            if i == 3 and outbound == (side == "sender"):
+                raise LLMException("device copy failed", status_code=S.LLM_FAILED)
+            yield piece
+
+    pair: Pair = await make_pair(remote_accessible=True, same_host=False)
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    desc = CacheDesc(2, [8, 4096], DataType.DT_FLOAT, Placement.DEVICE)
+    src = await pcm.allocate_blocks_cache(desc, BlocksCacheKey(1, 0))
+    dst = await dcm.allocate_blocks_cache(desc)
+
+    def used() -> tuple[int, int]:
+        return pcm.pool_stats(Placement.DEVICE).used, pair.decoder.pool_used()[Placement.DEVICE]
+
+    before = used()
+    sent = write(pair.prompt, src, seed=13)
+    expected = {
+        ("pull", "sender"): S.LLM_LINK_FAILED,  # the prompt's answer broke off
+        ("push", "sender"): S.LLM_FAILED,  # the decoder's own request broke off
+        ("pull", "receiver"): S.LLM_FAILED,
+        ("push", "receiver"): S.LLM_FAILED,  # answered by the prompt
+    }
+    for call in ("pull", "push"):
+        monkeypatch.setattr(Staging, "chunks", failing)
+        if call == "pull":
+            moved = dcm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(8)), list(range(8)))
+        else:
+            moved = push_blocks(pair.decoder, BlocksCacheKey(1, 0), dst, [0, 1, 2], [0, 1, 2])
+        await expect_status(expected[call, side], moved)
+        monkeypatch.setattr(Staging, "chunks", chunks)
+        if side == "sender":
+            await wait_until(lambda: pair.decoder.dd._engine.links.get(1) is None)
+            await pair.link()
+        await wait_until(lambda: used() == before)
+        await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [4, 5], [4, 5])
+        for s_, d in zip(sent, read(pair.decoder, dst), strict=True):
+            np.testing.assert_array_equal(d[[4, 5]], s_[[4, 5]])
+    await pcm.deallocate_blocks_cache(src)
+    await dcm.deallocate_blocks_cache(dst)
 
 
 async def test_push_between_device_and_host(accelerator: str, make_pair: PairFactory) -> None:

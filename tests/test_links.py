@@ -29,7 +29,9 @@ def info(remote: int, port: int | None = None, *, local: bool = True) -> LLMClus
 class _Refuse:
     """A request handler with no memory to serve."""
 
-    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
+    def serve(
+        self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False
+    ) -> Served:
         raise KvCacheNotExistError("nothing here", status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
 

@@ -7,6 +7,7 @@ bytes from the host, so a row that skipped its device copy shows up here.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from aio_datadist import LLMException
 from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime.cuda import CudaRuntime
 from tests.acl_fake import read_device, write_device
-from tests.test_runtime_cuda import Fake, fake, rng_bytes, rt  # noqa: F401 - fixtures
+from tests.test_runtime_cuda import Fake, fake, rng_bytes, rt, small_ring  # noqa: F401 - fixtures
 
 U64 = np.uint64
 
@@ -90,3 +91,99 @@ def test_a_failed_device_copy_returns_the_buffer(rt: CudaRuntime, fake: Fake) ->
         staging.outbound(bogus)
     assert fake.count("cudaFreeHost") == before + 1
     staging.close()
+
+
+@pytest.fixture(params=["native ring", "chunk by chunk"])
+def streaming(request: pytest.FixtureRequest, fake: Fake) -> Iterator[Staging]:
+    """Staging that streams through the runtime's native ring, or chunk by chunk (the path
+    of runtimes without one); 4 KiB chunks either way."""
+    runtime = small_ring(fake, chunk=4096, slots=2)
+    if request.param == "chunk by chunk":
+        runtime.stage_ring = lambda iov, kind: None  # type: ignore[method-assign]
+    staging = Staging(runtime, chunk_bytes=4096)
+    yield staging
+    staging.close()
+    runtime.close()
+
+
+def _mixed_rows(staging: Staging) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """A device range, a host buffer, rows over both (device rows spanning several chunks)
+    and their device mask."""
+    rt = staging.runtime
+    dev = rt.alloc_device(1 << 16)
+    host = np.frombuffer(bytearray(rng_bytes(5000, 8)), np.uint8)
+    h = host.ctypes.data
+    iov = np.array(
+        [[dev + 3, 9000], [dev + 20000, 0], [h, 5000], [dev + 30000, 1], [dev + 40000, 7777]],
+        dtype=U64,
+    )
+    return dev, host, iov, np.array([True, True, False, True, True])
+
+
+def test_stream_out_reads_every_row_in_order(streaming: Staging) -> None:
+    rt = streaming.runtime
+    dev, host, iov, mask = _mixed_rows(streaming)
+    data = rng_bytes(1 << 16, 9)
+    write_device(rt, dev, data)
+    stream = streaming.stream(iov, mask, outbound=True)
+    assert stream.nbytes == 9000 + 5000 + 1 + 7777
+    got, sizes, host_rows = [], [], 0
+    for piece in stream.segments():  # a piece is valid until the next is taken
+        got.append(host_bytes(piece))
+        if int(piece[0, 0]) == host.ctypes.data:
+            host_rows += 1  # host rows stay where they are
+        else:
+            sizes.append(int(piece[:, 1].sum()))
+    assert host_rows == 1 and max(sizes) <= 4096
+    expected = data[3:9003] + host.tobytes() + data[30000:30001] + data[40000:47777]
+    assert b"".join(got) == expected
+    rt.free_device(dev, 1 << 16)
+
+
+def test_stream_in_writes_every_row_in_order(streaming: Staging) -> None:
+    rt = streaming.runtime
+    dev, host, iov, mask = _mixed_rows(streaming)
+    write_device(rt, dev, bytes(1 << 16))
+    payload = rng_bytes(9000 + 5000 + 1 + 7777, 10)
+    pos = 0
+    for piece in streaming.stream(iov, mask, outbound=False).segments():
+        for addr, n in piece:
+            ctypes.memmove(int(addr), payload[pos : pos + int(n)], int(n))
+            pos += int(n)
+    assert pos == len(payload)
+    now = read_device(rt, dev, 1 << 16)
+    assert now[3:9003] == payload[:9000]
+    assert host.tobytes() == payload[9000:14000]
+    assert now[30000:30001] + now[40000:47777] == payload[14000:]
+    assert now[9003:30000] == bytes(30000 - 9003)
+
+
+def test_stream_in_stopped_early_drops_the_piece_in_hand(streaming: Staging) -> None:
+    rt = streaming.runtime
+    dev = rt.alloc_device(1 << 16)
+    write_device(rt, dev, bytes(1 << 16))
+    pieces = streaming.stream(np.array([[dev, 3 * 4096]], U64), outbound=False).segments()
+    for _ in range(2):  # taking the second piece sends the first to the device
+        ((addr, n),) = next(pieces)
+        ctypes.memset(int(addr), 0xEE, int(n))
+    pieces.close()  # type: ignore[attr-defined]
+    now = read_device(rt, dev, 3 * 4096)
+    assert now[:4096] == b"\xee" * 4096
+    assert now[4096:] == bytes(2 * 4096)
+    rt.free_device(dev, 1 << 16)
+
+
+def test_streaming_needs_only_a_chunk_of_pinned_memory(fake: Fake) -> None:
+    runtime = small_ring(fake)
+    runtime.stage_ring = lambda iov, kind: None  # type: ignore[method-assign]
+    staging = Staging(runtime, chunk_bytes=1 << 20)
+    dev = runtime.alloc_device(16 << 20)
+    taken: list[int] = []
+    take = staging.take
+    staging.take = lambda nbytes: taken.append(nbytes) or take(nbytes)  # type: ignore[method-assign]
+    for _ in staging.stream(np.array([[dev, 16 << 20]], U64), outbound=True).segments():
+        pass
+    assert taken == [1 << 20]
+    staging.close()
+    runtime.free_device(dev, 16 << 20)
+    runtime.close()

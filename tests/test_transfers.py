@@ -81,7 +81,9 @@ PairFactory = Callable[..., Any]
 async def make_pair(transport: str, face_kind: str) -> AsyncIterator[PairFactory]:
     made: list[Pair] = []
 
-    async def factory(*, remote_accessible: bool = False, link: bool = True) -> Pair:
+    async def factory(
+        *, remote_accessible: bool = False, link: bool = True, same_host: bool | None = None
+    ) -> Pair:
         port = 0 if transport == "tcp" else next(_ports)
         prompt = AsyncLLMDataDist(LLMRole.PROMPT, 1)
         opts = dict(
@@ -90,6 +92,7 @@ async def make_pair(transport: str, face_kind: str) -> AsyncIterator[PairFactory
             remote_accessible=remote_accessible,
             transport=transport,
             sync_kv_timeout=5000,
+            same_host=same_host,
         )
         await prompt.init(make_options(**opts, listen=f"127.0.0.1:{port}"))
         decoder = Face(face_kind, LLMRole.DECODER, 2)

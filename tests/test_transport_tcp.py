@@ -99,7 +99,9 @@ class MemoryHandler:
         self.hold = threading.Event()
         self.entered = threading.Event()
 
-    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
+    def serve(
+        self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False
+    ) -> Served:
         reader = BodyReader(body)
         mode = reader.u8()
         flat = reader.u64_array()
@@ -800,7 +802,7 @@ CHILD = textwrap.dedent(
     mem = np.random.default_rng(1234).integers(0, 256, 1 << 20, dtype=np.uint8)
 
     class Handler:
-        def serve(self, peer, kind, body, nbytes):
+        def serve(self, peer, kind, body, nbytes, *, stream=False):
             reader = BodyReader(body)
             mode = reader.u8()
             flat = reader.u64_array()

@@ -20,7 +20,7 @@ from aio_datadist._engine.access import Access, Target, decode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
-from aio_datadist._memory.staging import Mask, Staged
+from aio_datadist._memory.staging import Mask, Staged, Streamed
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
 from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
@@ -105,8 +105,14 @@ class Server:
     def __init__(self, caches: CacheService) -> None:
         self._caches = caches
 
-    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
-        """Resolve a request into memory rows, pinning what they touch."""
+    def serve(
+        self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False
+    ) -> Served:
+        """Resolve a request into memory rows, pinning what they touch.
+
+        Device rows that need staging are staged whole, or with ``stream`` handed out as
+        pinned chunks while the transport moves them (``Served.stream``).
+        """
         try:
             access = decode_access(body)
         except WireError as exc:
@@ -136,7 +142,11 @@ class Server:
                 commit = self._dropper(("req", access.ident, access.model_id), entries[0])
             registry.pin(entries)
         staged: Staged | None = None
-        if on_device is not False:
+        streamed: Streamed | None = None
+        if on_device is not False and stream:
+            mask = None if on_device is True else on_device
+            streamed = caches.staging.stream(iov, mask, outbound=kind is RequestKind.PULL)
+        elif on_device is not False:
             mask = None if on_device is True else on_device
             try:
                 if kind is RequestKind.PULL:
@@ -155,7 +165,7 @@ class Server:
             finally:
                 registry.unpin(entries)
 
-        return Served(iov, nbytes, done, commit)
+        return Served(iov, nbytes, done, commit, streamed)
 
     def _resolve(self, access: Access) -> tuple[CacheEntry, int]:
         """The cache a request names and its batch row; a cache registered with

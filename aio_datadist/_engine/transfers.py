@@ -28,7 +28,7 @@ from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._memory.staging import Staged
 from aio_datadist._native import api
-from aio_datadist._transport.base import Channel, Iov, RequestKind
+from aio_datadist._transport.base import Channel, Iov, Payload, RequestKind
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
 from aio_datadist.status import (
@@ -288,6 +288,8 @@ class TransferService:
             return self._send(plan, step, step.local)
         staging = self.caches.staging
         pull = step.kind is RequestKind.PULL
+        if step.channel.streams:  # device copies overlap the socket, in bounded memory
+            return self._send(plan, step, staging.stream(step.local, outbound=not pull))
         staged = staging.inbound(step.local) if pull else staging.outbound(step.local)
         try:
             moved = self._send(plan, step, staged.iov)
@@ -297,9 +299,9 @@ class TransferService:
         return _finished_after(moved, staged)
 
     @staticmethod
-    def _send(plan: TransferPlan, step: Step, local: Iov) -> Future[None]:
+    def _send(plan: TransferPlan, step: Step, local: Payload) -> Future[None]:
         """Send ``step``'s request over its link, moving the payload to or from the host
-        rows ``local``."""
+        rows (or segments) ``local``."""
         body = encode_access(step.access)
         if step.kind is RequestKind.PULL:
             return step.channel.pull(body, local, step.nbytes, plan.deadline_ns, commit=step.commit)

@@ -7,11 +7,18 @@ copied out of the device before it starts (:meth:`Staging.outbound`); rows writt
 route are received into the buffer and copied to the device only once every byte arrived
 (:meth:`Staging.inbound`), so a transfer that fails never leaves device memory half
 written. Host rows in the same table stay where they are.
+
+Byte-stream routes (sockets) use :meth:`Staging.stream` instead: the rows move in order
+through a bounded ring of pinned chunks, so device copies overlap the socket and a transfer
+of any size needs only a few chunks of pinned memory. A streamed write reaches the device
+chunk by chunk: a transfer that fails may leave device rows partly written (as a failed
+socket receive into host memory does), and reports the failure.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
@@ -19,11 +26,13 @@ import numpy.typing as npt
 from aio_datadist._memory.rows import Rows
 from aio_datadist._runtime.base import CopyKind, DeviceRuntime
 
-__all__ = ("STAGING_KEEP_BYTES", "Mask", "Staged", "Staging")
+__all__ = ("STAGING_KEEP_BYTES", "STREAM_CHUNK_BYTES", "Mask", "Staged", "Staging", "Streamed")
 
 #: Pinned bytes kept for reuse after a staged transfer ends (allocating pinned memory costs
 #: milliseconds per call on accelerator runtimes).
 STAGING_KEEP_BYTES = 256 << 20
+#: Bytes per chunk when a runtime without a native ring streams device rows.
+STREAM_CHUNK_BYTES = 4 << 20
 #: Buffers are allocated in multiples of this, so sizes repeat and buffers get reused.
 _GRAIN = 1 << 20
 
@@ -68,11 +77,76 @@ class Staged:
             staging.give_back(*self._buffer)
 
 
+class Streamed:
+    """Rows a byte stream moves in order, device rows through pinned chunks.
+
+    :meth:`segments` hands out host rows one piece at a time: host rows as they are,
+    device rows as pinned chunks. Reading (``outbound``), each piece already holds its bytes;
+    writing, each piece is to be filled, and reaches the device when the next piece is taken
+    or when the iteration ends. Close the iterator early (``close()``) to stop: a piece not
+    yet taken to the device is dropped. One iteration per transfer.
+    """
+
+    __slots__ = ("_mask", "_outbound", "_staging", "iov", "nbytes")
+
+    def __init__(self, staging: Staging, iov: Rows, mask: Mask | None, outbound: bool) -> None:
+        self._staging = staging
+        self._mask = mask
+        self._outbound = outbound
+        self.iov = iov
+        self.nbytes = int(iov[:, 1].sum()) if len(iov) else 0
+
+    def segments(self) -> Iterator[Rows]:
+        """The pieces, in payload order (a generator: close it when stopping early)."""
+        iov, mask = self.iov, self._mask
+        if mask is None:
+            yield from self._staging.chunks(iov, self._outbound)
+            return
+        # Runs of rows on one side of the mask, in order.
+        edges = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+        for run in np.split(np.arange(len(iov)), edges):
+            if not len(run):
+                continue
+            rows = iov[run[0] : run[-1] + 1]
+            if mask[run[0]]:
+                yield from self._staging.chunks(rows, self._outbound)
+            else:
+                yield rows
+
+
+def _window_ops(
+    iov: Rows, ends: npt.NDArray[np.uint64], start: int, n: int, buffer: int, outbound: bool
+) -> npt.NDArray[np.uint64]:
+    """Copy ops between bytes ``[start, start + n)`` of the rows ``iov`` (``ends``: their
+    cumulative sizes) and a buffer at ``buffer``: ``(dst, src, nbytes)`` rows."""
+    first = int(np.searchsorted(ends, start, side="right"))
+    last = int(np.searchsorted(ends, start + n, side="left"))
+    rows = iov[first : last + 1]
+    row_ends = ends[first : last + 1].astype(np.int64)
+    row_starts = row_ends - rows[:, 1].astype(np.int64)
+    lo = np.maximum(row_starts, start)
+    hi = np.minimum(row_ends, start + n)
+    device = rows[:, 0].astype(np.uint64) + (lo - row_starts).astype(np.uint64)
+    host = np.uint64(buffer) + (lo - start).astype(np.uint64)
+    ops = np.empty((len(rows), 3), dtype=np.uint64)
+    dst, src = (host, device) if outbound else (device, host)
+    ops[:, 0], ops[:, 1], ops[:, 2] = dst, src, (hi - lo).astype(np.uint64)
+    return ops[ops[:, 2] > 0]
+
+
 class Staging:
     """The pinned host buffers of one runtime, reused across transfers."""
 
-    def __init__(self, runtime: DeviceRuntime, *, keep_bytes: int = STAGING_KEEP_BYTES) -> None:
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        *,
+        keep_bytes: int = STAGING_KEEP_BYTES,
+        chunk_bytes: int | None = None,
+    ) -> None:
         self.runtime = runtime
+        #: Bytes per piece when streaming without a native ring (:data:`STREAM_CHUNK_BYTES`).
+        self.chunk_bytes = STREAM_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self._keep_bytes = keep_bytes
         self._lock = threading.Lock()
         self._free: dict[int, list[int]] = {}
@@ -102,6 +176,41 @@ class Staging:
         """Host rows for a route to write; :meth:`Staged.finish` (ok) moves them to ``iov``."""
         staged, _ = self._stage(iov, on_device, outbound=False)
         return staged
+
+    def stream(self, iov: Rows, on_device: Mask | None = None, *, outbound: bool) -> Streamed:
+        """``iov`` for a byte stream that reads it (``outbound``) or writes it, in order.
+
+        ``on_device`` marks the rows in device memory (default: all of them).
+        """
+        return Streamed(self, iov, on_device, outbound)
+
+    def chunks(self, iov: Rows, outbound: bool) -> Iterator[Rows]:
+        """The device rows ``iov`` as pinned one-row pieces, in order (see :class:`Streamed`)."""
+        kind = CopyKind.DEVICE_TO_HOST if outbound else CopyKind.HOST_TO_DEVICE
+        ring = self.runtime.stage_ring(iov, kind)
+        if ring is not None:
+            with ring:
+                for addr, n in ring:
+                    yield np.array([[addr, n]], dtype=np.uint64)
+            return
+        ends = np.cumsum(iov[:, 1], dtype=np.uint64)
+        total = int(ends[-1]) if len(ends) else 0
+        if total == 0:
+            return
+        buffer = self.take(min(total, self.chunk_bytes))
+        try:
+            step = min(buffer[1], self.chunk_bytes)
+            for start in range(0, total, step):
+                n = min(step, total - start)
+                ops = _window_ops(iov, ends, start, n, buffer[0], outbound)
+                if outbound:
+                    self.runtime.copy_batch(ops, kind)
+                piece = np.array([[buffer[0], n]], dtype=np.uint64)
+                yield piece
+                if not outbound:  # taken again: the piece was filled
+                    self.runtime.copy_batch(ops, kind)
+        finally:
+            self.give_back(*buffer)
 
     def _stage(
         self, iov: Rows, on_device: Mask | None, *, outbound: bool

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from enum import IntEnum
+from types import TracebackType
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("CopyKind", "DeviceRuntime", "RuntimeUnavailable")
+__all__ = ("CopyKind", "DeviceRuntime", "RuntimeUnavailable", "StageRing")
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -28,6 +30,30 @@ class CopyKind(IntEnum):
     HOST_TO_DEVICE = 1
     DEVICE_TO_HOST = 2
     DEVICE_TO_DEVICE = 3
+
+
+class StageRing(Protocol):
+    """Device rows streamed through pinned host chunks, in order (``DeviceRuntime.stage_ring``).
+
+    Iterating gives ``(addr, nbytes)`` chunks of pinned host memory. Reading the device
+    (``DEVICE_TO_HOST``), each chunk holds the next bytes while later ones are already being
+    copied; writing it (``HOST_TO_DEVICE``), each is to be filled with the next bytes and goes
+    to the device when the next chunk is taken, or on a clean exit (an exception drops it).
+    A chunk is valid until the next one is taken; leaving waits for outstanding copies.
+    """
+
+    def __enter__(self) -> StageRing: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+    def __iter__(self) -> StageRing: ...
+
+    def __next__(self) -> tuple[int, int]: ...
 
 
 class DeviceRuntime(ABC):
@@ -73,6 +99,14 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until every copy this runtime started has completed."""
+
+    def stage_ring(self, iov: npt.NDArray[np.uint64], kind: CopyKind) -> StageRing | None:
+        """A native ring streaming the device rows ``(addr, nbytes)`` of ``iov`` through
+        pinned chunks that overlap device copies with the caller's I/O; None when this
+        runtime has none (callers then stage chunk by chunk with :meth:`copy_batch`).
+        ``kind`` is ``DEVICE_TO_HOST`` or ``HOST_TO_DEVICE``; ``iov`` must not change
+        until the ring is closed."""
+        return None
 
     def share(self, addr: int, nbytes: int) -> bytes | None:
         """A token through which another process on this host reaches ``[addr, addr +

@@ -128,17 +128,20 @@ class CudaRuntime(DeviceRuntime):
         device_id: int,
         library: CudaLibrary,
         *,
-        stage_chunk_bytes: int = STAGE_CHUNK_BYTES,
-        stage_slots: int = STAGE_SLOTS,
+        stage_chunk_bytes: int | None = None,
+        stage_slots: int | None = None,
     ) -> None:
         """Use device ``device_id`` of ``library``.
 
         ``stage_chunk_bytes`` (rounded up to 4 KiB) and ``stage_slots`` size the pinned
-        staging ring of each stream: ``stage_slots`` buffers of ``stage_chunk_bytes``.
+        staging ring of each stream: ``stage_slots`` buffers of ``stage_chunk_bytes``
+        (defaults: :data:`STAGE_CHUNK_BYTES`, :data:`STAGE_SLOTS`).
         """
         super().__init__(device_id)
         self.library = library
-        self._ctx = CudaContext(library, device_id, stage_chunk_bytes, stage_slots)
+        chunk = STAGE_CHUNK_BYTES if stage_chunk_bytes is None else stage_chunk_bytes
+        slots = STAGE_SLOTS if stage_slots is None else stage_slots
+        self._ctx = CudaContext(library, device_id, chunk, slots)
         self._device = AddressRanges()  # this runtime's cudaMalloc allocations
         self._pinned = AddressRanges()  # its cudaHostAlloc and cudaHostRegister memory
         self._ipc = AddressRanges()  # peer allocations mapped by open_ipc
@@ -299,6 +302,14 @@ class CudaRuntime(DeviceRuntime):
         has arrived.
         """
         return self._ctx.stage(CopyKind.HOST_TO_DEVICE, iov)
+
+    def stage_ring(self, iov: npt.NDArray[np.uint64], kind: CopyKind) -> Stage:
+        """The native staging ring of :meth:`stage_out` / :meth:`stage_in` for ``kind``."""
+        if kind is CopyKind.DEVICE_TO_HOST:
+            return self.stage_out(iov)
+        if kind is CopyKind.HOST_TO_DEVICE:
+            return self.stage_in(iov)
+        raise ValueError(f"a staging ring copies between host and device, not {kind.name}")
 
     # -- sharing device memory with other processes --------------------------------------
     def ipc_handle(self, addr: int) -> bytes:

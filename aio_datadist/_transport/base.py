@@ -15,7 +15,7 @@ serve and request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -35,6 +35,8 @@ __all__ = (
     "Hello",
     "Iov",
     "LinkRefused",
+    "Payload",
+    "Segments",
     "Listener",
     "RequestHandler",
     "RequestKind",
@@ -44,6 +46,27 @@ __all__ = (
 
 #: Memory rows ``(addr, len)``: a C-contiguous ``(n, 2)`` uint64 array, in payload order.
 Iov = npt.NDArray[np.uint64]
+
+
+class Segments(Protocol):
+    """A payload handed out as host rows one piece at a time, in payload order.
+
+    A stream-based transport reads (or fills) each piece before taking the next; device
+    memory streams through pinned chunks this way (``_memory.staging.Streamed``). Taking the
+    next piece may commit the previous one, so a transport takes every piece on success and
+    closes the iterator early on failure.
+    """
+
+    #: The payload's size in bytes.
+    nbytes: int
+
+    def segments(self) -> Iterator[Iov]:
+        """The pieces (a generator: close it when stopping early)."""
+        ...
+
+
+#: The local side of a payload: memory rows, or (on channels that ``stream``) segments.
+Payload = Iov | Segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,15 +112,22 @@ class Served:
     nbytes: int
     done: Callable[[bool], None]
     commit: Callable[[], None] | None = field(default=None)
+    #: Set when the handler was asked to ``stream``: the payload as segments; ``iov`` is
+    #: then not to be used.
+    stream: Segments | None = field(default=None)
 
 
 class RequestHandler(Protocol):
     """The engine's serving side, handed to the transport with every channel."""
 
-    def serve(self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int) -> Served:
+    def serve(
+        self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False
+    ) -> Served:
         """Resolve a request ``body`` from ``peer`` into this side's memory rows.
 
         ``nbytes`` is the payload size the requester expects; the rows must add up to it.
+        With ``stream`` (a stream-based transport asking) memory that needs staging may come
+        back as ``Served.stream``.
 
         :raises LLMException: the request is refused; its ``status_code`` is answered to the
             requester (``LLM_KV_CACHE_NOT_EXIST``, ``LLM_PARAM_INVALID``, ...).
@@ -117,12 +147,15 @@ class Channel(ABC):
     pull_in_caller: bool = False
     #: The same for :meth:`push`.
     push_in_caller: bool = False
+    #: True when :meth:`pull` and :meth:`push` also take :class:`Segments` as the local side.
+    streams: bool = False
 
     @abstractmethod
     def pull(
-        self, body: bytes, dst: Iov, nbytes: int, deadline_ns: int, *, commit: bool = False
+        self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
     ) -> Future[None]:
-        """Ask the peer for the memory ``body`` names and land its bytes in the rows ``dst``.
+        """Ask the peer for the memory ``body`` names and land its bytes in the rows ``dst``
+        (rows, or segments where the channel ``streams``).
 
         ``nbytes`` is the sum of ``dst``'s lengths; ``deadline_ns`` an absolute
         ``monotonic_ns()`` time. With ``commit`` the peer's ``Served.commit`` runs once every
@@ -132,8 +165,9 @@ class Channel(ABC):
         """
 
     @abstractmethod
-    def push(self, body: bytes, src: Iov, nbytes: int, deadline_ns: int) -> Future[None]:
-        """Write the bytes of the rows ``src`` into the peer memory ``body`` names.
+    def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
+        """Write the bytes of the rows ``src`` (or segments where the channel ``streams``)
+        into the peer memory ``body`` names.
 
         The future completes with None once the peer confirmed that every byte is in its
         memory, or with an ``LLMException`` as for :meth:`pull`. ``src`` is no longer read

@@ -33,6 +33,7 @@ from aio_datadist._transport.base import (
     Iov,
     LinkRefused,
     Listener,
+    Payload,
     RequestHandler,
     RequestKind,
     Transport,
@@ -47,6 +48,13 @@ __all__ = ("LoopbackChannel", "LoopbackTransport")
 
 _lock = threading.Lock()
 _listeners: dict[tuple[str, int], LoopbackListener] = {}
+
+
+def _rows(payload: Payload) -> Iov:
+    """The memory rows of ``payload``: this channel does not ``stream``."""
+    if not isinstance(payload, np.ndarray):
+        raise TypeError("the loopback transport moves memory rows, not segments")
+    return payload
 
 
 class LoopbackChannel(Channel):
@@ -115,12 +123,12 @@ class LoopbackChannel(Channel):
         return future
 
     def pull(
-        self, body: bytes, dst: Iov, nbytes: int, deadline_ns: int, *, commit: bool = False
+        self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
     ) -> Future[None]:
-        return self._request(RequestKind.PULL, body, dst, nbytes, commit)
+        return self._request(RequestKind.PULL, body, _rows(dst), nbytes, commit)
 
-    def push(self, body: bytes, src: Iov, nbytes: int, deadline_ns: int) -> Future[None]:
-        return self._request(RequestKind.PUSH, body, src, nbytes, False)
+    def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
+        return self._request(RequestKind.PUSH, body, _rows(src), nbytes, False)
 
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
         self._shut()

@@ -51,7 +51,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import replace
 
@@ -99,8 +99,10 @@ from aio_datadist._transport.base import (
     Iov,
     LinkRefused,
     Listener,
+    Payload,
     RequestHandler,
     RequestKind,
+    Segments,
     Served,
     Transport,
 )
@@ -173,7 +175,11 @@ def _frame(
 
 
 def _iov_problem(iov: object, nbytes: int) -> str | None:
-    """None when ``iov`` is well-formed rows that add up to ``nbytes``; else what is wrong."""
+    """None when ``iov`` is well-formed rows (or segments) that add up to ``nbytes``; else
+    what is wrong."""
+    if not isinstance(iov, np.ndarray) and hasattr(iov, "segments"):
+        size = getattr(iov, "nbytes", None)
+        return None if size == nbytes else f"segments hold {size} bytes, not {nbytes}"
     if not isinstance(iov, np.ndarray) or iov.dtype != np.uint64:
         return "memory rows must be a uint64 numpy array"
     if iov.ndim != 2 or iov.shape[1] != 2:
@@ -210,6 +216,51 @@ def _until_stall(io: Callable[[int, Iov, int], None], fd: int, iov: Iov, stall_s
             if exc.transferred == 0:
                 raise
             iov = _iov_skip(iov, exc.transferred)
+
+
+def _move(io: Callable[[Iov], None], payload: Payload) -> tuple[int, Exception | None]:
+    """Run ``io`` over the payload's rows, piece by piece for segments.
+
+    Returns the bytes moved through the socket and the failure (None on success): a
+    ``NetTimeout``/``PeerClosed``/``OSError`` of ``io``, or the ``LLMException`` of a piece
+    that could not be staged. Segments stopped by a failure are closed (the piece in hand is
+    dropped).
+    """
+    if isinstance(payload, np.ndarray):
+        try:
+            io(payload)
+        except (NetTimeout, PeerClosed) as exc:
+            return exc.transferred, exc
+        except (OSError, LLMException) as exc:
+            return 0, exc
+        return int(payload[:, 1].sum()) if payload.shape[0] else 0, None
+    moved = 0
+    pieces: Iterator[Iov] = payload.segments()
+    try:
+        for piece in pieces:
+            try:
+                io(piece)
+            except (NetTimeout, PeerClosed) as exc:
+                return moved + exc.transferred, exc
+            except OSError as exc:
+                return moved, exc
+            moved += int(piece[:, 1].sum())
+    except LLMException as exc:
+        return moved, exc
+    finally:
+        close = getattr(pieces, "close", None)
+        if close is not None:
+            close()
+    return moved, None
+
+
+class _CutFrame(Exception):
+    """A frame stopped after some of it was sent: the link cannot carry on."""
+
+    def __init__(self, failure: LLMException, reason: str) -> None:
+        super().__init__(reason)
+        self.failure = failure
+        self.reason = reason
 
 
 def _sendv_all(fd: int, iov: Iov, stall_s: float) -> None:
@@ -312,7 +363,7 @@ class _Request:
         self,
         rid: int,
         kind: RequestKind,
-        dst: Iov | None,
+        dst: Payload | None,
         nbytes: int,
         deadline_ns: int,
         commit: bool = False,
@@ -336,13 +387,14 @@ class _Request:
 class _Send:
     """One frame (control bytes, then optional payload rows) for the sender thread."""
 
-    __slots__ = ("_finished", "after", "iov", "keep", "lock_held")
+    __slots__ = ("_finished", "after", "iov", "keep", "lock_held", "stream")
 
     def __init__(
         self,
         ctl: bytes,
         payload: Iov | None = None,
         after: Callable[[bool], None] | None = None,
+        stream: Segments | None = None,
     ) -> None:
         self.keep = np.frombuffer(ctl, dtype=np.uint8)  # the iov points into it
         n = 0 if payload is None else payload.shape[0]
@@ -352,6 +404,7 @@ class _Send:
         if payload is not None:
             iov[1:] = payload
         self.iov = iov
+        self.stream = stream  # the payload after ``iov``, streamed (sender thread only)
         self.after = after
         self.lock_held = False  # the send lock is held for this job (a partial inline send)
         self._finished = False
@@ -384,6 +437,7 @@ class TcpChannel(Channel):
 
     pull_in_caller = False
     push_in_caller = True
+    streams = True
 
     def __init__(
         self,
@@ -423,6 +477,7 @@ class TcpChannel(Channel):
         self._hdr = bytearray(_HEADER_SIZE)
         self._scratch: bytearray | None = None
         self._reader: threading.Thread | None = None
+        self._sender: threading.Thread | None = None
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -433,10 +488,10 @@ class TcpChannel(Channel):
         self._reader = threading.Thread(
             target=self._read_loop, name=f"aio-dd-tcp-read-{self.remote}", daemon=True
         )
-        sender = threading.Thread(
+        self._sender = threading.Thread(
             target=self._send_loop, name=f"aio-dd-tcp-send-{self.remote}", daemon=True
         )
-        sender.start()
+        self._sender.start()
         self._reader.start()
 
     # -- Channel contract --------------------------------------------------------------------
@@ -452,7 +507,7 @@ class TcpChannel(Channel):
         callback(self)
 
     def pull(
-        self, body: bytes, dst: Iov, nbytes: int, deadline_ns: int, *, commit: bool = False
+        self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
     ) -> Future[None]:
         problem = _iov_problem(dst, nbytes)
         if problem is not None:
@@ -477,7 +532,7 @@ class TcpChannel(Channel):
             self._break(broke)
         return req.future
 
-    def push(self, body: bytes, src: Iov, nbytes: int, deadline_ns: int) -> Future[None]:
+    def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
         problem = _iov_problem(src, nbytes)
         if problem is not None:
             return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {problem}")
@@ -489,13 +544,30 @@ class TcpChannel(Channel):
         req = _Request(rid, RequestKind.PUSH, None, nbytes, deadline_ns, busy=True)
         if not self._register(req):
             return req.future
-        frame = _Send(ctl, src)
 
-        def send() -> None:
+        def sendv(iov: Iov) -> None:
             if deadline_ns > 0:
-                sock_sendv(self._fd, frame.iov, deadline_ns)
+                sock_sendv(self._fd, iov, deadline_ns)
             else:
-                _sendv_all(self._fd, frame.iov, self._stall_s)
+                _sendv_all(self._fd, iov, self._stall_s)
+
+        if isinstance(src, np.ndarray):
+            frame = _Send(ctl, src)
+
+            def send() -> None:
+                sendv(frame.iov)
+        else:
+
+            def send() -> None:
+                sendv(_Send(ctl).iov)
+                moved, error = _move(sendv, src)
+                if error is None:
+                    return
+                if isinstance(error, LLMException):
+                    raise _CutFrame(error, "a push's payload could not be staged mid-frame")
+                if isinstance(error, NetTimeout):  # counts the control bytes already sent
+                    raise NetTimeout(str(error), len(ctl) + moved) from error
+                raise error
 
         failure, broke = self._send_request("push", "payload", deadline_ns, send)
         # Unless failed, the request now waits for PUSH_ACK like any other.
@@ -532,12 +604,29 @@ class TcpChannel(Channel):
             return self._link_failed(), f"send failed: {exc}"
         except LLMException as exc:  # rows the native layer refused; nothing was sent
             return exc, ""
+        except _CutFrame as exc:
+            return exc.failure, exc.reason
         finally:
             self._slock.release()
         return None, ""
 
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
+        """Close this end (see ``Channel.close``); returns once this channel's threads ended
+        (within ``timeout``), so nothing of it touches memory afterwards."""
         limit = BYE_TIMEOUT if timeout is None else max(0.0, timeout)
+        deadline = after_s(limit)
+        told = self._close(notify_peer, limit, deadline)
+        self._join(deadline)
+        return told
+
+    def _join(self, deadline_ns: int) -> None:
+        """Wait until the reader and sender threads ended, at most until ``deadline_ns``."""
+        me = threading.current_thread()
+        for thread in (self._sender, self._reader):
+            if thread is not None and thread is not me and thread.is_alive():
+                thread.join(max(0.0, (deadline_ns - now_ns()) / 1e9))
+
+    def _close(self, notify_peer: bool, limit: float, deadline: int) -> bool:
         with self._lock:
             if self._broken:
                 return self._peer_knows or not notify_peer
@@ -548,7 +637,6 @@ class TcpChannel(Channel):
             return self._peer_knows or not notify_peer
         told = False
         if notify_peer:
-            deadline = after_s(limit)
             sent = False
             if self._slock.acquire(timeout=limit):
                 try:
@@ -688,7 +776,8 @@ class TcpChannel(Channel):
         """Send an answer from the reader thread without ever waiting on the socket."""
         with self._qcond:
             idle = not self._sendq and not self._sender_active and not self._sender_exited
-        if idle and self._slock.acquire(blocking=False):
+        # A streamed payload may wait on device copies: only the sender thread sends it.
+        if idle and job.stream is None and self._slock.acquire(blocking=False):
             if self._broken:
                 self._slock.release()
                 job.finish(False, self._log)
@@ -752,7 +841,15 @@ class TcpChannel(Channel):
         try:
             if not self._broken:
                 _sendv_all(self._fd, job.iov, self._stall_s)
-                ok = True
+                if job.stream is not None:
+                    _, error = _move(
+                        lambda iov: _sendv_all(self._fd, iov, self._stall_s), job.stream
+                    )
+                    if isinstance(error, LLMException):
+                        failure = f"a payload could not be staged mid-frame: {error}"
+                    elif error is not None:
+                        raise error
+                ok = not failure
         except _IO_ERRORS as exc:
             failure = f"send failed: {exc}"
         finally:
@@ -865,29 +962,35 @@ class TcpChannel(Channel):
             self._drain(h.payload_len)
             return
         assert req.dst is not None
-        try:
+
+        def recv(iov: Iov) -> None:
             if req.deadline_ns > 0:
-                sock_recvv(self._fd, req.dst, req.deadline_ns)
+                sock_recvv(self._fd, iov, req.deadline_ns)
             else:
-                _recvv_all(self._fd, req.dst, self._stall_s)
-        except NetTimeout as exc:
-            # dst is no longer touched: fail the request now, then drain the rest.
-            req.outcome = _error(
-                LLMStatusCode.LLM_TIMEOUT,
-                f"pull {req.rid}: deadline passed after {exc.transferred} of {req.nbytes} bytes",
-            )
-            self._complete(req)
-            self._drain(h.payload_len - exc.transferred)
-            return
-        except LLMException as exc:  # rows the native layer refused: nothing was received
-            req.outcome = exc
-            self._complete(req)
-            self._drain(h.payload_len)
-            return
+                _recvv_all(self._fd, iov, self._stall_s)
+
+        try:
+            moved, error = _move(recv, req.dst)
         except BaseException:
             req.outcome = self._link_failed()
             self._complete(req)
             raise
+        if isinstance(error, NetTimeout):
+            # dst is no longer touched: fail the request now, then drain the rest.
+            req.outcome = _error(
+                LLMStatusCode.LLM_TIMEOUT,
+                f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
+            )
+        elif isinstance(error, LLMException):  # rows the native layer refused, or staging
+            req.outcome = error
+        elif error is not None:
+            req.outcome = self._link_failed()
+            self._complete(req)
+            raise error
+        if error is not None:
+            self._complete(req)
+            self._drain(h.payload_len - moved)
+            return
         req.outcome = None
         self._complete(req)
         if req.commit:
@@ -912,7 +1015,7 @@ class TcpChannel(Channel):
     def _serve(self, kind: RequestKind, rid: int, body: bytes, nbytes: int) -> Served | None:
         """The handler's answer, or None after answering ERROR."""
         try:
-            served = self._handler.serve(self.peer, kind, body, nbytes)
+            served = self._handler.serve(self.peer, kind, body, nbytes, stream=True)
         except LLMException as exc:
             self._reply_error(rid, exc.status_code, str(exc))
             return None
@@ -923,7 +1026,7 @@ class TcpChannel(Channel):
         problem = (
             f"served {served.nbytes} bytes for a request of {nbytes}"
             if served.nbytes != nbytes
-            else _iov_problem(served.iov, nbytes)
+            else _iov_problem(served.iov if served.stream is None else served.stream, nbytes)
         )
         if problem is not None:
             self._call_done(served, False)
@@ -970,7 +1073,10 @@ class TcpChannel(Channel):
                 self._commits[rid] = commit
         ctl = _frame(FrameKind.PULL_DATA, rid, payload_len=nbytes)
         after = functools.partial(self._pull_sent, rid, served, commit)
-        self._reader_send(_Send(ctl, served.iov, after))
+        if served.stream is None:
+            self._reader_send(_Send(ctl, served.iov, after))
+        else:
+            self._reader_send(_Send(ctl, after=after, stream=served.stream))
 
     def _pull_sent(self, rid: int, served: Served, commit: _Commit | None, ok: bool) -> None:
         self._call_done(served, ok)
@@ -1002,16 +1108,20 @@ class TcpChannel(Channel):
         if served is None:
             self._drain(nbytes)
             return
+        payload = served.iov if served.stream is None else served.stream
         try:
-            _recvv_all(self._fd, served.iov, self._stall_s)
-        except LLMException as exc:  # rows the native layer refused: nothing was received
-            self._call_done(served, False)
-            self._drain(nbytes)
-            self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, f"push refused: {exc}")
-            return
+            moved, error = _move(lambda iov: _recvv_all(self._fd, iov, self._stall_s), payload)
         except BaseException:
             self._call_done(served, False)
             raise
+        if isinstance(error, LLMException):  # rows refused, or staging failed part way
+            self._call_done(served, False)
+            self._drain(nbytes - moved)
+            self._reply_error(rid, error.status_code, f"push not stored: {error}")
+            return
+        if error is not None:
+            self._call_done(served, False)
+            raise error
         failure = self._call_done(served, True)
         if failure is not None:
             self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
