@@ -63,8 +63,11 @@ def check_int_list(
 ) -> None:
     """Check a list/tuple of ints, each within the range of ``kind``."""
     check_type(name, value, *containers)
+    lo, hi = _RANGES[kind]
     for i, item in enumerate(value):
-        check_int(f"{name}[{i}]", item, kind)
+        # Exact ints in range (every valid item) pass without building a name.
+        if type(item) is not int or not lo <= item <= hi:
+            check_int(f"{name}[{i}]", item, kind)
 
 
 def param_invalid(message: str) -> NoReturn:
