@@ -99,7 +99,7 @@ def streaming(request: pytest.FixtureRequest, fake: Fake) -> Iterator[Staging]:
     of runtimes without one); 4 KiB chunks either way."""
     runtime = small_ring(fake, chunk=4096, slots=2)
     if request.param == "chunk by chunk":
-        runtime.stage_ring = lambda iov, kind: None  # type: ignore[method-assign]
+        runtime.stage_ring = lambda iov, kind: None  # type: ignore[method-assign,assignment,return-value]
     staging = Staging(runtime, chunk_bytes=4096)
     yield staging
     staging.close()
@@ -166,7 +166,7 @@ def test_stream_in_stopped_early_drops_the_piece_in_hand(streaming: Staging) -> 
     for _ in range(2):  # taking the second piece sends the first to the device
         ((addr, n),) = next(pieces)
         ctypes.memset(int(addr), 0xEE, int(n))
-    pieces.close()  # type: ignore[attr-defined]
+    pieces.close()
     now = read_device(rt, dev, 3 * 4096)
     assert now[:4096] == b"\xee" * 4096
     assert now[4096:] == bytes(2 * 4096)
@@ -175,12 +175,17 @@ def test_stream_in_stopped_early_drops_the_piece_in_hand(streaming: Staging) -> 
 
 def test_streaming_needs_only_a_chunk_of_pinned_memory(fake: Fake) -> None:
     runtime = small_ring(fake)
-    runtime.stage_ring = lambda iov, kind: None  # type: ignore[method-assign]
+    runtime.stage_ring = lambda iov, kind: None  # type: ignore[method-assign,assignment,return-value]
     staging = Staging(runtime, chunk_bytes=1 << 20)
     dev = runtime.alloc_device(16 << 20)
     taken: list[int] = []
     take = staging.take
-    staging.take = lambda nbytes: taken.append(nbytes) or take(nbytes)  # type: ignore[method-assign]
+
+    def recorded(nbytes: int) -> tuple[int, int]:
+        taken.append(nbytes)
+        return take(nbytes)
+
+    staging.take = recorded  # type: ignore[method-assign]
     for _ in staging.stream(np.array([[dev, 16 << 20]], U64), outbound=True).segments():
         pass
     assert taken == [1 << 20]

@@ -143,11 +143,10 @@ class Server:
             registry.pin(entries)
         staged: Staged | None = None
         streamed: Streamed | None = None
+        mask = None if on_device is True or on_device is False else on_device
         if on_device is not False and stream:
-            mask = None if on_device is True else on_device
             streamed = caches.staging.stream(iov, mask, outbound=kind is RequestKind.PULL)
         elif on_device is not False:
-            mask = None if on_device is True else on_device
             try:
                 if kind is RequestKind.PULL:
                     staged = caches.staging.outbound(iov, mask)

@@ -18,7 +18,7 @@ socket receive into host memory does), and reports the failure.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 
 import numpy as np
 import numpy.typing as npt
@@ -96,7 +96,7 @@ class Streamed:
         self.iov = iov
         self.nbytes = int(iov[:, 1].sum()) if len(iov) else 0
 
-    def segments(self) -> Iterator[Rows]:
+    def segments(self) -> Generator[Rows, None, None]:
         """The pieces, in payload order (a generator: close it when stopping early)."""
         iov, mask = self.iov, self._mask
         if mask is None:
@@ -184,7 +184,7 @@ class Staging:
         """
         return Streamed(self, iov, on_device, outbound)
 
-    def chunks(self, iov: Rows, outbound: bool) -> Iterator[Rows]:
+    def chunks(self, iov: Rows, outbound: bool) -> Generator[Rows, None, None]:
         """The device rows ``iov`` as pinned one-row pieces, in order (see :class:`Streamed`)."""
         kind = CopyKind.DEVICE_TO_HOST if outbound else CopyKind.HOST_TO_DEVICE
         ring = self.runtime.stage_ring(iov, kind)

@@ -15,7 +15,7 @@ serve and request.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -60,8 +60,8 @@ class Segments(Protocol):
     #: The payload's size in bytes.
     nbytes: int
 
-    def segments(self) -> Iterator[Iov]:
-        """The pieces (a generator: close it when stopping early)."""
+    def segments(self) -> Generator[Iov, None, None]:
+        """The pieces (close the generator when stopping early)."""
         ...
 
 

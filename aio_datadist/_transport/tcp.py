@@ -51,7 +51,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import replace
 
@@ -235,7 +235,7 @@ def _move(io: Callable[[Iov], None], payload: Payload) -> tuple[int, Exception |
             return 0, exc
         return int(payload[:, 1].sum()) if payload.shape[0] else 0, None
     moved = 0
-    pieces: Iterator[Iov] = payload.segments()
+    pieces: Generator[Iov, None, None] = payload.segments()
     try:
         for piece in pieces:
             try:
@@ -248,9 +248,7 @@ def _move(io: Callable[[Iov], None], payload: Payload) -> tuple[int, Exception |
     except LLMException as exc:
         return moved, exc
     finally:
-        close = getattr(pieces, "close", None)
-        if close is not None:
-            close()
+        pieces.close()
     return moved, None
 
 
