@@ -66,13 +66,13 @@ def access_rows(
                 f"block segments of {access.seg_bytes}/{access.last_bytes} bytes do not fit "
                 f"blocks of {block_bytes} bytes"
             )
-        if int(blocks.max()) >= num_blocks:
+        small = count * len(blocks) <= SMALL_ROWS and access.last_bytes == access.seg_bytes
+        listed = blocks.tolist() if small else None
+        if (max(listed) if listed is not None else int(blocks.max())) >= num_blocks:
             bad = int(blocks[blocks >= num_blocks][0])
             raise _invalid(f"block index {bad} is outside [0, {num_blocks})")
-        if count * len(blocks) <= SMALL_ROWS and access.last_bytes == access.seg_bytes:
-            return small_rows(
-                addrs[start : start + count], blocks.tolist(), block_bytes, access.seg_bytes
-            )
+        if listed is not None:
+            return small_rows(addrs[start : start + count], listed, block_bytes, access.seg_bytes)
         bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
         rows = np.empty((count, len(blocks), 2), dtype=np.uint64)
         rows[:, :, 0] = bases[:, None] + blocks[None, :] * np.uint64(block_bytes)

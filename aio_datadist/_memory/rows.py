@@ -18,6 +18,8 @@ Rows = npt.NDArray[np.uint64]
 
 #: Up to this many rows, plain Python builds tables faster than vectorised numpy.
 SMALL_ROWS = 64
+#: Up to this many rows a side, plain Python pairs two tables faster than numpy.
+_SMALL_PAIRS = 8
 
 
 def small_rows(bases: Sequence[int], blocks: Iterable[int], block_bytes: int, seg: int) -> Rows:
@@ -43,7 +45,11 @@ def pair_rows(dst: Rows, src: Rows) -> npt.NDArray[np.uint64]:
 
     :raises ValueError: the two sides do not add up to the same size.
     """
-    if len(dst) == len(src) and np.array_equal(dst[:, 1], src[:, 1]):
+    if len(dst) == len(src) <= _SMALL_PAIRS:
+        ops = _same_split(dst.tolist(), src.tolist())
+        if ops is not None:
+            return ops
+    elif len(dst) == len(src) and np.array_equal(dst[:, 1], src[:, 1]):
         # The same split on both sides (the common case): one op per row.
         ops = np.empty((len(dst), 3), dtype=np.uint64)
         ops[:, 0] = dst[:, 0]
@@ -68,3 +74,14 @@ def pair_rows(dst: Rows, src: Rows) -> npt.NDArray[np.uint64]:
     ops[:, 1] = src[si, 0] + (starts - (s_end[si] - src[si, 1]))
     ops[:, 2] = ends - starts
     return ops
+
+
+def _same_split(dst: list[list[int]], src: list[list[int]]) -> npt.NDArray[np.uint64] | None:
+    """One op per non-empty row when both sides split their bytes alike; else None."""
+    flat: list[int] = []
+    for (d_addr, d_len), (s_addr, s_len) in zip(dst, src, strict=True):
+        if d_len != s_len:
+            return None
+        if d_len:
+            flat += (d_addr, s_addr, d_len)
+    return np.array(flat, dtype=np.uint64).reshape(-1, 3)
