@@ -19,6 +19,7 @@ from aio_datadist._transport.auth import (
     encode_secret_option,
     secret_from_environment,
 )
+from aio_datadist._transport.tcp import BUSY_POLL_US
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import ip_str_to_int
 from aio_datadist.enums import LLMRole
@@ -56,6 +57,9 @@ __all__ = (
     "OPTION_TRANSPORT",
     "OPTION_COMM_BASE_PORT",
     "OPTION_SAME_HOST",
+    "OPTION_BUSY_POLL_US",
+    "MAX_BUSY_POLL_US",
+    "DEFAULT_BUSY_POLL_US",
     "DEFAULT_MEM_UTILIZATION",
     "DEFAULT_PAGE_SHIFT",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
@@ -103,6 +107,8 @@ OPTION_COMM_BASE_PORT = "aio.CommBasePort"
 OPTION_SAME_HOST = "aio.SameHost"
 #: The shared secret that authenticates links (``hex:`` and hex digits for raw bytes).
 OPTION_LINK_SECRET = "aio.LinkSecret"
+#: Microseconds a TCP link busy-polls for an expected frame before sleeping (0: never).
+OPTION_BUSY_POLL_US = "aio.BusyPollUs"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -128,6 +134,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "transport": OPTION_TRANSPORT,
     "same_host": OPTION_SAME_HOST,
     "link_secret": OPTION_LINK_SECRET,
+    "busy_poll_us": OPTION_BUSY_POLL_US,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -145,6 +152,10 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "loopback")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 """Bound of blocking transfer calls when ``llm.SyncKvCacheWaitTime`` is not set (ms)."""
 DEFAULT_MEM_UTILIZATION = 0.95
+DEFAULT_BUSY_POLL_US = BUSY_POLL_US
+"""Busy-poll time of TCP links when ``aio.BusyPollUs`` is not set (microseconds)."""
+MAX_BUSY_POLL_US = 100_000
+"""Largest accepted ``aio.BusyPollUs`` (microseconds)."""
 DEFAULT_PAGE_SHIFT = 16
 """Pool allocation granularity is ``1 << page_shift`` bytes when the pool config omits it."""
 HOST_MEM_POOL_MAX_BYTES = 20 * 2**30
@@ -177,6 +188,7 @@ class LLMConfig:
 
     __slots__ = (
         "_buf_pool_cfg",
+        "_busy_poll_us",
         "_cluster_info",
         "_deploy_res_path",
         "_device_id",
@@ -229,6 +241,7 @@ class LLMConfig:
         self._transport: str | None = None
         self._same_host: bool | None = None
         self._link_secret: str | bytes | None = None
+        self._busy_poll_us: int | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -295,6 +308,8 @@ class LLMConfig:
             opts[OPTION_SAME_HOST] = "1" if self._same_host else "0"
         if self._link_secret is not None:
             opts[OPTION_LINK_SECRET] = encode_secret_option(self._link_secret)
+        if self._busy_poll_us is not None:
+            opts[OPTION_BUSY_POLL_US] = str(self._busy_poll_us)
         return opts
 
     @property
@@ -595,6 +610,28 @@ class LLMConfig:
     def same_host(self, same_host: bool | None) -> None:
         _check_optional("same_host", same_host, bool)
         self._same_host = same_host
+
+    @property
+    def busy_poll_us(self) -> int | None:
+        """Microseconds a TCP link busy-polls for a frame it expects (key ``aio.BusyPollUs``).
+
+        A blocking transfer call reads its own answer: it polls the socket without sleeping
+        for up to this long before it sleeps, and a link's reader thread polls as long after
+        each frame for the next. That saves the thread wake-ups that dominate a small
+        transfer's latency, for at most this much CPU time per wait. None (the default)
+        means ``DEFAULT_BUSY_POLL_US``; 0 turns busy polling off. Not part of the reference
+        API.
+        """
+        return self._busy_poll_us
+
+    @busy_poll_us.setter
+    def busy_poll_us(self, busy_poll_us: int | None) -> None:
+        _check_optional("busy_poll_us", busy_poll_us, int)
+        if busy_poll_us is not None and not 0 <= busy_poll_us <= MAX_BUSY_POLL_US:
+            param_invalid(
+                f"busy_poll_us must be in [0, {MAX_BUSY_POLL_US}], but got {busy_poll_us}."
+            )
+        self._busy_poll_us = busy_poll_us
 
     @property
     def link_secret(self) -> str | bytes | None:

@@ -7,7 +7,10 @@ from typing import Any
 
 import pytest
 
+from aio_datadist import LLMDataDist
 from aio_datadist.config import (
+    MAX_BUSY_POLL_US,
+    OPTION_BUSY_POLL_US,
     OPTION_KEYS,
     OPTION_TRANSFER_BACKEND,
     OPTION_TRANSPORT,
@@ -109,6 +112,7 @@ def test_every_setting_writes_its_key() -> None:
     cfg.transport = "loopback"
     cfg.same_host = False
     cfg.link_secret = b"\x00k"
+    cfg.busy_poll_us = 0
     assert cfg.generate_options() == {
         "ge.flowGraphMemMaxSize": "4106127360",
         "ge.exec.deviceId": "0;1",
@@ -135,6 +139,7 @@ def test_every_setting_writes_its_key() -> None:
         "aio.Transport": "loopback",
         "aio.SameHost": "0",
         "aio.LinkSecret": "hex:006b",
+        "aio.BusyPollUs": "0",
     }
     # The table names exactly the keys the settings wrote (plus ge_options and the session id).
     written = set(cfg.options) - {"ge.flowGraphMemMaxSize", "ge.session_device_id"}
@@ -698,3 +703,29 @@ def test_prepare_from_generated_options() -> None:
         "llm.ListenIp": "127.0.0.1",
         "llm.ListenPort": "26000",
     }
+
+
+def test_busy_poll_us_setting() -> None:
+    cfg = LLMConfig()
+    assert cfg.busy_poll_us is None
+    assert OPTION_BUSY_POLL_US not in cfg.generate_options()
+    cfg.busy_poll_us = MAX_BUSY_POLL_US
+    assert cfg.generate_options()[OPTION_BUSY_POLL_US] == str(MAX_BUSY_POLL_US)
+    for bad in (-1, MAX_BUSY_POLL_US + 1):
+        with pytest.raises(LLMException) as exc:
+            cfg.busy_poll_us = bad
+        assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    for wrong in ("100", 1.5, True):
+        with pytest.raises(TypeError):
+            cfg.busy_poll_us = wrong
+    assert cfg.busy_poll_us == MAX_BUSY_POLL_US
+    cfg.busy_poll_us = None
+    assert cfg.busy_poll_us is None
+
+
+@pytest.mark.parametrize("value", ["-1", str(MAX_BUSY_POLL_US + 1), "soon"])
+def test_init_refuses_a_bad_busy_poll_option(value: str) -> None:
+    dd = LLMDataDist(LLMRole.DECODER, 7)
+    with pytest.raises(LLMException) as exc:
+        dd.init({"ge.exec.deviceId": "0", OPTION_BUSY_POLL_US: value})
+    assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID

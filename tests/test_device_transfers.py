@@ -241,8 +241,9 @@ async def test_a_device_copy_failing_mid_stream(
             moved = push_blocks(pair.decoder, BlocksCacheKey(1, 0), dst, [0, 1, 2], [0, 1, 2])
         await expect_status(expected[call, side], moved)
         monkeypatch.setattr(Staging, "chunks", chunks)
-        if side == "sender":
+        if side == "sender":  # both ends notice the break before the decoder links again
             await wait_until(lambda: pair.decoder.dd._engine.links.get(1) is None)
+            await wait_until(lambda: pair.prompt._engine.links.get(2) is None)
             await pair.link()
         await wait_until(lambda: used() == before)
         await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [4, 5], [4, 5])

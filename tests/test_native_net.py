@@ -510,3 +510,42 @@ def test_gil_is_released_while_recv_waits(pair: tuple[socket.socket, socket.sock
     t.join(JOIN_S)
     # Held for the whole wait, the GIL would allow a handful of increments at most.
     assert during > 10_000
+
+
+def test_wait_readable(tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    fd = b.fileno()
+    # Nothing to read: a deadline in the past checks once; a spin alone ends at the deadline.
+    assert api.sock_wait_readable(fd, 1) is False
+    start = time.monotonic()
+    assert api.sock_wait_readable(fd, api.deadline_after(0.05), spin_ns=10**9) is False
+    assert 0.04 <= time.monotonic() - start < 2.0
+    # Bytes sent while a thread sleeps in the wait, or while it busy-polls, wake it.
+    for spin_ns in (0, 10**9):
+        timer = threading.Timer(0.02, a.sendall, (b"x",))
+        timer.start()
+        assert api.sock_wait_readable(fd, api.deadline_after(5.0), spin_ns=spin_ns) is True
+        assert b.recv(1) == b"x"
+        timer.join()
+    # A hangup counts as readable: the next receive reports it.
+    a.shutdown(socket.SHUT_WR)
+    assert api.sock_wait_readable(fd, api.deadline_after(5.0)) is True
+    assert b.recv(1) == b""
+
+
+def test_wait_readable_bad_arguments(tcp: tuple[socket.socket, socket.socket]) -> None:
+    fd = tcp[1].fileno()
+    with pytest.raises(TypeError):
+        api.sock_wait_readable(fd, 1, spin_ns=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        api.sock_wait_readable(fd, 1, spin_ns=True)
+    with pytest.raises(TypeError):
+        api.sock_wait_readable("3", 1)  # type: ignore[arg-type]
+    for spin_ns in (-1, 2**63):
+        with pytest.raises(ParamInvalidError):
+            api.sock_wait_readable(fd, 1, spin_ns=spin_ns)
+    with pytest.raises(ParamInvalidError):
+        api.sock_wait_readable(-1, 1)
+    with pytest.raises(OSError) as exc:  # a descriptor number no process has open
+        api.sock_wait_readable(2**30, 1)
+    assert exc.value.errno == errno.EBADF

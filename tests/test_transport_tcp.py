@@ -48,7 +48,7 @@ from aio_datadist._transport.base import (
     Served,
 )
 from aio_datadist._transport.deadlines import Reaper, after_s, now_ns
-from aio_datadist._transport.tcp import TcpTransport
+from aio_datadist._transport.tcp import TcpChannel, TcpTransport
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
 from tests.conftest import Cleanup
@@ -788,6 +788,130 @@ def test_listener_close_frees_the_port(transport: TcpTransport, cleanup: Cleanup
     np.testing.assert_array_equal(buf, acceptor.handler.mem[:100])
 
 
+# -- callers reading their own answers ---------------------------------------------------------
+
+
+class FrameReaders:
+    """Records which thread read each frame of the channels of a test."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.threads: list[str] = []
+        read_frame = TcpChannel._read_frame
+
+        def spy(channel: TcpChannel) -> str | None:
+            self.threads.append(threading.current_thread().name)
+            return read_frame(channel)
+
+        monkeypatch.setattr(TcpChannel, "_read_frame", spy)
+
+    def by(self, name: str) -> int:
+        return sum(1 for thread in self.threads if thread == name)
+
+
+def eager_link(cleanup: Cleanup, busy_poll_us: int) -> Link:
+    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=busy_poll_us)
+    acceptor = FakeAcceptor(handler=MemoryHandler(seed=11))
+    listener = transport.listen(HOST, 0, acceptor)
+    cleanup(listener.close)
+    client_handler = MemoryHandler(seed=22)
+    client = transport.connect(HOST, listener.address[1], CLIENT_HELLO, client_handler, WAIT)
+    cleanup(lambda: client.close(notify_peer=False))
+    server = acceptor.wait_accepted()[0][1]
+    cleanup(lambda: server.close(notify_peer=False))
+    return Link(client, server, client_handler, acceptor, listener.address[1])
+
+
+def test_a_waiting_caller_reads_its_own_answer(
+    cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    # A busy-poll time far past any round trip: the answer always lands in the wait.
+    link = eager_link(cleanup, busy_poll_us=2_000_000)
+    me = threading.current_thread().name
+    n = 4 * KiB
+    for i in range(20):
+        buf = np.zeros(n, np.uint8)
+        future = link.client.pull(request([(i * KiB, n)]), rows(buf, [(0, n)]), n, deadline())
+        link.client.read_for(future, deadline())
+        assert future.result(WAIT) is None
+        np.testing.assert_array_equal(buf, link.server_handler.mem[i * KiB : i * KiB + n])
+    # The reader thread may take an answer when the wait begins just as it looks at the
+    # socket; the caller reads the rest.
+    assert readers.by(me) >= 10
+
+
+def test_without_busy_polling_the_reader_thread_reads(
+    cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    link = eager_link(cleanup, busy_poll_us=0)
+    buf = np.zeros(KiB, np.uint8)
+    future = link.client.pull(request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline())
+    link.client.read_for(future, deadline())  # returns at once
+    assert future.result(WAIT) is None
+    assert readers.by(threading.current_thread().name) == 0
+
+
+def test_a_caller_that_gives_up_leaves_the_answer_to_the_reader(
+    raw_server: RawServer, cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=1000)
+    channel, conn = raw_link(transport, raw_server, cleanup)
+    buf = np.zeros(100, np.uint8)
+    future = channel.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline())
+    header, _ = read_frame(conn)
+    channel.read_for(future, deadline())  # nothing arrives within a millisecond
+    assert not future.done()
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=100) + b"\x07" * 100)
+    assert future.result(WAIT) is None
+    assert (buf == 7).all()
+    assert readers.by(threading.current_thread().name) == 0 and len(readers.threads) == 1
+
+
+def test_a_reading_caller_that_meets_garbage_breaks_the_link(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=2_000_000)
+    channel, conn = raw_link(transport, raw_server, cleanup)
+    closed = CloseLog()
+    channel.on_close(closed)
+    buf = np.zeros(100, np.uint8)
+    future = channel.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline())
+    assert read_frame(conn)[0].kind is FrameKind.PULL
+    threading.Timer(0.05, conn.sendall, (b"\x00" * 40,)).start()
+    channel.read_for(future, deadline())
+    expect_error(future, LLMStatusCode.LLM_LINK_FAILED)
+    assert closed.event.wait(WAIT) and channel.closed
+    assert read_until_eof(conn) == b""
+
+
+def test_reading_callers_and_requests_both_ways(cleanup: Cleanup) -> None:
+    """Callers on both ends read their own answers while the other end's requests arrive
+    too: every request is answered with exact bytes, none waits for a timeout."""
+    link = eager_link(cleanup, busy_poll_us=500)
+    ends = [(link.client, link.server_handler), (link.server, link.client_handler)]
+
+    def run(worker: int) -> None:
+        requester, serving = ends[worker % 2]
+        rng = np.random.default_rng(worker)
+        for _ in range(40):
+            n = int(rng.integers(1, 64 * KiB))
+            off = int(rng.integers(0, MiB - n))
+            buf = np.zeros(n, np.uint8)
+            future = requester.pull(request([(off, n)]), rows(buf, [(0, n)]), n, deadline())
+            requester.read_for(future, deadline())
+            assert future.result(WAIT) is None
+            np.testing.assert_array_equal(buf, serving.mem[off : off + n])
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(6) as pool:
+        for done in [pool.submit(run, w) for w in range(6)]:
+            done.result()
+    assert time.monotonic() - start < WAIT
+    assert not link.client.closed and not link.server.closed
+
+
 # -- another process ---------------------------------------------------------------------------
 
 CHILD = textwrap.dedent(
@@ -796,7 +920,7 @@ CHILD = textwrap.dedent(
     import numpy as np
     from aio_datadist._transport.base import Hello, Served
     from aio_datadist._transport._wire import BodyReader
-    from aio_datadist._transport.tcp import TcpTransport
+    from aio_datadist._transport.tcp import TcpChannel, TcpTransport
     from aio_datadist.enums import LLMRole
 
     mem = np.random.default_rng(1234).integers(0, 256, 1 << 20, dtype=np.uint8)

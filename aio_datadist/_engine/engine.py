@@ -25,7 +25,10 @@ from aio_datadist._transport.base import Hello
 from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.config import (
+    DEFAULT_BUSY_POLL_US,
     DEFAULT_SYNC_KV_TIMEOUT_MS,
+    MAX_BUSY_POLL_US,
+    OPTION_BUSY_POLL_US,
     OPTION_COMM_BASE_PORT,
     OPTION_DEVICE_ID,
     OPTION_ENABLE_CACHE_MANAGER,
@@ -88,6 +91,13 @@ class EngineSettings:
         self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
         self.same_host = options.get(OPTION_SAME_HOST, "1") != "0"
         self.link_secret = resolve_link_secret(options)
+        self.busy_poll_us = _int_option(options, OPTION_BUSY_POLL_US, DEFAULT_BUSY_POLL_US)
+        if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
+            raise ParamInvalidError(
+                f"option {OPTION_BUSY_POLL_US}={self.busy_poll_us} is outside "
+                f"[0, {MAX_BUSY_POLL_US}]",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
         self.link_total_time_s = _int_option(options, OPTION_LINK_TOTAL_TIME, 0)
         self.link_retry_count = _int_option(options, OPTION_LINK_RETRY_COUNT, 1)
         self.local_comm_res = options.get(OPTION_LOCAL_COMM_RES)
@@ -173,7 +183,9 @@ class Engine:
                 presence = HostPresence(host_key[0], host_key[1], os.getpid(), board.fd)
             links = LinkTable(
                 Hello(self.cluster_id, self.role, presence=presence),
-                make_transport(settings.transport, settings.link_secret),
+                make_transport(
+                    settings.transport, settings.link_secret, busy_poll_us=settings.busy_poll_us
+                ),
                 Server(caches),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
                 staging=caches.staging,

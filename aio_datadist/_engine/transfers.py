@@ -162,6 +162,8 @@ class TransferPlan:
 
     def track(self, future: Future[None]) -> None:
         """Hold the pins until ``future`` completes."""
+        if future is DONE:
+            return
         with self._lock:
             self._pending += 1
         future.add_done_callback(self._one_done)
@@ -200,8 +202,20 @@ def _finished_after(moved: Future[None], staged: Staged) -> Future[None]:
     return result
 
 
+def _completed() -> Future[None]:
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
+
+
+#: The future of every step that completed in the calling thread (finished, never cancelled).
+DONE: Future[None] = _completed()
+
+
 def wait_blocking(future: Future[None], deadline_ns: int) -> None:
     """Wait for a request's future in this thread; raise its ``LLMException``."""
+    if future is DONE:
+        return
     remaining = max(0.0, (deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
     try:
         future.result(timeout=remaining)
@@ -281,9 +295,7 @@ class TransferService:
         if step.peer is not None and step.peer.transfer(
             step.kind, step.access, step.local, local_on_device=step.device
         ):
-            done: Future[None] = Future()
-            done.set_result(None)
-            return done
+            return DONE
         if not step.device:
             return self._send(plan, step, step.local)
         staging = self.caches.staging
@@ -316,8 +328,10 @@ class TransferService:
         finally:
             plan.seal()
         first: LLMException | None = None
-        for future in futures:
+        for step, future in zip(plan.steps, futures, strict=False):
             try:
+                if future is not DONE:
+                    step.channel.read_for(future, plan.deadline_ns)
                 wait_blocking(future, plan.deadline_ns)
             except LLMException as exc:
                 first = first or exc
@@ -336,6 +350,8 @@ class TransferService:
 
     @staticmethod
     def _pull_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+        if not kwargs:
+            return None, None, 2
         unknown = set(kwargs) - _PULL_KWARGS
         if unknown:
             raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
@@ -351,6 +367,8 @@ class TransferService:
     ) -> tuple[tuple[int, int], tuple[int, int]]:
         """(remote, local) tensor spans of a pull or push; None ranges mean all tensors."""
         num = len(entry.addrs)
+        if src_layers is None and dst_layers is None:
+            return (0, num), (0, num)
         local_layers, remote_layers = (
             (dst_layers, src_layers) if local_is_dst else (src_layers, dst_layers)
         )

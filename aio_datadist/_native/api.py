@@ -51,6 +51,7 @@ __all__ = (
     "sock_send_bytes",
     "sock_sendv",
     "sock_tune",
+    "sock_wait_readable",
     "vm_copy_batch",
 )
 
@@ -606,6 +607,34 @@ def sock_recv_into(fd: int, buf: bytearray | memoryview, deadline_ns: int = 0) -
     done = ffi.new("uint64_t *")
     rc = lib.dd_sock_recv(fd, int(ffi.cast("uintptr_t", cbuf)), nbytes, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_recv_into of {nbytes} bytes")
+
+
+def sock_wait_readable(fd: int, deadline_ns: int = 0, *, spin_ns: int = 0) -> bool:
+    """Wait until ``fd`` is readable, or has an error or hangup for the next receive to
+    report; False when ``deadline_ns`` passed first (GIL released).
+
+    For the first ``spin_ns`` nanoseconds it polls without sleeping (busy polling), then
+    sleeps in ``poll``. It always checks once, even with a deadline already past.
+
+    Raises:
+        TypeError: an argument is not an int.
+        ParamInvalidError: ``fd`` or ``spin_ns`` is negative or too big.
+        OSError: ``poll`` failed (``EBADF`` for a closed descriptor).
+    """
+    _fd(fd)
+    _deadline(deadline_ns)
+    if isinstance(spin_ns, bool) or not isinstance(spin_ns, int):
+        raise TypeError(f"spin_ns must be an int, got {type(spin_ns).__name__}")
+    if not 0 <= spin_ns <= _I64_MAX:
+        _check(lib.DD_EINVAL, f"sock_wait_readable spin_ns={spin_ns}")
+    rc = lib.dd_sock_wait_readable(fd, spin_ns, deadline_ns)
+    if rc == lib.DD_ETIMEDOUT:
+        return False
+    if rc == lib.DD_ESYS:
+        code = ffi.errno
+        raise OSError(code, f"sock_wait_readable: {os.strerror(code)}")
+    _check(rc, "sock_wait_readable")
+    return True
 
 
 def sock_tune(fd: int, *, nodelay: bool | None = True, sndbuf: int = 0, rcvbuf: int = 0) -> None:

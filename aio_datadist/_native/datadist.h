@@ -103,6 +103,11 @@ int dd_sock_recvv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, ui
 /* One-row conveniences of the above. */
 int dd_sock_send(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done);
 int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done);
+/* Wait until fd is readable (or has an error or hangup to report): first poll without
+ * sleeping for up to spin_ns, then sleep in poll() until deadline_ns (<= 0: no deadline).
+ * The first check never sleeps, even with spin_ns 0 and a deadline in the past. Returns
+ * DD_OK, DD_ETIMEDOUT, DD_EINVAL (fd < 0 or spin_ns < 0) or DD_ESYS (errno set). */
+int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns);
 /* CLOCK_MONOTONIC now, in ns: the clock of deadline_ns. */
 int64_t dd_monotonic_ns(void);
 /* TCP_NODELAY when nodelay >= 0 (ignored by non-TCP sockets); SO_SNDBUF / SO_RCVBUF when

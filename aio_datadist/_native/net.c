@@ -39,6 +39,10 @@
 /* Bytes offered to one call. The kernel moves at most ~2 GiB per call anyway, and the sum
  * of iov_len must fit in ssize_t, so rows longer than this are offered in pieces. */
 #define CALL_BYTES_MAX (1ull << 30)
+/* Pause instructions between two polls of a busy-polling wait (about a microsecond). */
+#ifndef SPIN_PAUSES
+#define SPIN_PAUSES 32
+#endif
 
 static atomic_int g_window; /* 0 until first use */
 
@@ -255,6 +259,63 @@ int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint6
 {
     const uint64_t row[2] = {addr, len};
     return transfer(fd, row, 1, deadline_ns, done, 0);
+}
+
+/* A short pause between polls, leaving the core's other hardware thread its share. */
+static void cpu_relax(void)
+{
+    for (int i = 0; i < SPIN_PAUSES; i++) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#elif defined(__aarch64__)
+        __asm__ __volatile__("yield");
+#else
+        __asm__ __volatile__("" ::: "memory");
+#endif
+    }
+}
+
+/* One poll() that never sleeps: 1 readable (or error/hangup pending), 0 not, -1 failed. */
+static int readable_now(int fd)
+{
+    for (;;) {
+        struct pollfd p = {.fd = fd, .events = POLLIN, .revents = 0};
+        int r = poll(&p, 1, 0);
+        if (r > 0) {
+            if (p.revents & POLLNVAL) {
+                errno = EBADF;
+                return -1;
+            }
+            return 1;
+        }
+        if (r == 0)
+            return 0;
+        if (errno != EINTR)
+            return -1;
+    }
+}
+
+int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns)
+{
+    if (fd < 0 || spin_ns < 0)
+        return DD_EINVAL;
+    int64_t now = dd_monotonic_ns();
+    int64_t spin_end = now + spin_ns;
+    if (deadline_ns > 0 && deadline_ns < spin_end)
+        spin_end = deadline_ns;
+    /* Busy polling: a thread that expects bytes within microseconds skips the sleep and
+     * the wake-up, which cost more than the wait itself on a virtual CPU. */
+    for (;;) {
+        int r = readable_now(fd);
+        if (r != 0)
+            return r > 0 ? DD_OK : DD_ESYS;
+        if (dd_monotonic_ns() >= spin_end)
+            break;
+        cpu_relax();
+    }
+    if (deadline_ns > 0 && dd_monotonic_ns() >= deadline_ns)
+        return DD_ETIMEDOUT;
+    return wait_ready(fd, POLLIN, deadline_ns);
 }
 
 int dd_sock_tune(int fd, int nodelay, int sndbuf, int rcvbuf)

@@ -11,10 +11,13 @@ __all__ = ("DEFAULT_TRANSPORT", "make_transport")
 DEFAULT_TRANSPORT = "tcp"
 
 
-def make_transport(name: str | None, secret: LinkSecret | None = None) -> Transport:
+def make_transport(
+    name: str | None, secret: LinkSecret | None = None, *, busy_poll_us: int | None = None
+) -> Transport:
     """A new transport of the registered ``name`` (``"tcp"`` when None).
 
     With ``secret`` its links are authenticated (both ends must hold the same secret).
+    ``busy_poll_us`` sets how long TCP links busy-poll (None: their default).
 
     :raises ValueError: unknown name (options are validated before this is called).
     """
@@ -26,5 +29,7 @@ def make_transport(name: str | None, secret: LinkSecret | None = None) -> Transp
     if name == "tcp":
         from aio_datadist._transport.tcp import TcpTransport
 
-        return TcpTransport(secret=secret)
+        if busy_poll_us is None:
+            return TcpTransport(secret=secret)
+        return TcpTransport(secret=secret, busy_poll_us=busy_poll_us)
     raise ValueError(f"unknown transport {name!r}")

@@ -174,6 +174,16 @@ class Channel(ABC):
         once the future completed.
         """
 
+    def read_for(self, future: Future[None], deadline_ns: int) -> None:
+        """Help ``future`` (a request of this channel) complete in the calling thread, which
+        would otherwise just wait for it; return when it completed or the helping stopped.
+
+        A transport that can read its own answers (TCP) busy-polls the connection for a
+        short while and handles what arrives here, saving the hand-over from its reader
+        thread. The default does nothing: the caller then waits as usual.
+        """
+        return
+
     @abstractmethod
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
         """Close this end. With ``notify_peer`` tell the peer to drop its end too.

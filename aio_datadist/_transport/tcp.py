@@ -22,10 +22,13 @@ Frames and what they carry (``rid``: the header's ``request_id``)::
     PING/PONG  liveness (answered, never sent by this module)
 
 Threads: each channel has one reader thread (reads headers with no deadline between frames,
-Python once per frame) and one sender thread. The reader never blocks on a send: an answer
-it produces is sent inline only while nothing else waits to send and only as far as the
-socket takes it without waiting; the rest (and every answer while the sender thread is
-busy) goes to the sender thread, which then owns the send lock. Two readers blocked sending
+Python once per frame) and one sender thread. One thread reads frames at a time (the read
+lock): a blocking caller may take it to read its own answer (``read_for``, busy polling);
+meanwhile the reader thread stays off the socket, so senders never pay for waking it. The
+reader never blocks on a send: an answer it produces is sent inline only while nothing else
+waits to send and only as far as the socket takes it without waiting; the rest (and every
+answer while the sender thread is busy) goes to the sender thread, which then owns the send
+lock. Two readers blocked sending
 to each other would deadlock; this rule makes that impossible. Requests are sent by the
 caller's thread under the per-channel send lock (a push sends its payload there too).
 
@@ -67,6 +70,7 @@ from aio_datadist._native.api import (
     sock_send_bytes,
     sock_sendv,
     sock_tune,
+    sock_wait_readable,
 )
 from aio_datadist._transport._wire import (
     HEADER,
@@ -122,6 +126,14 @@ BYE_TIMEOUT = 5.0
 MAX_UNCOMMITTED = 4096
 #: How long an idle reader sleeps in one native call (it just calls again).
 _IDLE_S = 60.0
+#: Microseconds a thread expecting a frame polls the socket without sleeping (see
+#: ``TcpTransport``).
+BUSY_POLL_US = 200
+#: After a caller read its own answer, the reader thread stays off the socket this long,
+#: looking every ``_PARK_TICK_S`` instead: a thread asleep on the socket makes every sender
+#: wake it, which costs the sender more than the message on a virtual machine.
+_CALLERS_NS = 5_000_000
+_PARK_TICK_S = 0.001
 #: Scratch buffer for draining unwanted payloads.
 _SCRATCH = 1 << 20
 #: Seconds a refused handshake waits for the client to close before dropping it.
@@ -445,6 +457,7 @@ class TcpChannel(Channel):
         *,
         remote: str,
         stall_timeout: float = STALL_TIMEOUT,
+        busy_poll_us: int = BUSY_POLL_US,
     ) -> None:
         self.peer = peer
         self.remote = remote
@@ -452,9 +465,13 @@ class TcpChannel(Channel):
         self._fd = sock.fileno()
         self._handler = handler
         self._stall_s = stall_timeout
+        self._spin_ns = max(0, int(busy_poll_us)) * 1000
+        self._callers_until = 0  # monotonic ns: until then callers read (see read_for)
+        self._park = threading.Event()  # set: the parked reader thread goes back to the socket
         self._log = get_logger("tcp", remote=remote, remote_cluster_id=peer.cluster_id)
         self._ids = itertools.count(1)
-        # Lock order: _slock, then _lock; never the other way round.
+        # Lock order: _rlock, _slock, then _lock; never the other way round.
+        self._rlock = threading.Lock()  # one reader of incoming frames at a time
         self._slock = threading.Lock()  # one frame at a time on the socket
         self._lock = threading.Lock()  # state below
         self._pending: dict[int, _Request] = {}
@@ -746,6 +763,7 @@ class TcpChannel(Channel):
             with contextlib.suppress(OSError):
                 self._sock.shutdown(socket.SHUT_RDWR)
         self._bye_wake.set()
+        self._park.set()
         with self._qcond:
             self._sender_stop = True
             self._qcond.notify()
@@ -864,37 +882,105 @@ class TcpChannel(Channel):
     # -- reading -----------------------------------------------------------------------------
     def _read_loop(self) -> None:
         reason = "closed"
+        # Busy-poll only right after a frame this thread read: more usually follow. While
+        # callers read their own answers, this thread sleeps in poll() and leaves them be.
+        spin = 0
         try:
             while not self._broken:
-                self._dispatch(self._read_header())
-        except PeerClosed:
-            reason = "the peer closed the connection"
-        except NetTimeout:
-            reason = f"the peer stalled mid-frame for {self._stall_s} s"
-        except WireError as exc:
-            reason = f"malformed frame: {exc}"
+                if now_ns() < self._callers_until:
+                    self._park.wait(_PARK_TICK_S)
+                    self._park.clear()
+                    readable = self._readable_now()
+                else:
+                    readable = sock_wait_readable(self._fd, after_s(_IDLE_S), spin_ns=spin)
+                spin = 0
+                if not readable:
+                    continue
+                with self._rlock:  # a caller reading its own answer has it meanwhile
+                    if self._broken:
+                        break
+                    # A caller may have taken what woke this thread.
+                    if not self._readable_now():
+                        continue
+                    failure = self._read_frame()
+                if failure is not None:
+                    reason = failure
+                    break
+                spin = self._spin_ns
         except OSError as exc:
             reason = f"socket error: {exc}"
-        except Exception:
-            self._log.warning("tcp.reader_failed", exc_info=True)
-            reason = "internal error in the reader"
         finally:
             self._break(reason)
-            # Only now may the descriptor go: no sender holds the lock with the link up.
-            with self._slock, self._lock:
+            # Only now may the descriptor go: no sender holds the lock with the link up, and
+            # no caller reads from it.
+            with self._rlock, self._slock, self._lock:
                 self._sock.close()
 
-    def _read_header(self) -> FrameHeader:
-        view = memoryview(self._hdr)
-        while True:
-            try:
-                sock_recv_into(self._fd, view, after_s(_IDLE_S))
-                break
-            except NetTimeout as exc:
-                if exc.transferred:
-                    _recv_view(self._fd, view[exc.transferred :], self._stall_s)
-                    break
-        return decode_header(self._hdr)
+    def read_for(self, future: Future[None], deadline_ns: int) -> None:
+        """Busy-poll for up to the busy-poll time and read arriving frames in this thread
+        while ``future`` is pending; return once it completed, the time passed with nothing
+        arriving, the reader thread took the frame, or the channel broke.
+
+        The caller then waits for ``future`` as usual. Reading here saves the reader
+        thread's wake-up and the hand-over of the answer, which together cost more than a
+        small request's round trip on a busy or virtual machine.
+        """
+        spin = self._spin_ns
+        if spin <= 0:
+            return
+        if not self._rlock.acquire(blocking=False):
+            self._unpark()  # another thread reads; the reader thread must not doze meanwhile
+            return
+        self._callers_until = now_ns() + _CALLERS_NS
+        try:
+            while not future.done() and not self._broken:
+                limit = now_ns() + spin
+                if deadline_ns > 0:
+                    limit = min(limit, deadline_ns)
+                try:
+                    if not sock_wait_readable(self._fd, limit, spin_ns=spin):
+                        return
+                except OSError:
+                    return  # closed meanwhile: the reader thread reports it
+                try:
+                    failure = self._read_frame()
+                except BaseException:  # interrupted mid-frame: the stream is out of step
+                    self._break("a reading caller was interrupted mid-frame")
+                    raise
+                if failure is not None:
+                    self._break(failure)
+                    return
+        finally:
+            self._rlock.release()
+            if not future.done() or self._pending:
+                self._unpark()  # answers still to come: the reader thread takes over now
+
+    def _unpark(self) -> None:
+        """Send the reader thread back to the socket at once."""
+        self._callers_until = 0
+        self._park.set()
+
+    def _read_frame(self) -> str | None:
+        """Read and handle one frame (``_rlock`` held); why the channel must break, if so."""
+        try:
+            _recv_view(self._fd, memoryview(self._hdr), self._stall_s)
+            self._dispatch(decode_header(self._hdr))
+        except PeerClosed:
+            return "the peer closed the connection"
+        except NetTimeout:
+            return f"the peer stalled mid-frame for {self._stall_s} s"
+        except WireError as exc:
+            return f"malformed frame: {exc}"
+        except OSError as exc:
+            return f"socket error: {exc}"
+        except Exception:
+            self._log.warning("tcp.reader_failed", exc_info=True)
+            return "internal error in the reader"
+        return None
+
+    def _readable_now(self) -> bool:
+        """One check that never sleeps (a deadline in the past)."""
+        return sock_wait_readable(self._fd, 1)
 
     def _read_body(self, n: int) -> bytearray:
         buf = bytearray(n)
@@ -1266,7 +1352,12 @@ class TcpListener(Listener):
         except _ClientRefused:
             return False
         channel = TcpChannel(
-            conn, peer, self._acceptor.handler, remote=remote, stall_timeout=transport.stall_timeout
+            conn,
+            peer,
+            self._acceptor.handler,
+            remote=remote,
+            stall_timeout=transport.stall_timeout,
+            busy_poll_us=transport.busy_poll_us,
         )
         channel.authenticated = transcript is not None
         # Hold the send lock from registration to HELLO_ACK: a request the server side sends
@@ -1341,8 +1432,12 @@ class TcpTransport(Transport):
         sndbuf: int = 0,
         rcvbuf: int = 0,
         secret: LinkSecret | None = None,
+        busy_poll_us: int = BUSY_POLL_US,
     ) -> None:
+        if busy_poll_us < 0:
+            raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.secret = secret
+        self.busy_poll_us = busy_poll_us
         self.handshake_timeout = handshake_timeout
         self.stall_timeout = stall_timeout
         self.sndbuf = sndbuf
@@ -1393,7 +1488,12 @@ class TcpTransport(Transport):
             _tune(sock, self.sndbuf, self.rcvbuf)
             peer, authenticated = self._client_handshake(sock.fileno(), where, hello, deadline)
             channel = TcpChannel(
-                sock, peer, handler, remote=where, stall_timeout=self.stall_timeout
+                sock,
+                peer,
+                handler,
+                remote=where,
+                stall_timeout=self.stall_timeout,
+                busy_poll_us=self.busy_poll_us,
             )
             channel.authenticated = authenticated
             channel.start()
