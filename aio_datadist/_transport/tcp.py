@@ -152,6 +152,7 @@ _NO_BODY = (
     FrameKind.PONG,
 )
 _IO_ERRORS = (NetTimeout, PeerClosed, OSError)
+_ANSWERS = (FrameKind.PULL_DATA, FrameKind.PUSH_ACK, FrameKind.ERROR)
 
 
 def _error(status: LLMStatusCode, message: str) -> LLMException:
@@ -468,6 +469,7 @@ class TcpChannel(Channel):
         self._spin_ns = max(0, int(busy_poll_us)) * 1000
         self._callers_until = 0  # monotonic ns: until then callers read (see read_for)
         self._park = threading.Event()  # set: the parked reader thread goes back to the socket
+        self._served = False  # the last frame read came from the peer's side of a request
         self._log = get_logger("tcp", remote=remote, remote_cluster_id=peer.cluster_id)
         self._ids = itertools.count(1)
         # Lock order: _rlock, _slock, then _lock; never the other way round.
@@ -882,8 +884,11 @@ class TcpChannel(Channel):
     # -- reading -----------------------------------------------------------------------------
     def _read_loop(self) -> None:
         reason = "closed"
-        # Busy-poll only right after a frame this thread read: more usually follow. While
-        # callers read their own answers, this thread sleeps in poll() and leaves them be.
+        # Busy-poll only right after a frame of the peer's requests (a request, PULL_DONE):
+        # in a run of small requests the next one follows within microseconds. After an
+        # answer to this side's own request the next frame waits for this side's next move,
+        # and the CPU is better left to it. While callers read their own answers, this
+        # thread stays off the socket.
         spin = 0
         try:
             while not self._broken:
@@ -906,7 +911,7 @@ class TcpChannel(Channel):
                 if failure is not None:
                     reason = failure
                     break
-                spin = self._spin_ns
+                spin = self._spin_ns if self._served else 0
         except OSError as exc:
             reason = f"socket error: {exc}"
         finally:
@@ -964,7 +969,9 @@ class TcpChannel(Channel):
         """Read and handle one frame (``_rlock`` held); why the channel must break, if so."""
         try:
             _recv_view(self._fd, memoryview(self._hdr), self._stall_s)
-            self._dispatch(decode_header(self._hdr))
+            header = decode_header(self._hdr)
+            self._served = header.kind not in _ANSWERS
+            self._dispatch(header)
         except PeerClosed:
             return "the peer closed the connection"
         except NetTimeout:
