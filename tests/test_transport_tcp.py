@@ -228,6 +228,11 @@ def transport() -> TcpTransport:
 
 @pytest.fixture
 def link(transport: TcpTransport, cleanup: Cleanup) -> Link:
+    return open_link(transport, cleanup)
+
+
+def open_link(transport: TcpTransport, cleanup: Cleanup) -> Link:
+    """A linked pair of channels over ``transport``, serving seeded memory on both ends."""
     acceptor = FakeAcceptor(handler=MemoryHandler(seed=11))
     listener = transport.listen(HOST, 0, acceptor)
     cleanup(listener.close)
@@ -810,15 +815,7 @@ class FrameReaders:
 
 def eager_link(cleanup: Cleanup, busy_poll_us: int) -> Link:
     transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=busy_poll_us)
-    acceptor = FakeAcceptor(handler=MemoryHandler(seed=11))
-    listener = transport.listen(HOST, 0, acceptor)
-    cleanup(listener.close)
-    client_handler = MemoryHandler(seed=22)
-    client = transport.connect(HOST, listener.address[1], CLIENT_HELLO, client_handler, WAIT)
-    cleanup(lambda: client.close(notify_peer=False))
-    server = acceptor.wait_accepted()[0][1]
-    cleanup(lambda: server.close(notify_peer=False))
-    return Link(client, server, client_handler, acceptor, listener.address[1])
+    return open_link(transport, cleanup)
 
 
 def test_a_waiting_caller_reads_its_own_answer(
