@@ -12,6 +12,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from aio_datadist._transport import DEFAULT_BUSY_POLL_US
 from aio_datadist._transport.auth import (
     SECRET_ENV,
     LinkSecret,
@@ -19,7 +20,6 @@ from aio_datadist._transport.auth import (
     encode_secret_option,
     secret_from_environment,
 )
-from aio_datadist._transport.tcp import BUSY_POLL_US
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import ip_str_to_int
 from aio_datadist.enums import LLMRole
@@ -152,8 +152,6 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "loopback")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 """Bound of blocking transfer calls when ``llm.SyncKvCacheWaitTime`` is not set (ms)."""
 DEFAULT_MEM_UTILIZATION = 0.95
-DEFAULT_BUSY_POLL_US = BUSY_POLL_US
-"""Busy-poll time of TCP links when ``aio.BusyPollUs`` is not set (microseconds)."""
 MAX_BUSY_POLL_US = 100_000
 """Largest accepted ``aio.BusyPollUs`` (microseconds)."""
 DEFAULT_PAGE_SHIFT = 16

@@ -5,19 +5,21 @@ from __future__ import annotations
 from aio_datadist._transport.auth import LinkSecret
 from aio_datadist._transport.base import Transport
 
-__all__ = ("DEFAULT_TRANSPORT", "make_transport")
+__all__ = ("DEFAULT_BUSY_POLL_US", "DEFAULT_TRANSPORT", "make_transport")
 
 #: The transport used when the ``aio.Transport`` option is not set.
 DEFAULT_TRANSPORT = "tcp"
+#: Microseconds a TCP link busy-polls for a frame it expects (``aio.BusyPollUs`` unset).
+DEFAULT_BUSY_POLL_US = 200
 
 
 def make_transport(
-    name: str | None, secret: LinkSecret | None = None, *, busy_poll_us: int | None = None
+    name: str | None, secret: LinkSecret | None = None, *, busy_poll_us: int = DEFAULT_BUSY_POLL_US
 ) -> Transport:
     """A new transport of the registered ``name`` (``"tcp"`` when None).
 
     With ``secret`` its links are authenticated (both ends must hold the same secret).
-    ``busy_poll_us`` sets how long TCP links busy-poll (None: their default).
+    ``busy_poll_us`` sets how long TCP links busy-poll.
 
     :raises ValueError: unknown name (options are validated before this is called).
     """
@@ -29,7 +31,5 @@ def make_transport(
     if name == "tcp":
         from aio_datadist._transport.tcp import TcpTransport
 
-        if busy_poll_us is None:
-            return TcpTransport(secret=secret)
         return TcpTransport(secret=secret, busy_poll_us=busy_poll_us)
     raise ValueError(f"unknown transport {name!r}")

@@ -28,9 +28,9 @@ meanwhile the reader thread stays off the socket, so senders never pay for wakin
 reader never blocks on a send: an answer it produces is sent inline only while nothing else
 waits to send and only as far as the socket takes it without waiting; the rest (and every
 answer while the sender thread is busy) goes to the sender thread, which then owns the send
-lock. Two readers blocked sending
-to each other would deadlock; this rule makes that impossible. Requests are sent by the
-caller's thread under the per-channel send lock (a push sends its payload there too).
+lock. Two readers blocked sending to each other would deadlock; this rule makes that
+impossible. Requests are sent by the caller's thread under the per-channel send lock (a push
+sends its payload there too).
 
 Deadlines: a request carries an absolute ``monotonic_ns()`` deadline (0: none); the
 process-wide reaper (``deadlines``) fails a request nobody answered in time with
@@ -72,6 +72,7 @@ from aio_datadist._native.api import (
     sock_tune,
     sock_wait_readable,
 )
+from aio_datadist._transport import DEFAULT_BUSY_POLL_US
 from aio_datadist._transport._wire import (
     HEADER,
     MAGIC,
@@ -126,9 +127,6 @@ BYE_TIMEOUT = 5.0
 MAX_UNCOMMITTED = 4096
 #: How long an idle reader sleeps in one native call (it just calls again).
 _IDLE_S = 60.0
-#: Microseconds a thread expecting a frame polls the socket without sleeping (see
-#: ``TcpTransport``).
-BUSY_POLL_US = 200
 #: After a caller read its own answer, the reader thread stays off the socket this long,
 #: looking every ``_PARK_TICK_S`` instead: a thread asleep on the socket makes every sender
 #: wake it, which costs the sender more than the message on a virtual machine.
@@ -458,7 +456,7 @@ class TcpChannel(Channel):
         *,
         remote: str,
         stall_timeout: float = STALL_TIMEOUT,
-        busy_poll_us: int = BUSY_POLL_US,
+        busy_poll_us: int = DEFAULT_BUSY_POLL_US,
     ) -> None:
         self.peer = peer
         self.remote = remote
@@ -1439,7 +1437,7 @@ class TcpTransport(Transport):
         sndbuf: int = 0,
         rcvbuf: int = 0,
         secret: LinkSecret | None = None,
-        busy_poll_us: int = BUSY_POLL_US,
+        busy_poll_us: int = DEFAULT_BUSY_POLL_US,
     ) -> None:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
