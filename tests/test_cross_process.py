@@ -9,6 +9,7 @@ one killed with SIGKILL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -90,7 +91,22 @@ class Peer:
         return info
 
     def signal(self, sig: int) -> None:
+        """Send ``sig``; for SIGSTOP, return once every thread of the peer has stopped (a
+        thread busy in native code answers requests until the stop reaches it)."""
         self.proc.send_signal(sig)
+        if sig != signal.SIGSTOP:
+            return
+        tasks = Path(f"/proc/{self.proc.pid}/task")
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            states = []
+            for task in tasks.iterdir():
+                with contextlib.suppress(OSError):
+                    states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            if states and all(state in "tT" for state in states):
+                return
+            time.sleep(0.001)
+        raise AssertionError(f"peer {self.proc.pid} did not stop")
 
     def close(self) -> None:
         try:

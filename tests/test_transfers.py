@@ -247,6 +247,48 @@ async def test_pull_blocks_between_registered_caches(make_pair: PairFactory) -> 
     await pair.decoder.cm.unregister_cache(d_cache.cache_id)
 
 
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+async def test_small_pulls_of_blocks_are_answered_natively_over_tcp(
+    make_pair: PairFactory,
+) -> None:
+    pair = await make_pair(same_host=False)
+    table = pair.prompt._engine.link_table().handler.serve_table  # type: ignore[attr-defined]
+    desc = CacheDesc(2, [8, 256], DataType.DT_FLOAT, Placement.DEVICE)
+    p_arrays = pair.arrays(2, 8, 256, seed=4)
+    hidden = pair.arrays(2, 8, 256, seed=5)
+    p_cache = await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in p_arrays], BlocksCacheKey(1, 0)
+    )
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in hidden], BlocksCacheKey(1, 1), remote_accessible=False
+    )
+    assert table.stats().caches == 1  # only what peers may read
+    d_cache = await pair.decoder.cm.allocate_blocks_cache(desc)
+    before = table.stats().served
+    for i in range(20):
+        await pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [i % 8, 7], [i % 8, 0])
+    got = d_cache.as_numpy()
+    for p, d in zip(p_arrays, got, strict=True):
+        np.testing.assert_array_equal(d.view(np.float32).reshape(8, 256)[0], p[7])
+    assert table.stats().served - before == 20
+    # refusals still come from the general serving path, and the link stays usable
+    await expect_status(
+        S.LLM_PARAM_INVALID, pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [8], [0])
+    )
+    await expect_status(
+        S.LLM_KV_CACHE_NOT_EXIST,
+        pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 1), d_cache, [0], [0]),
+    )
+    await pair.prompt.cache_manager.unregister_cache(p_cache.cache_id)
+    assert table.stats().caches == 0
+    await expect_status(
+        S.LLM_KV_CACHE_NOT_EXIST,
+        pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [0], [0]),
+    )
+    assert table.stats().served - before == 20
+    await pair.decoder.cm.deallocate_blocks_cache(d_cache)
+
+
 async def test_pull_blocks_scatters_a_remote_row(make_pair: PairFactory) -> None:
     pair = await make_pair()
     key = CacheKey(1, req_id=3)

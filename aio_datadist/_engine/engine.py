@@ -392,9 +392,7 @@ class Engine:
             if board.overflowed and not was_full:
                 log.warning("samehost.board_full", note="peers use the link for every transfer")
 
-        with registry.lock:
-            registry.on_change = publish
-            publish()
+        registry.add_listener(publish)
         return board
 
 

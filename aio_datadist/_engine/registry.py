@@ -66,12 +66,18 @@ class CacheRegistry:
         self._entries: dict[int, CacheEntry] = {}
         self._keys: dict[KeyIdentity, CacheEntry] = {}
         self._blocks_keys: dict[int, CacheEntry] = {}
-        #: Called (registry lock held) after a cache became reachable or unreachable.
-        self.on_change: Callable[[], None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call ``listener()`` (registry lock held) now and after every change of which
+        caches are reachable."""
+        with self.lock:
+            self._listeners.append(listener)
+            listener()
 
     def _changed(self) -> None:
-        if self.on_change is not None:
-            self.on_change()
+        for listener in self._listeners:
+            listener()
 
     # -- lookup ---------------------------------------------------------------------------
     def get(self, cache_id: int) -> CacheEntry | None:

@@ -19,13 +19,20 @@ import numpy as np
 from aio_datadist._engine.access import Access, Target, decode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
+from aio_datadist._log import get_logger
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._memory.staging import Mask, Staged, Streamed
+from aio_datadist._native.serve import ServeTable
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
+from aio_datadist._transport.deadlines import after_s
 from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
 
 __all__ = ("Server", "access_rows")
+
+#: How long a change of the served caches waits for native answers still reading a cache
+#: that left (each is bounded by the link's stall timeout).
+_UNPIN_WAIT_S = 60.0
 
 
 def _invalid(message: str) -> ParamInvalidError:
@@ -100,10 +107,38 @@ def _check_size(access: Access, nbytes: int) -> None:
 
 
 class Server:
-    """Serves the peers' pulls and pushes from one engine's caches (a ``RequestHandler``)."""
+    """Serves the peers' pulls and pushes from one engine's caches (a ``RequestHandler``).
+
+    Its :attr:`serve_table` lists the blocks caches whose small pulls a stream transport may
+    answer in native code straight from its reader thread; every request that path leaves
+    (anything else, and every refusal) comes to :meth:`serve`.
+    """
 
     def __init__(self, caches: CacheService) -> None:
         self._caches = caches
+        self._log = get_logger("serve")
+        self.serve_table = ServeTable()
+        caches.registry.add_listener(self._publish)
+
+    def _publish(self) -> None:
+        """List the host-memory blocks caches peers may read (registry lock held); returns
+        once no native answer still reads a cache that left the list."""
+        caches = self._caches
+        listed = [
+            (e.blocks_key.model_id, e.addrs, e.row_bytes, e.num_rows)
+            for e in caches.registry.entries()
+            if e.blocks_key is not None
+            and not e.released
+            and e.remote_accessible
+            and 0 <= e.blocks_key.model_id < 1 << 64
+            and e.addrs
+            and all(e.addrs)
+            and e.row_bytes > 0
+            and e.num_rows > 0
+            and not caches.on_device(e)
+        ]
+        if not self.serve_table.set(listed, after_s(_UNPIN_WAIT_S)):
+            self._log.warning("serve_table.still_pinned", waited_s=_UNPIN_WAIT_S)
 
     def serve(
         self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False

@@ -72,6 +72,7 @@ from aio_datadist._native.api import (
     sock_tune,
     sock_wait_readable,
 )
+from aio_datadist._native.serve import ServeTable, ServeWorker
 from aio_datadist._transport import DEFAULT_BUSY_POLL_US
 from aio_datadist._transport._wire import (
     HEADER,
@@ -491,6 +492,12 @@ class TcpChannel(Channel):
         self._sender_exited = False
         self._hdr = bytearray(_HEADER_SIZE)
         self._scratch: bytearray | None = None
+        # Payload bytes of an answer nobody takes, still to discard before the next frame:
+        # the reader thread drains them, so a reading caller never waits on a stalled peer.
+        self._owed = 0
+        table = getattr(handler, "serve_table", None)
+        # Small pulls of blocks the reader thread answers in native code.
+        self._native: ServeWorker | None = table.worker() if isinstance(table, ServeTable) else None
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
 
@@ -895,15 +902,26 @@ class TcpChannel(Channel):
                     self._park.clear()
                     readable = self._readable_now()
                 else:
-                    readable = sock_wait_readable(self._fd, after_s(_IDLE_S), spin_ns=spin)
+                    owed = self._owed
+                    wait_s = self._stall_s if owed else _IDLE_S
+                    readable = sock_wait_readable(self._fd, after_s(wait_s), spin_ns=spin)
+                    if not readable and owed and self._owed:
+                        reason = f"the peer stalled mid-frame for {self._stall_s} s"
+                        break
                 spin = 0
                 if not readable:
                     continue
                 with self._rlock:  # a caller reading its own answer has it meanwhile
                     if self._broken:
                         break
-                    # A caller may have taken what woke this thread.
-                    if not self._readable_now():
+                    # A caller may have taken what woke this thread; small pulls may be
+                    # answered natively.
+                    waiting = self._answer_natively()
+                    if isinstance(waiting, str):
+                        reason = waiting
+                        break
+                    if not waiting:
+                        spin = self._spin_ns if self._served else 0
                         continue
                     failure = self._read_frame()
                 if failure is not None:
@@ -918,6 +936,44 @@ class TcpChannel(Channel):
             # no caller reads from it.
             with self._rlock, self._slock, self._lock:
                 self._sock.close()
+
+    def _answer_natively(self) -> bool | str:
+        """Answer the small pulls of blocks waiting on the socket in native code (``_rlock``
+        held); whether a frame then waits for :meth:`_read_frame`, or why the channel must
+        break.
+
+        Only while the sender thread is idle and the send lock free, as for any answer the
+        reader sends; the rest of an answer the kernel took in part goes to the sender.
+        """
+        native = self._native
+        if native is None or self._owed:
+            return self._readable_now()
+        with self._qcond:
+            idle = not self._sendq and not self._sender_active and not self._sender_exited
+        if not idle or not self._slock.acquire(blocking=False):
+            return self._readable_now()
+        handed_over = False
+        try:
+            if self._broken:
+                return False
+            result = native.serve(self._fd, MAX_PAYLOAD)
+            if result.served:
+                self._served = True
+            partial = result.partial
+            if partial is None:
+                return result.pending
+            self._served = True
+            ctl = _frame(FrameKind.PULL_DATA, partial.request_id, payload_len=partial.nbytes)
+            job = _Send(ctl, partial.rows, partial.release)
+            job.iov = _iov_skip(job.iov, partial.sent)
+            job.lock_held = handed_over = True
+            self._enqueue(job)
+            return self._readable_now()
+        except (PeerClosed, OSError) as exc:
+            return f"send failed: {exc}"
+        finally:
+            if not handed_over:
+                self._slock.release()
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Busy-poll for up to the busy-poll time and read arriving frames in this thread
@@ -936,7 +992,7 @@ class TcpChannel(Channel):
             return
         self._callers_until = now_ns() + _CALLERS_NS
         try:
-            while not future.done() and not self._broken:
+            while not future.done() and not self._broken and not self._owed:
                 limit = now_ns() + spin
                 if deadline_ns > 0:
                     limit = min(limit, deadline_ns)
@@ -955,7 +1011,7 @@ class TcpChannel(Channel):
                     return
         finally:
             self._rlock.release()
-            if not future.done() or self._pending:
+            if not future.done() or self._pending or self._owed:
                 self._unpark()  # answers still to come: the reader thread takes over now
 
     def _unpark(self) -> None:
@@ -964,8 +1020,13 @@ class TcpChannel(Channel):
         self._park.set()
 
     def _read_frame(self) -> str | None:
-        """Read and handle one frame (``_rlock`` held); why the channel must break, if so."""
+        """Read and handle one frame (``_rlock`` held), after discarding what is owed; why
+        the channel must break, if so."""
         try:
+            if self._owed:
+                owed, self._owed = self._owed, 0
+                self._drain(owed)
+                return None
             _recv_view(self._fd, memoryview(self._hdr), self._stall_s)
             header = decode_header(self._hdr)
             self._served = header.kind not in _ANSWERS
@@ -1040,7 +1101,7 @@ class TcpChannel(Channel):
     def _on_pull_data(self, h: FrameHeader) -> None:
         req = self._claim(h.request_id, RequestKind.PULL)
         if req is None:  # abandoned (deadline) or unknown: keep the stream in sync
-            self._drain(h.payload_len)
+            self._owed = h.payload_len
             return
         if h.payload_len != req.nbytes:
             req.outcome = _error(
@@ -1048,7 +1109,7 @@ class TcpChannel(Channel):
                 f"the peer answered {h.payload_len} bytes for a pull of {req.nbytes}",
             )
             self._complete(req)
-            self._drain(h.payload_len)
+            self._owed = h.payload_len
             return
         assert req.dst is not None
 
@@ -1078,7 +1139,7 @@ class TcpChannel(Channel):
             raise error
         if error is not None:
             self._complete(req)
-            self._drain(h.payload_len - moved)
+            self._owed = h.payload_len - moved
             return
         req.outcome = None
         self._complete(req)

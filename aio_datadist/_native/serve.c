@@ -1,0 +1,488 @@
+/* serve.c: answers to small pulls of blocks, sent from the link's reader thread in C.
+ *
+ * A serve table lists the blocks caches an engine lets peers read that live in
+ * host-addressable memory: per cache its blocks-key ident and, per tensor, the address of
+ * its first block. The engine keeps it current from its cache registry.
+ *
+ * dd_serve_pulls() looks at the frames waiting on a link's socket without consuming them
+ * (MSG_PEEK). A frame that is a whole, well-formed PULL of blocks of a listed cache, whose
+ * every row lies inside that cache and adds up to the size the requester expects, is read
+ * and answered at once: the PULL_DATA header and the rows of cache memory go out in one
+ * sendmsg. The first frame that is anything else, or not yet whole, stops the loop and is
+ * left on the socket for the transport's general reader, which also answers every refusal:
+ * this path never answers an error, so a refusal reads the same whichever path met it.
+ *
+ * Layouts mirror aio_datadist/_transport/_wire.py (frame header) and
+ * aio_datadist/_engine/access.py (access body); the tests check both paths agree.
+ *
+ * Memory being sent is pinned: dd_serve_table_set() waits until no send uses a cache it
+ * drops, so a cache unregistered meanwhile keeps its memory until its bytes left. A send
+ * the kernel takes only in part hands its rest to the caller with the pin held
+ * (DD_SERVE_PARTIAL); dd_serve_unpin() releases it once the rest went.
+ */
+#define _GNU_SOURCE
+#include "datadist.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+
+/* ---- wire layout (little-endian) ---- */
+#define HDR_SIZE 40
+#define PROTOCOL_VERSION 1
+#define KIND_PULL 16
+#define KIND_PULL_DATA 17
+/* PULL body: u64 payload bytes, then the access: <BBQQQIIQQQ then <II counts, then blocks */
+#define PULL_FIXED 8
+#define ACCESS_FIXED 66
+#define TARGET_BLOCKS_KEY 4
+/* Largest frame looked at: header, fixed body and up to PEEK_BLOCKS block ids. */
+#define PEEK_BLOCKS 496
+#define PEEK_MAX (HDR_SIZE + PULL_FIXED + ACCESS_FIXED + 8 * PEEK_BLOCKS)
+/* Payload rows of one answer: one sendmsg carries them with the header (IOV_MAX 1024). */
+#define ROWS_MAX 1023
+
+static const unsigned char MAGIC[4] = {'A', 'I', 'D', 'D'};
+
+static uint64_t rd64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v; /* the native layer builds for little-endian hosts only (x86-64, aarch64) */
+}
+
+static uint32_t rd32(const unsigned char *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static uint16_t rd16(const unsigned char *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+/* ---- the table ---- */
+
+typedef struct entry {
+    uint64_t ident, ntensors, row_bytes, num_rows;
+    uint64_t *addrs;
+    uint64_t pins;
+    struct entry *next_retired;
+} entry_t;
+
+struct dd_serve_table {
+    pthread_mutex_t mu;
+    pthread_cond_t unpinned;
+    entry_t **live;
+    size_t n;
+    entry_t *retired; /* dropped from the table, freed once no send pins them */
+    atomic_uint_fast64_t served;
+    atomic_uint_fast64_t partial;
+};
+
+static void entry_free(entry_t *e)
+{
+    free(e->addrs);
+    free(e);
+}
+
+int dd_serve_table_new(dd_serve_table **out)
+{
+    if (out == NULL)
+        return DD_EINVAL;
+    *out = NULL;
+    dd_serve_table *t = calloc(1, sizeof *t);
+    if (t == NULL)
+        return DD_ENOMEM;
+    pthread_condattr_t ca;
+    if (pthread_condattr_init(&ca) != 0) {
+        free(t);
+        return DD_ESYS;
+    }
+    int ok = pthread_condattr_setclock(&ca, CLOCK_MONOTONIC) == 0 &&
+             pthread_cond_init(&t->unpinned, &ca) == 0;
+    pthread_condattr_destroy(&ca);
+    if (!ok) {
+        free(t);
+        return DD_ESYS;
+    }
+    if (pthread_mutex_init(&t->mu, NULL) != 0) {
+        pthread_cond_destroy(&t->unpinned);
+        free(t);
+        return DD_ESYS;
+    }
+    atomic_init(&t->served, 0);
+    atomic_init(&t->partial, 0);
+    *out = t;
+    return DD_OK;
+}
+
+/* Free the retired entries no send pins any more (mutex held); 1 when some stay pinned. */
+static int sweep(dd_serve_table *t)
+{
+    int pinned = 0;
+    entry_t **link = &t->retired;
+    while (*link != NULL) {
+        entry_t *e = *link;
+        if (e->pins == 0) {
+            *link = e->next_retired;
+            entry_free(e);
+        } else {
+            pinned = 1;
+            link = &e->next_retired;
+        }
+    }
+    return pinned;
+}
+
+void dd_serve_table_free(dd_serve_table *t)
+{
+    if (t == NULL)
+        return;
+    /* The owner guarantees no reader thread uses the table any more. */
+    for (size_t i = 0; i < t->n; i++)
+        entry_free(t->live[i]);
+    free(t->live);
+    while (t->retired != NULL) {
+        entry_t *e = t->retired;
+        t->retired = e->next_retired;
+        entry_free(e);
+    }
+    pthread_cond_destroy(&t->unpinned);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}
+
+static int same(const entry_t *e, const uint64_t *row, const uint64_t *addrs)
+{
+    return e->ident == row[0] && e->ntensors == row[1] && e->row_bytes == row[2] &&
+           e->num_rows == row[3] && memcmp(e->addrs, addrs, row[1] * sizeof *addrs) == 0;
+}
+
+int dd_serve_table_set(dd_serve_table *t, const uint64_t *rows, size_t n, const uint64_t *addrs,
+                       size_t naddrs, int64_t deadline_ns)
+{
+    if (t == NULL || (n > 0 && (rows == NULL || addrs == NULL)))
+        return DD_EINVAL;
+    size_t need = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t *r = rows + 4 * i;
+        if (r[1] == 0 || r[1] > naddrs - need || r[2] == 0 || r[3] == 0)
+            return DD_EINVAL;
+        for (size_t k = 0; k < r[1]; k++) { /* no block may wrap around the address space */
+            uint64_t a = addrs[need + k];
+            if (a == 0 || r[3] > UINT64_MAX / r[2] || a + r[2] * r[3] < a)
+                return DD_EINVAL;
+        }
+        need += r[1];
+    }
+    if (need != naddrs)
+        return DD_EINVAL;
+
+    entry_t **fresh = n ? calloc(n, sizeof *fresh) : NULL;
+    if (n > 0 && fresh == NULL)
+        return DD_ENOMEM;
+    pthread_mutex_lock(&t->mu);
+    /* Keep the entries that did not change (a send may pin them); build the rest. */
+    const uint64_t *a = addrs;
+    int rc = DD_OK;
+    for (size_t i = 0; i < n && rc == DD_OK; i++) {
+        const uint64_t *r = rows + 4 * i;
+        for (size_t j = 0; j < t->n; j++) {
+            if (t->live[j] != NULL && same(t->live[j], r, a)) {
+                fresh[i] = t->live[j];
+                t->live[j] = NULL;
+                break;
+            }
+        }
+        if (fresh[i] == NULL) {
+            entry_t *e = calloc(1, sizeof *e);
+            uint64_t *copy = malloc(r[1] * sizeof *copy);
+            if (e == NULL || copy == NULL) {
+                free(e);
+                free(copy);
+                rc = DD_ENOMEM;
+                break;
+            }
+            memcpy(copy, a, r[1] * sizeof *copy);
+            e->ident = r[0];
+            e->ntensors = r[1];
+            e->row_bytes = r[2];
+            e->num_rows = r[3];
+            e->addrs = copy;
+            fresh[i] = e;
+        }
+        a += r[1];
+    }
+    if (rc != DD_OK) { /* put the kept entries back, free the new ones: nothing changed */
+        for (size_t i = 0; i < n; i++) {
+            entry_t *e = fresh[i];
+            if (e == NULL)
+                continue;
+            int kept = 0;
+            for (size_t j = 0; j < t->n && !kept; j++) {
+                if (t->live[j] == NULL && (kept = 1))
+                    t->live[j] = e;
+            }
+            if (!kept)
+                entry_free(e);
+        }
+        pthread_mutex_unlock(&t->mu);
+        free(fresh);
+        return rc;
+    }
+    for (size_t j = 0; j < t->n; j++) {
+        entry_t *e = t->live[j];
+        if (e != NULL) {
+            e->next_retired = t->retired;
+            t->retired = e;
+        }
+    }
+    free(t->live);
+    t->live = fresh;
+    t->n = n;
+    /* Dropped caches may be freed by their owner once this returns: wait out their sends. */
+    while (sweep(t)) {
+        if (deadline_ns > 0) {
+            if (dd_monotonic_ns() >= deadline_ns) {
+                rc = DD_ETIMEDOUT;
+                break;
+            }
+            struct timespec ts = {.tv_sec = deadline_ns / 1000000000,
+                                  .tv_nsec = deadline_ns % 1000000000};
+            pthread_cond_timedwait(&t->unpinned, &t->mu, &ts);
+        } else {
+            pthread_cond_wait(&t->unpinned, &t->mu);
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return rc;
+}
+
+void dd_serve_unpin(dd_serve_table *t, void *pin)
+{
+    if (t == NULL || pin == NULL)
+        return;
+    entry_t *e = pin;
+    pthread_mutex_lock(&t->mu);
+    if (e->pins > 0 && --e->pins == 0)
+        pthread_cond_broadcast(&t->unpinned);
+    pthread_mutex_unlock(&t->mu);
+}
+
+int dd_serve_table_stats(dd_serve_table *t, dd_serve_stats *out)
+{
+    if (t == NULL || out == NULL)
+        return DD_EINVAL;
+    pthread_mutex_lock(&t->mu);
+    out->caches = t->n;
+    out->pinned = 0;
+    for (size_t i = 0; i < t->n; i++)
+        out->pinned += t->live[i]->pins;
+    for (entry_t *e = t->retired; e != NULL; e = e->next_retired)
+        out->pinned += e->pins;
+    pthread_mutex_unlock(&t->mu);
+    out->served = atomic_load(&t->served);
+    out->partial = atomic_load(&t->partial);
+    return DD_OK;
+}
+
+/* ---- serving ---- */
+
+/* The listed entry for ident, pinned; NULL when none. */
+static entry_t *pin(dd_serve_table *t, uint64_t ident)
+{
+    entry_t *found = NULL;
+    pthread_mutex_lock(&t->mu);
+    for (size_t i = 0; i < t->n; i++) {
+        if (t->live[i]->ident == ident) {
+            found = t->live[i];
+            found->pins++;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&t->mu);
+    return found;
+}
+
+/* The payload rows of a PULL body over e, into rows (pairs); their count, or 0 when the
+ * request is not one this path answers (Python then refuses or serves it). */
+static size_t pull_rows(const entry_t *e, const unsigned char *acc, uint32_t nblocks,
+                        uint64_t nbytes, uint64_t *rows, size_t cap)
+{
+    uint32_t start = rd32(acc + 26), count = rd32(acc + 30);
+    uint64_t seg = rd64(acc + 42), tail = rd64(acc + 50);
+    uint64_t last = tail ? tail : seg;
+    if (count == 0 || (uint64_t)start + count > e->ntensors)
+        return 0;
+    if (seg == 0 || seg > e->row_bytes || last > e->row_bytes)
+        return 0;
+    if ((uint64_t)count * nblocks > cap)
+        return 0;
+    const unsigned char *ids = acc + ACCESS_FIXED;
+    for (uint32_t b = 0; b < nblocks; b++)
+        if (rd64(ids + 8 * (size_t)b) >= e->num_rows)
+            return 0;
+    /* Bounded above: count * nblocks <= cap rows of at most row_bytes each. */
+    if (count * ((uint64_t)(nblocks - 1) * seg + last) != nbytes)
+        return 0;
+    size_t k = 0;
+    for (uint64_t t = start; t < (uint64_t)start + count; t++) {
+        uint64_t base = e->addrs[t];
+        for (uint32_t b = 0; b < nblocks; b++) {
+            rows[2 * k] = base + rd64(ids + 8 * (size_t)b) * e->row_bytes;
+            rows[2 * k + 1] = b + 1 == nblocks ? last : seg;
+            k++;
+        }
+    }
+    return k;
+}
+
+/* Read the n bytes already seen with MSG_PEEK. */
+static int consume(int fd, unsigned char *buf, size_t n)
+{
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
+        if (r > 0) {
+            got += (size_t)r;
+            continue;
+        }
+        if (r == 0)
+            return DD_ECLOSED_PEER;
+        if (errno != EINTR)
+            return errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
+    }
+    return DD_OK;
+}
+
+/* Send header and rows without waiting; *sent receives the bytes the kernel took. */
+static int send_now(int fd, unsigned char *hdr, const uint64_t *rows, size_t k, uint64_t *sent)
+{
+    struct iovec v[ROWS_MAX + 1];
+    v[0].iov_base = hdr;
+    v[0].iov_len = HDR_SIZE;
+    uint64_t total = HDR_SIZE;
+    for (size_t i = 0; i < k; i++) {
+        v[i + 1].iov_base = (void *)(uintptr_t)rows[2 * i];
+        v[i + 1].iov_len = (size_t)rows[2 * i + 1];
+        total += rows[2 * i + 1];
+    }
+    struct iovec *at = v;
+    size_t left = k + 1;
+    *sent = 0;
+    while (*sent < total) {
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = at;
+        m.msg_iovlen = left;
+        ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK)
+                return DD_ETIMEDOUT; /* no room now: the caller sends the rest */
+            return errno == EPIPE || errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
+        }
+        *sent += (uint64_t)r;
+        size_t step = (size_t)r;
+        while (step > 0 && step >= at->iov_len) {
+            step -= at->iov_len;
+            at++;
+            left--;
+        }
+        if (step > 0) {
+            at->iov_base = (char *)at->iov_base + step;
+            at->iov_len -= step;
+        }
+    }
+    return DD_OK;
+}
+
+int dd_serve_pulls(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows, size_t cap,
+                   dd_serve_out *out)
+{
+    if (out == NULL)
+        return DD_EINVAL;
+    memset(out, 0, sizeof *out);
+    if (t == NULL || fd < 0 || rows == NULL || cap == 0)
+        return DD_EINVAL;
+    if (cap > ROWS_MAX)
+        cap = ROWS_MAX;
+    unsigned char buf[PEEK_MAX];
+    for (;;) {
+        ssize_t r = recv(fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+            return DD_OK; /* nothing waiting */
+        out->pending = 1; /* from here on, every stop leaves something for the reader */
+        if (r < HDR_SIZE)
+            return DD_OK; /* an error, EOF or a partial header: the reader reports it */
+        uint32_t body_len = rd32(buf + 24);
+        uint64_t nbytes = r >= HDR_SIZE + PULL_FIXED ? rd64(buf + HDR_SIZE) : 0;
+        if (memcmp(buf, MAGIC, 4) != 0 || rd16(buf + 4) != PROTOCOL_VERSION ||
+            rd16(buf + 6) != KIND_PULL || rd64(buf + 16) != 0 || rd32(buf + 28) != 0 ||
+            rd64(buf + 32) != 0 || body_len < PULL_FIXED + ACCESS_FIXED ||
+            body_len > (size_t)r - HDR_SIZE || nbytes == 0 || nbytes > max_bytes)
+            return DD_OK;
+        const unsigned char *acc = buf + HDR_SIZE + PULL_FIXED;
+        uint32_t nblocks = rd32(acc + 58), nrows = rd32(acc + 62);
+        if (acc[0] != TARGET_BLOCKS_KEY || acc[1] != 0 || nrows != 0 || nblocks == 0 ||
+            body_len != PULL_FIXED + ACCESS_FIXED + 8 * (uint64_t)nblocks)
+            return DD_OK;
+        entry_t *e = pin(t, rd64(acc + 2));
+        if (e == NULL)
+            return DD_OK;
+        size_t k = pull_rows(e, acc, nblocks, nbytes, rows, cap);
+        if (k == 0) {
+            dd_serve_unpin(t, e);
+            return DD_OK;
+        }
+        uint64_t rid = rd64(buf + 8);
+        out->pending = 0;
+        int rc = consume(fd, buf, HDR_SIZE + (size_t)body_len);
+        if (rc != DD_OK) {
+            dd_serve_unpin(t, e);
+            return rc;
+        }
+        unsigned char hdr[HDR_SIZE];
+        memset(hdr, 0, sizeof hdr);
+        memcpy(hdr, MAGIC, 4);
+        uint16_t version = PROTOCOL_VERSION, kind = KIND_PULL_DATA;
+        memcpy(hdr + 4, &version, 2);
+        memcpy(hdr + 6, &kind, 2);
+        memcpy(hdr + 8, &rid, 8);
+        memcpy(hdr + 32, &nbytes, 8);
+        uint64_t sent = 0;
+        rc = send_now(fd, hdr, rows, k, &sent);
+        if (rc == DD_OK) {
+            dd_serve_unpin(t, e);
+            atomic_fetch_add(&t->served, 1);
+            out->served++;
+            continue;
+        }
+        if (rc == DD_ETIMEDOUT) {
+            atomic_fetch_add(&t->partial, 1);
+            out->request_id = rid;
+            out->nbytes = nbytes;
+            out->sent = sent;
+            out->nrows = k;
+            out->pin = e;
+            return DD_SERVE_PARTIAL;
+        }
+        dd_serve_unpin(t, e);
+        out->request_id = rid;
+        out->sent = sent;
+        return rc;
+    }
+}

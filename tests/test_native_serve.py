@@ -1,0 +1,360 @@
+"""Tests of the native pull server (``_native.serve``) on socketpair(): what it answers is
+byte for byte what the Python serving path answers, and everything else stays on the socket."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from dataclasses import replace
+
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aio_datadist._engine.access import Access, Target, encode_access
+from aio_datadist._engine.serving import access_rows
+from aio_datadist._native.api import PeerClosed, monotonic_ns
+from aio_datadist._native.serve import ROWS_MAX, ServeTable
+from aio_datadist._transport._wire import HEADER, FrameKind, decode_header, pack_header
+from aio_datadist.status import LLMException, ParamInvalidError
+
+BLOCK = 4096
+BLOCKS = 16
+TENSORS = 3
+IDENT = 7
+MAX = 1 << 40
+
+
+@pytest.fixture
+def memory() -> npt.NDArray[np.uint8]:
+    """TENSORS tensors of BLOCKS blocks, every byte telling where it is."""
+    rng = np.random.default_rng(5)
+    return rng.integers(0, 256, (TENSORS, BLOCKS * BLOCK), dtype=np.uint8)
+
+
+def tensor_addrs(memory: npt.NDArray[np.uint8]) -> list[int]:
+    return [int(memory[t].ctypes.data) for t in range(TENSORS)]
+
+
+@pytest.fixture
+def table(memory: npt.NDArray[np.uint8]) -> ServeTable:
+    table = ServeTable()
+    assert table.set([(IDENT, tensor_addrs(memory), BLOCK, BLOCKS)])
+    return table
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    a.settimeout(5)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def blocks_access(blocks: list[int], *, start: int = 0, count: int = 1, **fields: int) -> Access:
+    return Access(
+        Target.BLOCKS_KEY,
+        ident=fields.pop("ident", IDENT),
+        tensor_start=start,
+        tensor_count=count,
+        seg_bytes=fields.pop("seg", BLOCK),
+        tail_bytes=fields.pop("tail", 0),
+        blocks=np.asarray(blocks, dtype=np.uint64),
+        **fields,  # type: ignore[arg-type]
+    )
+
+
+def pull_frame(access: Access, rid: int, nbytes: int | None = None, **header: int) -> bytes:
+    body = struct.pack("<Q", access.nbytes if nbytes is None else nbytes) + encode_access(access)
+    return pack_header(FrameKind.PULL, rid, body_len=len(body), **header) + body
+
+
+def expected(memory: npt.NDArray[np.uint8], access: Access) -> bytes:
+    """The payload the Python serving path sends for ``access``."""
+    rows = access_rows(tensor_addrs(memory), BLOCK, BLOCKS, access, 0)
+    base = int(memory.ctypes.data)
+    flat = memory.reshape(-1)
+    return b"".join(
+        flat[int(a) - base : int(a) - base + int(n)].tobytes() for a, n in rows.tolist()
+    )
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "peer closed early"
+        out += chunk
+    return bytes(out)
+
+
+def read_answer(sock: socket.socket) -> tuple[int, bytes]:
+    h = decode_header(recv_exact(sock, HEADER.size))
+    assert h.kind is FrameKind.PULL_DATA and h.status == 0 and h.body_len == 0
+    return h.request_id, recv_exact(sock, h.payload_len)
+
+
+def waiting(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
+
+
+# -- the table ----------------------------------------------------------------------------
+
+
+def test_the_table_lists_and_replaces_caches(memory: npt.NDArray[np.uint8]) -> None:
+    table = ServeTable()
+    assert table.stats().caches == 0
+    assert table.set([(1, tensor_addrs(memory), BLOCK, BLOCKS), (2, [1 << 20], 64, 2)])
+    assert table.stats().caches == 2
+    assert table.set([])
+    assert table.stats() == table.stats().__class__(0, 0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    "cache",
+    [
+        (1, [], BLOCK, BLOCKS),  # no tensors
+        (1, [0], BLOCK, BLOCKS),  # a null address
+        (1, [4096], 0, BLOCKS),  # empty blocks
+        (1, [4096], BLOCK, 0),  # no blocks
+        (1, [(1 << 64) - 4096], BLOCK, 2),  # wraps around the address space
+    ],
+)
+def test_the_table_refuses_impossible_caches(table: ServeTable, cache: tuple) -> None:
+    with pytest.raises(ParamInvalidError):
+        table.set([cache])
+    assert table.stats().caches == 1  # unchanged
+
+
+def test_the_table_checks_types(table: ServeTable) -> None:
+    with pytest.raises(TypeError):
+        table.set([("7", [4096], BLOCK, BLOCKS)])  # type: ignore[list-item]
+    with pytest.raises(ParamInvalidError):
+        table.set([(-1, [4096], BLOCK, BLOCKS)])
+
+
+# -- serving ------------------------------------------------------------------------------
+
+
+def test_a_pull_is_answered_with_the_bytes_python_would_send(
+    table: ServeTable, memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    access = blocks_access([3, 0, 15], start=1, count=2, tail=100)
+    a.sendall(pull_frame(access, 41))
+    result = table.worker().serve(b.fileno(), MAX)
+    assert (result.served, result.pending, result.partial) == (1, False, None)
+    assert read_answer(a) == (41, expected(memory, access))
+    assert waiting(b) == b""
+    assert table.stats().served == 1
+
+
+def test_a_run_of_pulls_is_answered_in_one_call_up_to_the_first_other_frame(
+    table: ServeTable, memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    accesses = [blocks_access([i, 15 - i]) for i in range(5)]
+    ping = pack_header(FrameKind.PING, 99)
+    a.sendall(b"".join(pull_frame(x, 10 + i) for i, x in enumerate(accesses)) + ping)
+    result = table.worker().serve(b.fileno(), MAX)
+    assert (result.served, result.pending) == (5, True)
+    for i, access in enumerate(accesses):
+        assert read_answer(a) == (10 + i, expected(memory, access))
+    assert waiting(b) == ping  # left whole for the general reader
+
+
+def refused_cases() -> list[tuple[str, bytes]]:
+    ok = blocks_access([1, 2])
+    return [
+        ("unknown cache", pull_frame(replace(ok, ident=IDENT + 1), 1)),
+        ("block out of range", pull_frame(blocks_access([BLOCKS]), 1)),
+        ("tensors out of range", pull_frame(blocks_access([0], start=2, count=2), 1)),
+        ("no tensors", pull_frame(blocks_access([0], count=0), 1, nbytes=BLOCK)),
+        ("segment over a block", pull_frame(blocks_access([0], seg=BLOCK + 1), 1)),
+        ("tail over a block", pull_frame(blocks_access([0, 1], tail=BLOCK + 1), 1)),
+        ("empty segment", pull_frame(blocks_access([0], seg=0), 1, nbytes=BLOCK)),
+        ("size mismatch", pull_frame(ok, 1, nbytes=ok.nbytes + 1)),
+        ("drop flag", pull_frame(replace(ok, drop_key=True), 1)),
+        ("by cache index", pull_frame(replace(ok, target=Target.CACHE_INDEX), 1)),
+        ("no blocks", pull_frame(blocks_access([]), 1, nbytes=BLOCK)),
+        ("a status", pull_frame(ok, 1, status=3)),
+        ("a payload", pull_frame(ok, 1, payload_len=8)),
+        ("another version", pull_frame(ok, 1, version=2)),
+        ("not a pull", pack_header(FrameKind.PUSH_ACK, 1)),
+        ("a header only", pull_frame(ok, 1)[: HEADER.size + 3]),
+        ("garbage", b"\x00" * 64),
+    ]
+
+
+@pytest.mark.parametrize(("why", "frame"), refused_cases(), ids=[c[0] for c in refused_cases()])
+def test_anything_else_is_left_on_the_socket(
+    table: ServeTable, pair: tuple[socket.socket, socket.socket], why: str, frame: bytes
+) -> None:
+    a, b = pair
+    a.sendall(frame)
+    result = table.worker().serve(b.fileno(), MAX)
+    assert (result.served, result.pending, result.partial) == (0, True, None), why
+    assert waiting(b) == frame
+    assert table.stats().pinned == 0
+
+
+def test_pulls_over_the_size_limit_or_row_limit_are_left(
+    table: ServeTable, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    frame = pull_frame(blocks_access([0, 1]), 1)
+    a.sendall(frame)
+    assert table.worker().serve(b.fileno(), 2 * BLOCK - 1).pending
+    assert waiting(b) == frame
+    recv_exact(b, len(frame))
+    many = pull_frame(blocks_access(list(range(BLOCKS)) * 22, count=3), 2)  # 1056 rows
+    assert ROWS_MAX < 3 * 16 * 22
+    a.sendall(many)
+    assert table.worker().serve(b.fileno(), MAX).pending
+    assert waiting(b) == many
+
+
+def test_nothing_waiting_returns_at_once(
+    table: ServeTable, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    _, b = pair
+    result = table.worker().serve(b.fileno(), MAX)
+    assert (result.served, result.pending, result.partial) == (0, False, None)
+
+
+def test_a_closed_peer_is_left_to_the_general_reader(
+    table: ServeTable, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    a.close()
+    assert table.worker().serve(b.fileno(), MAX).pending  # EOF: the reader reports it
+
+
+def test_a_peer_gone_after_its_request_fails_the_answer(table: ServeTable) -> None:
+    a, b = socket.socketpair()
+    try:
+        a.sendall(pull_frame(blocks_access([1]), 5))
+        a.close()
+        with pytest.raises(PeerClosed):
+            table.worker().serve(b.fileno(), MAX)
+        assert table.stats().pinned == 0
+    finally:
+        b.close()
+
+
+def test_bad_arguments(table: ServeTable) -> None:
+    worker = table.worker()
+    with pytest.raises(LLMException):
+        worker.serve(-1, MAX)
+    with pytest.raises(TypeError):
+        worker.serve(3, "big")  # type: ignore[arg-type]
+
+
+# -- partial answers and pins ---------------------------------------------------------------
+
+
+def test_a_partial_answer_pins_its_cache_until_released(
+    memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    big = np.random.default_rng(1).integers(0, 256, (2, 64 * 65536), dtype=np.uint8)
+    table = ServeTable()
+    addrs = [int(big[0].ctypes.data), int(big[1].ctypes.data)]
+    assert table.set([(IDENT, addrs, 65536, 64)])
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    access = Access(
+        Target.BLOCKS_KEY,
+        ident=IDENT,
+        tensor_count=2,
+        seg_bytes=65536,
+        blocks=np.arange(64, dtype=np.uint64),
+    )
+    a.sendall(pull_frame(access, 77))
+    result = table.worker().serve(b.fileno(), MAX)
+    partial = result.partial
+    assert partial is not None and result.served == 0
+    assert partial.request_id == 77 and partial.nbytes == access.nbytes
+    assert 0 <= partial.sent < HEADER.size + access.nbytes
+    want = b"".join(big[t].tobytes() for t in range(2))
+    got = b"".join(
+        big.reshape(-1)[int(x) - int(big.ctypes.data) :][: int(n)].tobytes()
+        for x, n in partial.rows.tolist()
+    )
+    assert got == want  # the rows name the answer's payload, in order
+    assert table.stats().pinned == 1
+    # a cache that left the list is waited out while the answer is in flight
+    assert not table.set([], monotonic_ns() + 50_000_000)
+    assert table.stats().pinned == 1
+    partial.release()
+    assert table.stats().pinned == 0
+    assert table.set([])
+
+
+def test_set_keeps_pins_of_caches_that_stay(
+    memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    big = np.zeros((1, 64 * 65536), dtype=np.uint8)
+    table = ServeTable()
+    entry = (IDENT, [int(big[0].ctypes.data)], 65536, 64)
+    assert table.set([entry])
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    a.sendall(pull_frame(blocks_access(list(range(64)), seg=65536), 3))
+    partial = table.worker().serve(b.fileno(), MAX).partial
+    assert partial is not None
+    other = (IDENT + 1, tensor_addrs(memory), BLOCK, BLOCKS)
+    assert table.set([entry, other], monotonic_ns() + 50_000_000)  # no wait: it stays
+    assert table.stats().pinned == 1
+    partial.release()
+    assert table.stats().pinned == 0
+
+
+# -- equivalence with the Python path, over inputs from the wire ------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    start=st.integers(0, TENSORS),
+    count=st.integers(0, TENSORS + 1),
+    blocks=st.lists(st.integers(0, BLOCKS + 1), min_size=0, max_size=40),
+    seg=st.integers(0, BLOCK + 2),
+    tail=st.integers(0, BLOCK + 2),
+    skew=st.sampled_from([0, 0, 0, 1, -1]),
+)
+def test_native_answers_match_python_serving(
+    start: int, count: int, blocks: list[int], seg: int, tail: int, skew: int
+) -> None:
+    memory = np.random.default_rng(9).integers(0, 256, (TENSORS, BLOCKS * BLOCK), np.uint8)
+    table = ServeTable()
+    assert table.set([(IDENT, tensor_addrs(memory), BLOCK, BLOCKS)])
+    access = blocks_access(blocks, start=start, count=count, seg=seg, tail=tail)
+    nbytes = access.nbytes + skew
+    # What the Python path serves (ServeTable refusals and ineligible requests go there).
+    try:
+        if nbytes != access.nbytes or not blocks:
+            raise ParamInvalidError("size or shape")
+        payload = expected(memory, access)
+    except LLMException:
+        payload = None
+    a, b = socket.socketpair()
+    try:
+        frame = pull_frame(access, 9, nbytes=max(nbytes, 0))
+        a.sendall(frame)
+        result = table.worker().serve(b.fileno(), MAX)
+        if payload is None or nbytes <= 0:
+            assert (result.served, result.pending) == (0, True)
+            assert waiting(b) == frame
+        else:
+            assert result.served == 1
+            a.settimeout(5)
+            assert read_answer(a) == (9, payload)
+    finally:
+        a.close()
+        b.close()
