@@ -1,5 +1,6 @@
-"""Tests of the native pull server (``_native.serve``) on socketpair(): what it answers is
-byte for byte what the Python serving path answers, and everything else stays on the socket."""
+"""Tests of the native request server (``_native.serve``) on socketpair(): the pulls and
+pushes it answers move byte for byte what the Python serving path moves, and everything else
+stays on the socket."""
 
 from __future__ import annotations
 
@@ -73,14 +74,39 @@ def pull_frame(access: Access, rid: int, nbytes: int | None = None, **header: in
     return pack_header(FrameKind.PULL, rid, body_len=len(body), **header) + body
 
 
-def expected(memory: npt.NDArray[np.uint8], access: Access) -> bytes:
-    """The payload the Python serving path sends for ``access``."""
+def push_frame(access: Access, rid: int, payload: bytes, **header: int) -> bytes:
+    body = encode_access(access)
+    head = pack_header(FrameKind.PUSH, rid, body_len=len(body), payload_len=len(payload), **header)
+    return head + body + payload
+
+
+def python_rows(memory: npt.NDArray[np.uint8], access: Access) -> list[tuple[int, int]]:
+    """The (offset into ``memory``, length) rows the Python serving path moves."""
     rows = access_rows(tensor_addrs(memory), BLOCK, BLOCKS, access, 0)
     base = int(memory.ctypes.data)
+    return [(int(a) - base, int(n)) for a, n in rows.tolist()]
+
+
+def expected(memory: npt.NDArray[np.uint8], access: Access) -> bytes:
+    """The payload the Python serving path sends for ``access``."""
     flat = memory.reshape(-1)
-    return b"".join(
-        flat[int(a) - base : int(a) - base + int(n)].tobytes() for a, n in rows.tolist()
-    )
+    return b"".join(flat[o : o + n].tobytes() for o, n in python_rows(memory, access))
+
+
+def pushed(memory: npt.NDArray[np.uint8], access: Access, payload: bytes) -> npt.NDArray[np.uint8]:
+    """``memory`` as the Python serving path leaves it after pushing ``payload``."""
+    want = memory.copy().reshape(-1)
+    at = 0
+    for o, n in python_rows(memory, access):
+        want[o : o + n] = np.frombuffer(payload[at : at + n], dtype=np.uint8)
+        at += n
+    return want.reshape(memory.shape)
+
+
+def read_ack(sock: socket.socket) -> int:
+    h = decode_header(recv_exact(sock, HEADER.size))
+    assert h.kind is FrameKind.PUSH_ACK and (h.status, h.body_len, h.payload_len) == (0, 0, 0)
+    return h.request_id
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -205,7 +231,7 @@ def test_anything_else_is_left_on_the_socket(
     assert table.stats().pinned == 0
 
 
-def test_pulls_over_the_size_limit_or_row_limit_are_left(
+def test_requests_over_the_size_limit_or_row_limit_are_left(
     table: ServeTable, pair: tuple[socket.socket, socket.socket]
 ) -> None:
     a, b = pair
@@ -214,6 +240,11 @@ def test_pulls_over_the_size_limit_or_row_limit_are_left(
     assert table.worker().serve(b.fileno(), 2 * BLOCK - 1).pending
     assert waiting(b) == frame
     recv_exact(b, len(frame))
+    push = push_frame(blocks_access([0, 1]), 1, b"\x01" * 2 * BLOCK)
+    a.sendall(push)
+    assert table.worker().serve(b.fileno(), 2 * BLOCK - 1).pending
+    assert waiting(b) == push
+    recv_exact(b, len(push))
     many = pull_frame(blocks_access(list(range(BLOCKS)) * 22, count=3), 2)  # 1056 rows
     assert ROWS_MAX < 3 * 16 * 22
     a.sendall(many)
@@ -316,6 +347,91 @@ def test_set_keeps_pins_of_caches_that_stay(
     assert table.stats().pinned == 0
 
 
+# -- pushes -------------------------------------------------------------------------------
+
+
+def test_a_push_lands_where_python_would_put_it_and_is_acknowledged(
+    table: ServeTable, memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    access = blocks_access([5, 2, 9], start=0, count=3, tail=77)
+    payload = np.random.default_rng(3).integers(0, 256, access.nbytes, np.uint8).tobytes()
+    want = pushed(memory, access, payload)
+    ping = pack_header(FrameKind.PING, 8)
+    a.sendall(push_frame(access, 31, payload) + push_frame(access, 32, payload) + ping)
+    result = table.worker().serve(b.fileno(), MAX)
+    assert (result.served, result.pending, result.partial) == (2, True, None)
+    assert (read_ack(a), read_ack(a)) == (31, 32)
+    np.testing.assert_array_equal(memory, want)
+    assert waiting(b) == ping
+    assert table.stats().pinned == 0
+
+
+def test_a_push_still_arriving_is_left_untouched(
+    table: ServeTable, memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    before = memory.copy()
+    access = blocks_access([1, 2])
+    frame = push_frame(access, 4, b"\x01" * access.nbytes)
+    a.sendall(frame[:-1])
+    result = table.worker().serve(b.fileno(), MAX)
+    assert (result.served, result.pending) == (0, True)
+    np.testing.assert_array_equal(memory, before)
+    assert waiting(b) == frame[:-1]
+
+
+def refused_pushes() -> list[tuple[str, bytes]]:
+    ok = blocks_access([1, 2])
+    data = b"\x01" * ok.nbytes
+    return [
+        ("unknown cache", push_frame(replace(ok, ident=IDENT + 1), 1, data)),
+        ("block out of range", push_frame(blocks_access([BLOCKS]), 1, b"\x01" * BLOCK)),
+        ("size mismatch", push_frame(ok, 1, data + b"\x01")),
+        ("drop flag", push_frame(replace(ok, drop_key=True), 1, data)),
+        ("no payload", push_frame(ok, 1, b"")),
+        ("a status", push_frame(ok, 1, data, status=2)),
+    ]
+
+
+@pytest.mark.parametrize(("why", "frame"), refused_pushes(), ids=[c[0] for c in refused_pushes()])
+def test_pushes_it_cannot_serve_are_left_and_write_nothing(
+    table: ServeTable,
+    memory: npt.NDArray[np.uint8],
+    pair: tuple[socket.socket, socket.socket],
+    why: str,
+    frame: bytes,
+) -> None:
+    a, b = pair
+    before = memory.copy()
+    a.sendall(frame)
+    result = table.worker().serve(b.fileno(), 1 << 20)
+    assert (result.served, result.pending, result.partial) == (0, True, None), why
+    np.testing.assert_array_equal(memory, before)
+    assert waiting(b) == frame
+
+
+def test_an_acknowledgement_without_room_goes_to_the_caller(
+    table: ServeTable, memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    b.setblocking(False)
+    with pytest.raises(BlockingIOError):  # fill b's way to a: nothing more fits
+        while True:
+            b.send(b"\x00" * 65536)
+    access = blocks_access([3])
+    payload = b"\x07" * access.nbytes
+    a.sendall(push_frame(access, 12, payload))
+    result = table.worker().serve(b.fileno(), MAX)
+    partial = result.partial
+    assert partial is not None and result.served == 0
+    assert (partial.request_id, partial.kind, partial.nbytes) == (12, FrameKind.PUSH_ACK, 0)
+    assert partial.sent == 0 and partial.rows.shape == (0, 2)
+    assert table.stats().pinned == 0  # the bytes are in place: nothing pins the cache
+    np.testing.assert_array_equal(memory, pushed(memory, access, payload))
+    partial.release()
+
+
 # -- equivalence with the Python path, over inputs from the wire ------------------------------
 
 
@@ -355,6 +471,48 @@ def test_native_answers_match_python_serving(
             assert result.served == 1
             a.settimeout(5)
             assert read_answer(a) == (9, payload)
+    finally:
+        a.close()
+        b.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    start=st.integers(0, TENSORS),
+    count=st.integers(0, TENSORS + 1),
+    blocks=st.lists(st.integers(0, BLOCKS + 1), min_size=0, max_size=20),
+    seg=st.integers(0, BLOCK + 2),
+    tail=st.integers(0, BLOCK + 2),
+    skew=st.sampled_from([0, 0, 0, 1, -1]),
+)
+def test_native_pushes_match_python_serving(
+    start: int, count: int, blocks: list[int], seg: int, tail: int, skew: int
+) -> None:
+    memory = np.zeros((TENSORS, BLOCKS * BLOCK), np.uint8)
+    table = ServeTable()
+    assert table.set([(IDENT, tensor_addrs(memory), BLOCK, BLOCKS)])
+    access = blocks_access(blocks, start=start, count=count, seg=seg, tail=tail)
+    size = max(access.nbytes + skew, 0)
+    payload = np.random.default_rng(size).integers(1, 256, size, np.uint8).tobytes()
+    try:
+        if size != access.nbytes or not blocks or not size:
+            raise ParamInvalidError("size or shape")
+        want = pushed(memory, access, payload)
+    except LLMException:
+        want = None
+    a, b = socket.socketpair()
+    try:
+        frame = push_frame(access, 9, payload)
+        a.sendall(frame)
+        result = table.worker().serve(b.fileno(), MAX)
+        if want is None:
+            assert (result.served, result.pending) == (0, True)
+            assert not memory.any()
+        else:
+            assert result.served == 1
+            a.settimeout(5)
+            assert read_ack(a) == 9
+            np.testing.assert_array_equal(memory, want)
     finally:
         a.close()
         b.close()

@@ -248,10 +248,10 @@ async def test_pull_blocks_between_registered_caches(make_pair: PairFactory) -> 
 
 
 @pytest.mark.parametrize("transport", ["tcp"], indirect=True)
-async def test_small_pulls_of_blocks_are_answered_natively_over_tcp(
+async def test_small_pulls_and_pushes_of_blocks_are_answered_natively_over_tcp(
     make_pair: PairFactory,
 ) -> None:
-    pair = await make_pair(same_host=False)
+    pair = await make_pair(same_host=False, remote_accessible=True)
     table = pair.prompt._engine.link_table().handler.serve_table  # type: ignore[attr-defined]
     desc = CacheDesc(2, [8, 256], DataType.DT_FLOAT, Placement.DEVICE)
     p_arrays = pair.arrays(2, 8, 256, seed=4)
@@ -271,6 +271,15 @@ async def test_small_pulls_of_blocks_are_answered_natively_over_tcp(
     for p, d in zip(p_arrays, got, strict=True):
         np.testing.assert_array_equal(d.view(np.float32).reshape(8, 256)[0], p[7])
     assert table.stats().served - before == 20
+    fill = np.full((8, 256), 3.5, np.float32)
+    d_view = [d.view(np.float32).reshape(8, 256) for d in got]
+    for d in d_view:
+        d[2] = fill[2]
+    for _ in range(5):
+        await push_blocks(pair.decoder, BlocksCacheKey(1, 0), d_cache, [2], [4])
+    for p in p_arrays:
+        np.testing.assert_array_equal(p[4], fill[2])
+    assert table.stats().served - before == 25
     # refusals still come from the general serving path, and the link stays usable
     await expect_status(
         S.LLM_PARAM_INVALID, pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [8], [0])
@@ -285,7 +294,7 @@ async def test_small_pulls_of_blocks_are_answered_natively_over_tcp(
         S.LLM_KV_CACHE_NOT_EXIST,
         pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [0], [0]),
     )
-    assert table.stats().served - before == 20
+    assert table.stats().served - before == 25
     await pair.decoder.cm.deallocate_blocks_cache(d_cache)
 
 

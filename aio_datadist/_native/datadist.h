@@ -114,11 +114,12 @@ int64_t dd_monotonic_ns(void);
  * > 0; negative sizes are DD_EINVAL. */
 int dd_sock_tune(int fd, int nodelay, int sndbuf, int rcvbuf);
 
-/* ---- serve.c: small pulls of blocks answered from the reader thread ----
+/* ---- serve.c: small pulls and pushes of blocks answered from the reader thread ----
  *
- * A serve table lists the blocks caches peers may read from host memory; dd_serve_pulls
- * answers the well-formed PULL frames of listed caches waiting on a link's socket (see
- * serve.c) and leaves every other frame, and every refusal, to the caller. */
+ * A serve table lists the blocks caches peers may read and write in host memory;
+ * dd_serve_requests answers the well-formed PULL and PUSH frames of listed caches waiting
+ * on a link's socket (see serve.c) and leaves every other frame, and every refusal, to the
+ * caller. */
 
 enum {
     DD_SERVE_PARTIAL = 1 /* an answer went out in part: the caller sends the rest */
@@ -128,19 +129,20 @@ typedef struct dd_serve_table dd_serve_table;
 
 typedef struct {
     uint64_t caches;  /* caches listed */
-    uint64_t pinned;  /* sends in flight over listed or dropped caches */
-    uint64_t served;  /* answers sent whole by dd_serve_pulls, ever */
+    uint64_t pinned;  /* transfers in flight over listed or dropped caches */
+    uint64_t served;  /* requests answered whole by dd_serve_requests, ever */
     uint64_t partial; /* answers it sent in part, ever */
 } dd_serve_stats;
 
 typedef struct {
-    uint64_t served;     /* answers sent whole by this call */
+    uint64_t served;     /* requests answered whole by this call */
     int pending;         /* a frame waits that the caller must read */
-    uint64_t request_id; /* DD_SERVE_PARTIAL (or a failed send): the request answered */
-    uint64_t nbytes;     /* DD_SERVE_PARTIAL: its payload bytes */
+    uint64_t request_id; /* DD_SERVE_PARTIAL (or a failure): the request being answered */
+    uint64_t kind;       /* DD_SERVE_PARTIAL: the answer's frame kind (PULL_DATA, PUSH_ACK) */
+    uint64_t nbytes;     /* DD_SERVE_PARTIAL: the answer's payload bytes */
     uint64_t sent;       /* bytes of the answer (40-byte header first) the kernel took */
     uint64_t nrows;      /* DD_SERVE_PARTIAL: payload rows written to rows */
-    void *pin;           /* DD_SERVE_PARTIAL: held until dd_serve_unpin */
+    void *pin;           /* DD_SERVE_PARTIAL of a pull: held until dd_serve_unpin */
 } dd_serve_out;
 
 int dd_serve_table_new(dd_serve_table **out);
@@ -148,20 +150,20 @@ int dd_serve_table_new(dd_serve_table **out);
 void dd_serve_table_free(dd_serve_table *t);
 /* Replace the listed caches: rows holds n rows of (ident, ntensors, row_bytes, num_rows),
  * addrs the tensors' base addresses, ntensors per row in row order (naddrs in all).
- * Unchanged caches keep their pins; dropped ones are waited out until no send uses them
- * (DD_ETIMEDOUT when deadline_ns, absolute, passed first; <= 0: no deadline). */
+ * Unchanged caches keep their pins; dropped ones are waited out until no transfer uses
+ * them (DD_ETIMEDOUT when deadline_ns, absolute, passed first; <= 0: no deadline). */
 int dd_serve_table_set(dd_serve_table *t, const uint64_t *rows, size_t n, const uint64_t *addrs,
                        size_t naddrs, int64_t deadline_ns);
 int dd_serve_table_stats(dd_serve_table *t, dd_serve_stats *out);
-/* Release the pin of a DD_SERVE_PARTIAL answer. */
+/* Release the pin of a DD_SERVE_PARTIAL answer (NULL: nothing to release). */
 void dd_serve_unpin(dd_serve_table *t, void *pin);
-/* Answer the PULL frames waiting on fd that t can serve, up to the first that it cannot
- * (out->pending then says a frame waits) or until none waits. rows is scratch of cap
- * (addr, len) pairs; requests of more rows, or of more than max_bytes, are left. Returns
- * DD_OK, DD_SERVE_PARTIAL, DD_EINVAL, or DD_ECLOSED_PEER / DD_ESYS when the socket failed
- * after a request was read (the link cannot go on). Never waits. */
-int dd_serve_pulls(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows, size_t cap,
-                   dd_serve_out *out);
+/* Answer the PULL and PUSH frames waiting on fd that t can serve, up to the first that it
+ * cannot (out->pending then says a frame waits) or until none waits. rows is scratch of
+ * cap (addr, len) pairs; requests of more rows, or of more than max_bytes, are left.
+ * Returns DD_OK, DD_SERVE_PARTIAL, DD_EINVAL, or DD_ECLOSED_PEER / DD_ESYS when the socket
+ * failed after a request was taken (the link cannot go on). Never waits. */
+int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows,
+                      size_t cap, dd_serve_out *out);
 
 /* cdef-end */
 

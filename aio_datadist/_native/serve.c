@@ -1,24 +1,26 @@
-/* serve.c: answers to small pulls of blocks, sent from the link's reader thread in C.
+/* serve.c: small pulls and pushes of blocks, answered from the link's reader thread in C.
  *
- * A serve table lists the blocks caches an engine lets peers read that live in
+ * A serve table lists the blocks caches an engine lets peers read and write that live in
  * host-addressable memory: per cache its blocks-key ident and, per tensor, the address of
  * its first block. The engine keeps it current from its cache registry.
  *
- * dd_serve_pulls() looks at the frames waiting on a link's socket without consuming them
- * (MSG_PEEK). A frame that is a whole, well-formed PULL of blocks of a listed cache, whose
- * every row lies inside that cache and adds up to the size the requester expects, is read
- * and answered at once: the PULL_DATA header and the rows of cache memory go out in one
- * sendmsg. The first frame that is anything else, or not yet whole, stops the loop and is
- * left on the socket for the transport's general reader, which also answers every refusal:
- * this path never answers an error, so a refusal reads the same whichever path met it.
+ * dd_serve_requests() looks at the frames waiting on a link's socket without consuming them
+ * (MSG_PEEK). A frame that is a whole, well-formed PULL or PUSH of blocks of a listed
+ * cache, whose every row lies inside that cache and adds up to the size the requester
+ * expects, is taken and answered at once: a pull with the PULL_DATA header and the rows of
+ * cache memory in one sendmsg, a push (only once all of its payload has arrived, so this
+ * never waits) by one recvmsg straight into the rows and a PUSH_ACK. The first frame that
+ * is anything else, or not yet whole, stops the loop and is left on the socket for the
+ * transport's general reader, which also answers every refusal: this path never answers
+ * an error, so a refusal reads the same whichever path met it.
  *
  * Layouts mirror aio_datadist/_transport/_wire.py (frame header) and
  * aio_datadist/_engine/access.py (access body); the tests check both paths agree.
  *
- * Memory being sent is pinned: dd_serve_table_set() waits until no send uses a cache it
- * drops, so a cache unregistered meanwhile keeps its memory until its bytes left. A send
- * the kernel takes only in part hands its rest to the caller with the pin held
- * (DD_SERVE_PARTIAL); dd_serve_unpin() releases it once the rest went.
+ * Memory in use is pinned: dd_serve_table_set() waits until no transfer uses a cache it
+ * drops, so a cache unregistered meanwhile keeps its memory until its bytes moved. An
+ * answer the kernel takes only in part hands its rest to the caller, with the pin held for
+ * a pull (DD_SERVE_PARTIAL); dd_serve_unpin() releases it once the rest went.
  */
 #define _GNU_SOURCE
 #include "datadist.h"
@@ -28,6 +30,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <time.h>
@@ -37,7 +40,10 @@
 #define PROTOCOL_VERSION 1
 #define KIND_PULL 16
 #define KIND_PULL_DATA 17
-/* PULL body: u64 payload bytes, then the access: <BBQQQIIQQQ then <II counts, then blocks */
+#define KIND_PUSH 19
+#define KIND_PUSH_ACK 20
+/* PULL body: u64 payload bytes, then the access; PUSH body: the access. The access is
+ * <BBQQQIIQQQ, then <II counts, then the block ids. */
 #define PULL_FIXED 8
 #define ACCESS_FIXED 66
 #define TARGET_BLOCKS_KEY 4
@@ -314,10 +320,10 @@ static entry_t *pin(dd_serve_table *t, uint64_t ident)
     return found;
 }
 
-/* The payload rows of a PULL body over e, into rows (pairs); their count, or 0 when the
- * request is not one this path answers (Python then refuses or serves it). */
-static size_t pull_rows(const entry_t *e, const unsigned char *acc, uint32_t nblocks,
-                        uint64_t nbytes, uint64_t *rows, size_t cap)
+/* The rows of an access over e, into rows (pairs); their count, or 0 when the access is not
+ * one this path serves (Python then refuses or serves it). */
+static size_t access_rows(const entry_t *e, const unsigned char *acc, uint32_t nblocks,
+                          uint64_t nbytes, uint64_t *rows, size_t cap)
 {
     uint32_t start = rd32(acc + 26), count = rd32(acc + 30);
     uint64_t seg = rd64(acc + 42), tail = rd64(acc + 50);
@@ -347,69 +353,103 @@ static size_t pull_rows(const entry_t *e, const unsigned char *acc, uint32_t nbl
     return k;
 }
 
-/* Read the n bytes already seen with MSG_PEEK. */
-static int consume(int fd, unsigned char *buf, size_t n)
+/* Move exactly the bytes of the iovecs v[0, n), which must already be readable in full
+ * (seen with MSG_PEEK or FIONREAD): never waits. */
+static int take(int fd, struct iovec *v, size_t n)
 {
-    size_t got = 0;
-    while (got < n) {
-        ssize_t r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
-        if (r > 0) {
-            got += (size_t)r;
-            continue;
-        }
+    while (n > 0) {
+        struct msghdr m;
+        memset(&m, 0, sizeof m);
+        m.msg_iov = v;
+        m.msg_iovlen = n;
+        ssize_t r = recvmsg(fd, &m, MSG_DONTWAIT);
         if (r == 0)
             return DD_ECLOSED_PEER;
-        if (errno != EINTR)
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) {
+                errno = EPROTO; /* the kernel said these bytes were there */
+                return DD_ESYS;
+            }
             return errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
+        }
+        size_t step = (size_t)r;
+        while (n > 0 && step >= v->iov_len) {
+            step -= v->iov_len;
+            v++;
+            n--;
+        }
+        if (step > 0) {
+            v->iov_base = (char *)v->iov_base + step;
+            v->iov_len -= step;
+        }
     }
     return DD_OK;
 }
 
-/* Send header and rows without waiting; *sent receives the bytes the kernel took. */
-static int send_now(int fd, unsigned char *hdr, const uint64_t *rows, size_t k, uint64_t *sent)
+/* Send the iovecs v[0, n) without waiting; *sent receives the bytes the kernel took, and
+ * DD_ETIMEDOUT says it took no more for now. */
+static int give(int fd, struct iovec *v, size_t n, uint64_t *sent)
 {
-    struct iovec v[ROWS_MAX + 1];
-    v[0].iov_base = hdr;
-    v[0].iov_len = HDR_SIZE;
-    uint64_t total = HDR_SIZE;
-    for (size_t i = 0; i < k; i++) {
-        v[i + 1].iov_base = (void *)(uintptr_t)rows[2 * i];
-        v[i + 1].iov_len = (size_t)rows[2 * i + 1];
-        total += rows[2 * i + 1];
-    }
-    struct iovec *at = v;
-    size_t left = k + 1;
     *sent = 0;
-    while (*sent < total) {
+    while (n > 0) {
         struct msghdr m;
         memset(&m, 0, sizeof m);
-        m.msg_iov = at;
-        m.msg_iovlen = left;
+        m.msg_iov = v;
+        m.msg_iovlen = n;
         ssize_t r = sendmsg(fd, &m, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (r < 0) {
             if (errno == EINTR)
                 continue;
             if (errno == EAGAIN || errno == EWOULDBLOCK)
-                return DD_ETIMEDOUT; /* no room now: the caller sends the rest */
+                return DD_ETIMEDOUT;
             return errno == EPIPE || errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
         }
         *sent += (uint64_t)r;
         size_t step = (size_t)r;
-        while (step > 0 && step >= at->iov_len) {
-            step -= at->iov_len;
-            at++;
-            left--;
+        while (n > 0 && step >= v->iov_len) {
+            step -= v->iov_len;
+            v++;
+            n--;
         }
         if (step > 0) {
-            at->iov_base = (char *)at->iov_base + step;
-            at->iov_len -= step;
+            v->iov_base = (char *)v->iov_base + step;
+            v->iov_len -= step;
         }
     }
     return DD_OK;
 }
 
-int dd_serve_pulls(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows, size_t cap,
-                   dd_serve_out *out)
+static void put_header(unsigned char *hdr, uint16_t kind, uint64_t rid, uint64_t payload)
+{
+    uint16_t version = PROTOCOL_VERSION;
+    memset(hdr, 0, HDR_SIZE);
+    memcpy(hdr, MAGIC, 4);
+    memcpy(hdr + 4, &version, 2);
+    memcpy(hdr + 6, &kind, 2);
+    memcpy(hdr + 8, &rid, 8);
+    memcpy(hdr + 32, &payload, 8);
+}
+
+/* iovecs over the payload rows, after slot 0 (kept for a header). */
+static void rows_to_iov(struct iovec *v, const uint64_t *rows, size_t k)
+{
+    for (size_t i = 0; i < k; i++) {
+        v[i + 1].iov_base = (void *)(uintptr_t)rows[2 * i];
+        v[i + 1].iov_len = (size_t)rows[2 * i + 1];
+    }
+}
+
+/* Bytes waiting on fd, or 0 when unknown. */
+static uint64_t readable_bytes(int fd)
+{
+    int n = 0;
+    return ioctl(fd, FIONREAD, &n) == 0 && n > 0 ? (uint64_t)n : 0;
+}
+
+int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows, size_t cap,
+                      dd_serve_out *out)
 {
     if (out == NULL)
         return DD_EINVAL;
@@ -419,6 +459,7 @@ int dd_serve_pulls(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows
     if (cap > ROWS_MAX)
         cap = ROWS_MAX;
     unsigned char buf[PEEK_MAX];
+    struct iovec v[ROWS_MAX + 1];
     for (;;) {
         ssize_t r = recv(fd, buf, sizeof buf, MSG_PEEK | MSG_DONTWAIT);
         if (r < 0 && errno == EINTR)
@@ -428,61 +469,85 @@ int dd_serve_pulls(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows
         out->pending = 1; /* from here on, every stop leaves something for the reader */
         if (r < HDR_SIZE)
             return DD_OK; /* an error, EOF or a partial header: the reader reports it */
+        uint16_t kind = rd16(buf + 6);
         uint32_t body_len = rd32(buf + 24);
-        uint64_t nbytes = r >= HDR_SIZE + PULL_FIXED ? rd64(buf + HDR_SIZE) : 0;
+        uint64_t payload = rd64(buf + 32);
+        int push = kind == KIND_PUSH;
+        size_t fixed = push ? 0 : PULL_FIXED; /* a pull's body starts with its byte count */
         if (memcmp(buf, MAGIC, 4) != 0 || rd16(buf + 4) != PROTOCOL_VERSION ||
-            rd16(buf + 6) != KIND_PULL || rd64(buf + 16) != 0 || rd32(buf + 28) != 0 ||
-            rd64(buf + 32) != 0 || body_len < PULL_FIXED + ACCESS_FIXED ||
-            body_len > (size_t)r - HDR_SIZE || nbytes == 0 || nbytes > max_bytes)
+            (kind != KIND_PULL && !push) || rd64(buf + 16) != 0 || rd32(buf + 28) != 0 ||
+            body_len < fixed + ACCESS_FIXED || body_len > (size_t)r - HDR_SIZE)
             return DD_OK;
-        const unsigned char *acc = buf + HDR_SIZE + PULL_FIXED;
+        uint64_t nbytes = push ? payload : rd64(buf + HDR_SIZE);
+        uint64_t frame = HDR_SIZE + (uint64_t)body_len;
+        if ((!push && payload != 0) || nbytes == 0 || nbytes > max_bytes)
+            return DD_OK;
+        /* A push is taken only when all of it has arrived: this path never waits. */
+        if (push && readable_bytes(fd) < frame + nbytes)
+            return DD_OK;
+        const unsigned char *acc = buf + HDR_SIZE + fixed;
         uint32_t nblocks = rd32(acc + 58), nrows = rd32(acc + 62);
         if (acc[0] != TARGET_BLOCKS_KEY || acc[1] != 0 || nrows != 0 || nblocks == 0 ||
-            body_len != PULL_FIXED + ACCESS_FIXED + 8 * (uint64_t)nblocks)
+            body_len != fixed + ACCESS_FIXED + 8 * (uint64_t)nblocks)
             return DD_OK;
         entry_t *e = pin(t, rd64(acc + 2));
         if (e == NULL)
             return DD_OK;
-        size_t k = pull_rows(e, acc, nblocks, nbytes, rows, cap);
+        size_t k = access_rows(e, acc, nblocks, nbytes, rows, cap);
         if (k == 0) {
             dd_serve_unpin(t, e);
             return DD_OK;
         }
         uint64_t rid = rd64(buf + 8);
         out->pending = 0;
-        int rc = consume(fd, buf, HDR_SIZE + (size_t)body_len);
+        out->request_id = rid;
+        /* Take the request: its frame, and a push's payload straight into the cache. */
+        v[0].iov_base = buf;
+        v[0].iov_len = (size_t)frame;
+        size_t n = 1;
+        if (push) {
+            rows_to_iov(v, rows, k);
+            n += k;
+        }
+        int rc = take(fd, v, n);
+        if (push)
+            dd_serve_unpin(t, e); /* the bytes are in place: nothing reads the cache now */
         if (rc != DD_OK) {
-            dd_serve_unpin(t, e);
+            if (!push)
+                dd_serve_unpin(t, e);
             return rc;
         }
+        /* Answer: PULL_DATA with the rows, or PUSH_ACK. */
         unsigned char hdr[HDR_SIZE];
-        memset(hdr, 0, sizeof hdr);
-        memcpy(hdr, MAGIC, 4);
-        uint16_t version = PROTOCOL_VERSION, kind = KIND_PULL_DATA;
-        memcpy(hdr + 4, &version, 2);
-        memcpy(hdr + 6, &kind, 2);
-        memcpy(hdr + 8, &rid, 8);
-        memcpy(hdr + 32, &nbytes, 8);
+        uint16_t answer = push ? KIND_PUSH_ACK : KIND_PULL_DATA;
+        put_header(hdr, answer, rid, push ? 0 : nbytes);
+        v[0].iov_base = hdr;
+        v[0].iov_len = HDR_SIZE;
+        n = 1;
+        if (!push) {
+            rows_to_iov(v, rows, k);
+            n += k;
+        }
         uint64_t sent = 0;
-        rc = send_now(fd, hdr, rows, k, &sent);
+        rc = give(fd, v, n, &sent);
         if (rc == DD_OK) {
-            dd_serve_unpin(t, e);
+            if (!push)
+                dd_serve_unpin(t, e);
             atomic_fetch_add(&t->served, 1);
             out->served++;
             continue;
         }
+        out->sent = sent;
         if (rc == DD_ETIMEDOUT) {
             atomic_fetch_add(&t->partial, 1);
-            out->request_id = rid;
-            out->nbytes = nbytes;
-            out->sent = sent;
-            out->nrows = k;
-            out->pin = e;
+            out->kind = answer;
+            out->nbytes = push ? 0 : nbytes;
+            out->nrows = push ? 0 : k;
+            out->pin = push ? NULL : e;
             return DD_SERVE_PARTIAL;
         }
-        dd_serve_unpin(t, e);
-        out->request_id = rid;
-        out->sent = sent;
+        if (!push)
+            dd_serve_unpin(t, e);
         return rc;
     }
 }

@@ -1,10 +1,12 @@
-"""Typed wrappers over ``serve.c``: small pulls of blocks answered from a link's reader thread.
+"""Typed wrappers over ``serve.c``: small pulls and pushes of blocks answered from a link's
+reader thread.
 
-A :class:`ServeTable` lists the blocks caches an engine lets peers read from host memory.
-Each link's reader thread holds a :class:`ServeWorker` of it, whose :meth:`ServeWorker.serve`
-answers, in one native call with the GIL released, every well-formed PULL of a listed cache
-waiting on the link's socket, up to the first frame it leaves to the transport's general
-reader (anything else, anything refused, anything not yet whole).
+A :class:`ServeTable` lists the blocks caches an engine lets peers read and write in host
+memory. Each link's reader thread holds a :class:`ServeWorker` of it, whose
+:meth:`ServeWorker.serve` answers, in one native call with the GIL released, every
+well-formed PULL or PUSH of a listed cache waiting on the link's socket, up to the first
+frame it leaves to the transport's general reader (anything else, anything refused,
+anything not yet whole).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .api import PeerClosed, _check, _fd, _u64
 
 __all__ = ("ROWS_MAX", "PartialAnswer", "ServeResult", "ServeStats", "ServeTable", "ServeWorker")
 
-#: Most payload rows one natively served answer may have (one ``sendmsg`` with its header).
+#: Most payload rows one natively served request may have (one ``sendmsg`` or ``recvmsg``).
 ROWS_MAX = 1023
 
 
@@ -31,16 +33,17 @@ class ServeStats:
     """A snapshot of a :class:`ServeTable`."""
 
     caches: int  #: caches listed
-    pinned: int  #: answers in flight over listed or dropped caches
-    served: int  #: answers sent whole, ever
+    pinned: int  #: transfers in flight over listed or dropped caches
+    served: int  #: requests answered whole, ever
     partial: int  #: answers the kernel took in part, ever
 
 
 @dataclass(frozen=True, slots=True)
 class PartialAnswer:
-    """An answer the kernel took in part; its cache stays pinned until :meth:`release`."""
+    """An answer the kernel took in part; a pull's cache stays pinned until :meth:`release`."""
 
     request_id: int
+    kind: int  #: the answer's frame kind (``FrameKind.PULL_DATA`` or ``PUSH_ACK``)
     nbytes: int  #: payload bytes of the answer
     sent: int  #: bytes of the frame (its 40-byte header first) already sent
     rows: npt.NDArray[np.uint64]  #: the payload rows ``(addr, len)``
@@ -57,7 +60,7 @@ class PartialAnswer:
 class ServeResult:
     """What one :meth:`ServeWorker.serve` call did."""
 
-    served: int  #: answers sent whole
+    served: int  #: requests answered whole
     pending: bool  #: a frame waits that the general reader must handle
     partial: PartialAnswer | None = None  #: an answer to finish sending, if any
 
@@ -131,18 +134,19 @@ class ServeWorker:
         self._out = ffi.new("dd_serve_out *")
 
     def serve(self, fd: int, max_bytes: int) -> ServeResult:
-        """Answer the pulls waiting on socket ``fd`` that the table can serve (never waits).
+        """Answer the pulls and pushes waiting on socket ``fd`` that the table can serve
+        (never waits).
 
-        Answers of more than ``max_bytes`` payload bytes, or more than :data:`ROWS_MAX`
+        Requests of more than ``max_bytes`` payload bytes, or more than :data:`ROWS_MAX`
         rows, are left to the general reader.
 
         Raises:
-            PeerClosed: the peer went away after a request was read.
-            OSError: the socket failed after a request was read.
+            PeerClosed: the peer went away after a request was taken.
+            OSError: the socket failed after a request was taken.
         """
         _fd(fd)
         out = self._out
-        rc = lib.dd_serve_pulls(
+        rc = lib.dd_serve_requests(
             self._table._ptr, fd, _u64(max_bytes, "max_bytes"), self._rows, ROWS_MAX, out
         )
         if rc == 0:
@@ -152,6 +156,7 @@ class ServeWorker:
             rows = np.frombuffer(ffi.buffer(self._rows, 16 * n), dtype=np.uint64).reshape(n, 2)
             partial = PartialAnswer(
                 int(out.request_id),
+                int(out.kind),
                 int(out.nbytes),
                 int(out.sent),
                 rows.copy(),
@@ -159,11 +164,11 @@ class ServeWorker:
                 out.pin,
             )
             return ServeResult(int(out.served), False, partial)
-        what = f"answering pull {int(out.request_id)} after {int(out.sent)} bytes"
+        what = f"answering request {int(out.request_id)} after {int(out.sent)} bytes"
         if rc == lib.DD_ECLOSED_PEER:
             raise PeerClosed(f"{what}: the peer closed the connection", int(out.sent))
         if rc == lib.DD_ESYS:
             code = ffi.errno
             raise OSError(code, f"{what}: {os.strerror(code)}")
-        _check(rc, "serve pulls")
+        _check(rc, "serve requests")
         raise AssertionError("unreachable")  # pragma: no cover

@@ -496,7 +496,7 @@ class TcpChannel(Channel):
         # the reader thread drains them, so a reading caller never waits on a stalled peer.
         self._owed = 0
         table = getattr(handler, "serve_table", None)
-        # Small pulls of blocks the reader thread answers in native code.
+        # Small pulls and pushes of blocks the reader thread answers in native code.
         self._native: ServeWorker | None = table.worker() if isinstance(table, ServeTable) else None
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
@@ -914,8 +914,8 @@ class TcpChannel(Channel):
                 with self._rlock:  # a caller reading its own answer has it meanwhile
                     if self._broken:
                         break
-                    # A caller may have taken what woke this thread; small pulls may be
-                    # answered natively.
+                    # A caller may have taken what woke this thread; small pulls and
+                    # pushes may be answered natively.
                     waiting = self._answer_natively()
                     if isinstance(waiting, str):
                         reason = waiting
@@ -938,9 +938,9 @@ class TcpChannel(Channel):
                 self._sock.close()
 
     def _answer_natively(self) -> bool | str:
-        """Answer the small pulls of blocks waiting on the socket in native code (``_rlock``
-        held); whether a frame then waits for :meth:`_read_frame`, or why the channel must
-        break.
+        """Answer the small pulls and pushes of blocks waiting on the socket in native code
+        (``_rlock`` held); whether a frame then waits for :meth:`_read_frame`, or why the
+        channel must break.
 
         Only while the sender thread is idle and the send lock free, as for any answer the
         reader sends; the rest of an answer the kernel took in part goes to the sender.
@@ -963,8 +963,9 @@ class TcpChannel(Channel):
             if partial is None:
                 return result.pending
             self._served = True
-            ctl = _frame(FrameKind.PULL_DATA, partial.request_id, payload_len=partial.nbytes)
-            job = _Send(ctl, partial.rows, partial.release)
+            kind = FrameKind(partial.kind)
+            ctl = _frame(kind, partial.request_id, payload_len=partial.nbytes)
+            job = _Send(ctl, partial.rows if len(partial.rows) else None, partial.release)
             job.iov = _iov_skip(job.iov, partial.sent)
             job.lock_held = handed_over = True
             self._enqueue(job)
