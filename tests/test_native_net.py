@@ -549,3 +549,99 @@ def test_wait_readable_bad_arguments(tcp: tuple[socket.socket, socket.socket]) -
     with pytest.raises(OSError) as exc:  # a descriptor number no process has open
         api.sock_wait_readable(2**30, 1)
     assert exc.value.errno == errno.EBADF
+
+
+def answer_header(kind: int, rid: int, payload: int, *, status: int = 0) -> bytes:
+    return struct.pack("<4sHHQqIIQ", b"AIDD", 1, kind, rid, status, 0, 0, payload)
+
+
+PULL_DATA, PUSH_ACK = 17, 20
+
+
+def peek(sock: socket.socket) -> bytes:
+    try:
+        return sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return b""
+
+
+def test_take_answer_takes_only_its_own_answer(tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    fd = b.fileno()
+    dst = np.zeros(300, np.uint8)
+    iov = make_iov([(addr(dst) + 200, 100), (addr(dst), 100)])
+    payload = random_bytes(200, 3)
+    # Nothing within the spin: False, nothing consumed.
+    assert api.sock_take_answer(fd, PULL_DATA, 5, iov, 200, spin_ns=1_000_000) is False
+    # Another request's answer, another kind, another size or a status: left whole.
+    for other in (
+        answer_header(PULL_DATA, 6, 200),
+        answer_header(PUSH_ACK, 5, 200),
+        answer_header(PULL_DATA, 5, 199),
+        answer_header(PULL_DATA, 5, 200, status=3),
+        b"AIDX" + answer_header(PULL_DATA, 5, 200)[4:],
+    ):
+        a.sendall(other)
+        time.sleep(0.01)
+        assert api.sock_take_answer(fd, PULL_DATA, 5, iov, 200, spin_ns=10**8) is False
+        assert peek(b) == other
+        assert b.recv(len(other)) == other
+    # Its own: header and payload taken, the payload scattered over the rows in order.
+    timer = threading.Timer(
+        0.02, a.sendall, (answer_header(PULL_DATA, 5, 200) + payload.tobytes(),)
+    )
+    timer.start()
+    assert api.sock_take_answer(fd, PULL_DATA, 5, iov, 200, spin_ns=10**9) is True
+    timer.join()
+    np.testing.assert_array_equal(dst[200:], payload[:100])
+    np.testing.assert_array_equal(dst[:100], payload[100:])
+    assert peek(b) == b""
+    # An answer without payload (PUSH_ACK) and no rows.
+    a.sendall(answer_header(PUSH_ACK, 9, 0))
+    assert api.sock_take_answer(fd, PUSH_ACK, 9, make_iov([]), 0, spin_ns=10**9) is True
+
+
+def test_take_answer_deadline_mid_payload(tcp: tuple[socket.socket, socket.socket]) -> None:
+    a, b = tcp
+    dst = np.zeros(1000, np.uint8)
+    a.sendall(answer_header(PULL_DATA, 1, 1000) + b"\x02" * 300)
+    time.sleep(0.01)
+    start = time.monotonic()
+    with pytest.raises(api.NetTimeout) as info:
+        api.sock_take_answer(
+            b.fileno(),
+            PULL_DATA,
+            1,
+            make_iov([(addr(dst), 1000)]),
+            1000,
+            spin_ns=10**6,
+            deadline_ns=api.deadline_after(0.05),
+        )
+    assert info.value.transferred == 300
+    assert 0.03 < time.monotonic() - start < 2.0
+    assert (dst[:300] == 2).all() and not dst[300:].any()
+
+
+def test_take_answer_leaves_a_hangup_to_the_reader(
+    tcp: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = tcp
+    a.shutdown(socket.SHUT_WR)
+    assert api.sock_take_answer(b.fileno(), PUSH_ACK, 1, make_iov([]), 0, spin_ns=10**6) is False
+    assert b.recv(1) == b""
+
+
+def test_take_answer_bad_arguments(tcp: tuple[socket.socket, socket.socket]) -> None:
+    fd = tcp[1].fileno()
+    dst = np.zeros(10, np.uint8)
+    iov = make_iov([(addr(dst), 10)])
+    with pytest.raises(ParamInvalidError):  # rows that do not add up to nbytes
+        api.sock_take_answer(fd, PULL_DATA, 1, iov, 11, spin_ns=0)
+    with pytest.raises(ParamInvalidError):
+        api.sock_take_answer(fd, PULL_DATA, 1, iov, 10, spin_ns=-1)
+    with pytest.raises(ParamInvalidError):
+        api.sock_take_answer(fd, 1 << 16, 1, iov, 10, spin_ns=0)
+    with pytest.raises(TypeError):
+        api.sock_take_answer(fd, PULL_DATA, 1, [(addr(dst), 10)], 10, spin_ns=0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        api.sock_take_answer(fd, PULL_DATA, 1, iov, 10, spin_ns=1.0)  # type: ignore[arg-type]

@@ -909,6 +909,98 @@ def test_reading_callers_and_requests_both_ways(cleanup: Cleanup) -> None:
     assert not link.client.closed and not link.server.closed
 
 
+def test_a_blocking_exchange_runs_its_round_trip_in_the_caller(
+    cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    link = eager_link(cleanup, busy_poll_us=2_000_000)
+    client = link.client
+    assert isinstance(client, TcpChannel)
+    n = 8 * KiB
+    completed_here = 0
+    for i in range(20):
+        buf = np.zeros(n, np.uint8)
+        body = request([(i * KiB, n)])
+        future = client.exchange(RequestKind.PULL, body, rows(buf, [(0, n)]), n, deadline())
+        if future is None:
+            completed_here += 1
+        else:  # another frame came first: the request waits like any other
+            assert future.result(WAIT) is None
+        np.testing.assert_array_equal(buf, link.server_handler.mem[i * KiB : i * KiB + n])
+        data = random_bytes(n, i)
+        future = client.exchange(RequestKind.PUSH, body, rows(data, [(0, n)]), n, deadline())
+        if future is None:
+            completed_here += 1
+        else:
+            assert future.result(WAIT) is None
+        np.testing.assert_array_equal(link.server_handler.mem[i * KiB : i * KiB + n], data)
+    assert completed_here >= 30
+    # The answers never went through the general reader of the client, nor its table.
+    assert not client._pending
+    assert readers.by(threading.current_thread().name) == 0
+
+
+def test_a_refused_exchange_fails_with_the_peer_status(cleanup: Cleanup) -> None:
+    link = eager_link(cleanup, busy_poll_us=2_000_000)
+    buf = np.zeros(KiB, np.uint8)
+    body = request([(MiB, KiB)])  # outside the peer's memory
+    future = link.client.exchange(RequestKind.PULL, body, rows(buf, [(0, KiB)]), KiB, deadline())
+    assert future is not None
+    expect_error(future, LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
+    future = link.client.exchange(
+        RequestKind.PULL, request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline()
+    )
+    assert future is None or future.result(WAIT) is None
+    np.testing.assert_array_equal(buf, link.server_handler.mem[:KiB])
+
+
+def test_an_exchange_whose_answer_is_late_goes_to_the_reader(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=1000)
+    channel, conn = raw_link(transport, raw_server, cleanup)
+    assert isinstance(channel, TcpChannel)
+    buf = np.zeros(100, np.uint8)
+    future = channel.exchange(
+        RequestKind.PULL, request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline()
+    )
+    assert future is not None and not future.done()  # nothing within a millisecond
+    header, _ = read_frame(conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=100) + b"\x05" * 100)
+    assert future.result(WAIT) is None
+    assert (buf == 5).all()
+
+
+def test_an_exchange_cut_at_its_deadline_leaves_the_link_usable(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=2_000_000)
+    channel, conn = raw_link(transport, raw_server, cleanup)
+    assert isinstance(channel, TcpChannel)
+    buf = np.zeros(1000, np.uint8)
+
+    def answer_in_part() -> None:
+        header, _ = read_frame(conn)
+        conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=1000) + b"\x01" * 10)
+
+    threading.Thread(target=answer_in_part, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(LLMException) as info:
+        channel.exchange(
+            RequestKind.PULL, request([(0, 1000)]), rows(buf, [(0, 1000)]), 1000, deadline(0.3)
+        )
+    assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    assert time.monotonic() - start < 2.0
+    # The rest of that payload arrives later and is discarded; the next pull is exact.
+    conn.sendall(b"\x01" * 990)
+    other = np.zeros(10, np.uint8)
+    future = channel.pull(request([(0, 10)]), rows(other, [(0, 10)]), 10, deadline())
+    header, _ = read_frame(conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=10) + b"\x09" * 10)
+    assert future.result(WAIT) is None
+    assert (other == 9).all() and not channel.closed
+
+
 # -- another process ---------------------------------------------------------------------------
 
 CHILD = textwrap.dedent(

@@ -133,6 +133,12 @@ class Step:
         return int(self.local[:, 1].sum()) if len(self.local) else 0
 
     @property
+    def exchangeable(self) -> bool:
+        """True when a blocking caller may hand the whole request to its link
+        (:meth:`Channel.exchange`): host rows over the link, nothing to confirm after."""
+        return self.peer is None and not self.device and not self.commit
+
+    @property
     def in_caller(self) -> bool:
         """True when starting the step moves its payload (or stages it) in the calling
         thread."""
@@ -323,8 +329,11 @@ class TransferService:
         """Run every step in this thread and wait for all (the blocking face)."""
         futures: list[Future[None]] = []
         try:
-            for step in plan.steps:
-                futures.append(self.start(plan, step))
+            if len(plan.steps) == 1 and plan.steps[0].exchangeable:
+                futures.append(self._exchange(plan, plan.steps[0]))
+            else:
+                for step in plan.steps:
+                    futures.append(self.start(plan, step))
         finally:
             plan.seal()
         first: LLMException | None = None
@@ -337,6 +346,22 @@ class TransferService:
                 first = first or exc
         if first is not None:
             raise first
+
+    @staticmethod
+    def _exchange(plan: TransferPlan, step: Step) -> Future[None]:
+        """Start (or run to completion, where the link can) the one request of a blocking
+        call; the plan holds its pins until it completes."""
+        try:
+            future = step.channel.exchange(
+                step.kind, encode_access(step.access), step.local, step.nbytes, plan.deadline_ns
+            )
+        except LLMException as exc:
+            future = Future()
+            future.set_exception(exc)
+        if future is None:
+            return DONE
+        plan.track(future)
+        return future
 
     def _local(self, cache: Any, name: str) -> CacheEntry:
         return self.caches.entry(cache, name)

@@ -108,6 +108,18 @@ int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint6
  * The first check never sleeps, even with spin_ns 0 and a deadline in the past. Returns
  * DD_OK, DD_ETIMEDOUT, DD_EINVAL (fd < 0 or spin_ns < 0) or DD_ESYS (errno set). */
 int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns);
+/* A blocking caller's answer, read in the caller: busy-poll up to spin_ns (never past
+ * deadline_ns) for a frame header; when it is the answer of kind to request_id, carrying
+ * exactly nbytes of payload (the sum of iov), take the header and receive the payload into
+ * iov by deadline_ns. Returns DD_OK (taken), DD_ANSWER_ELSEWHERE (no header within the
+ * spin, or another frame first: nothing was consumed), DD_ETIMEDOUT (the payload stopped
+ * at the deadline after *done bytes), DD_ECLOSED_PEER, DD_ESYS or DD_EINVAL. */
+enum {
+    DD_ANSWER_ELSEWHERE = 2
+};
+int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned kind,
+                        uint64_t request_id, const uint64_t *iov, size_t n, uint64_t nbytes,
+                        uint64_t *done);
 /* CLOCK_MONOTONIC now, in ns: the clock of deadline_ns. */
 int64_t dd_monotonic_ns(void);
 /* TCP_NODELAY when nodelay >= 0 (ignored by non-TCP sockets); SO_SNDBUF / SO_RCVBUF when

@@ -174,6 +174,24 @@ class Channel(ABC):
         once the future completed.
         """
 
+    def exchange(
+        self, kind: RequestKind, body: bytes, local: Payload, nbytes: int, deadline_ns: int
+    ) -> Future[None] | None:
+        """Start a request whose caller then waits for it in this thread (the blocking
+        face): :meth:`pull` into ``local`` or :meth:`push` from it.
+
+        Returns None when the request already completed in the calling thread, or its
+        future (then use :meth:`read_for` and wait as usual).
+
+        A transport that can read its own answers (TCP) runs a small request's whole round
+        trip here when nothing else is reading. The default just starts the request.
+
+        :raises LLMException: the request failed in the calling thread.
+        """
+        if kind is RequestKind.PULL:
+            return self.pull(body, local, nbytes, deadline_ns)
+        return self.push(body, local, nbytes, deadline_ns)
+
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Help ``future`` (a request of this channel) complete in the calling thread, which
         would otherwise just wait for it; return when it completed or the helping stopped.

@@ -69,6 +69,7 @@ from aio_datadist._native.api import (
     sock_recvv,
     sock_send_bytes,
     sock_sendv,
+    sock_take_answer,
     sock_tune,
     sock_wait_readable,
 )
@@ -152,6 +153,7 @@ _NO_BODY = (
 )
 _IO_ERRORS = (NetTimeout, PeerClosed, OSError)
 _ANSWERS = (FrameKind.PULL_DATA, FrameKind.PUSH_ACK, FrameKind.ERROR)
+_NONE: Iov = np.empty((0, 2), dtype=np.uint64)  # no payload rows
 
 
 def _error(status: LLMStatusCode, message: str) -> LLMException:
@@ -606,6 +608,80 @@ class TcpChannel(Channel):
         if broke:
             self._break(broke)
         return req.future
+
+    def exchange(
+        self, kind: RequestKind, body: bytes, local: Payload, nbytes: int, deadline_ns: int
+    ) -> Future[None] | None:
+        """Run a small request's whole round trip in the calling thread when no other thread
+        reads the link: send it, busy-poll for its answer and take the answer in native
+        code, with no request table entry, future or timer. Holding the read lock from
+        before the send, this caller is the only one who can meet the answer; when it does
+        not come within the busy-poll time (or another frame comes first), the request is
+        registered like any other and the caller waits for it as usual.
+        """
+        pull = kind is RequestKind.PULL
+        if self._spin_ns <= 0 or not isinstance(local, np.ndarray):
+            return super().exchange(kind, body, local, nbytes, deadline_ns)
+        if not self._rlock.acquire(blocking=False):
+            return super().exchange(kind, body, local, nbytes, deadline_ns)
+        registered = False
+        try:
+            if self._owed or self.closed:
+                return super().exchange(kind, body, local, nbytes, deadline_ns)
+            call = "pull" if pull else "push"
+            problem = _iov_problem(local, nbytes)
+            if problem is not None:
+                raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {problem}")
+            rid = next(self._ids)
+            try:
+                if pull:
+                    ctl = _frame(FrameKind.PULL, rid, body_len=8 + len(body)) + _U64.pack(nbytes)
+                    frame = _Send(ctl + body)
+                else:
+                    ctl = _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes)
+                    frame = _Send(ctl + body, local)
+            except (WireError, struct.error) as exc:
+                raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {exc}") from None
+            self._callers_until = now_ns() + _CALLERS_NS  # the reader thread stays off
+            failure, broke = self._send_request(
+                call,
+                "request",
+                deadline_ns,
+                lambda: sock_sendv(self._fd, frame.iov, self._send_deadline(deadline_ns)),
+            )
+            if broke:
+                self._break(broke)
+            if failure is not None:
+                raise failure
+            answer, into = (FrameKind.PULL_DATA, local) if pull else (FrameKind.PUSH_ACK, _NONE)
+            try:
+                if sock_take_answer(
+                    self._fd,
+                    answer,
+                    rid,
+                    into,
+                    nbytes if pull else 0,
+                    spin_ns=self._spin_ns,
+                    deadline_ns=deadline_ns,
+                ):
+                    return None
+            except NetTimeout as exc:  # the payload stopped at the deadline: drop the rest
+                self._owed = nbytes - exc.transferred
+                raise _error(
+                    LLMStatusCode.LLM_TIMEOUT,
+                    f"{call} {rid}: deadline passed after {exc.transferred} of {nbytes} bytes",
+                ) from None
+            except (PeerClosed, OSError) as exc:
+                self._break(f"receive failed: {exc}")
+                raise self._link_failed() from None
+            # Not here yet: from now on the answer is anyone's to read.
+            req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns)
+            registered = self._register(req)
+            return req.future
+        finally:
+            self._rlock.release()
+            if registered:
+                self._unpark()
 
     def _send_request(
         self, call: str, what: str, deadline_ns: int, send: Callable[[], None]
