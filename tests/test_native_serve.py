@@ -8,6 +8,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -435,15 +436,20 @@ def test_an_acknowledgement_without_room_goes_to_the_caller(
 # -- equivalence with the Python path, over inputs from the wire ------------------------------
 
 
+def access_fields(max_blocks: int) -> dict[str, st.SearchStrategy[Any]]:
+    """Access fields around every bound of the test cache, and a byte-count skew."""
+    return {
+        "start": st.integers(0, TENSORS),
+        "count": st.integers(0, TENSORS + 1),
+        "blocks": st.lists(st.integers(0, BLOCKS + 1), min_size=0, max_size=max_blocks),
+        "seg": st.integers(0, BLOCK + 2),
+        "tail": st.integers(0, BLOCK + 2),
+        "skew": st.sampled_from([0, 0, 0, 1, -1]),
+    }
+
+
 @settings(max_examples=300, deadline=None)
-@given(
-    start=st.integers(0, TENSORS),
-    count=st.integers(0, TENSORS + 1),
-    blocks=st.lists(st.integers(0, BLOCKS + 1), min_size=0, max_size=40),
-    seg=st.integers(0, BLOCK + 2),
-    tail=st.integers(0, BLOCK + 2),
-    skew=st.sampled_from([0, 0, 0, 1, -1]),
-)
+@given(**access_fields(max_blocks=40))
 def test_native_answers_match_python_serving(
     start: int, count: int, blocks: list[int], seg: int, tail: int, skew: int
 ) -> None:
@@ -477,14 +483,7 @@ def test_native_answers_match_python_serving(
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    start=st.integers(0, TENSORS),
-    count=st.integers(0, TENSORS + 1),
-    blocks=st.lists(st.integers(0, BLOCKS + 1), min_size=0, max_size=20),
-    seg=st.integers(0, BLOCK + 2),
-    tail=st.integers(0, BLOCK + 2),
-    skew=st.sampled_from([0, 0, 0, 1, -1]),
-)
+@given(**access_fields(max_blocks=20))
 def test_native_pushes_match_python_serving(
     start: int, count: int, blocks: list[int], seg: int, tail: int, skew: int
 ) -> None:

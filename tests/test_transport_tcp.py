@@ -818,6 +818,16 @@ def eager_link(cleanup: Cleanup, busy_poll_us: int) -> Link:
     return open_link(transport, cleanup)
 
 
+def eager_raw_link(
+    raw_server: RawServer, cleanup: Cleanup, busy_poll_us: int
+) -> tuple[TcpChannel, socket.socket]:
+    """A channel busy-polling for ``busy_poll_us``, linked to a raw socket the test drives."""
+    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=busy_poll_us)
+    channel, conn = raw_link(transport, raw_server, cleanup)
+    assert isinstance(channel, TcpChannel)
+    return channel, conn
+
+
 def test_a_waiting_caller_reads_its_own_answer(
     cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -853,8 +863,7 @@ def test_a_caller_that_gives_up_leaves_the_answer_to_the_reader(
     raw_server: RawServer, cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     readers = FrameReaders(monkeypatch)
-    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=1000)
-    channel, conn = raw_link(transport, raw_server, cleanup)
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=1000)
     buf = np.zeros(100, np.uint8)
     future = channel.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline())
     header, _ = read_frame(conn)
@@ -869,8 +878,7 @@ def test_a_caller_that_gives_up_leaves_the_answer_to_the_reader(
 def test_a_reading_caller_that_meets_garbage_breaks_the_link(
     raw_server: RawServer, cleanup: Cleanup
 ) -> None:
-    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=2_000_000)
-    channel, conn = raw_link(transport, raw_server, cleanup)
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=2_000_000)
     closed = CloseLog()
     channel.on_close(closed)
     buf = np.zeros(100, np.uint8)
@@ -918,21 +926,22 @@ def test_a_blocking_exchange_runs_its_round_trip_in_the_caller(
     assert isinstance(client, TcpChannel)
     n = 8 * KiB
     completed_here = 0
-    for i in range(20):
-        buf = np.zeros(n, np.uint8)
-        body = request([(i * KiB, n)])
-        future = client.exchange(RequestKind.PULL, body, rows(buf, [(0, n)]), n, deadline())
+
+    def exchange(kind: RequestKind, body: bytes, local: U8) -> None:
+        nonlocal completed_here
+        future = client.exchange(kind, body, rows(local, [(0, n)]), n, deadline())
         if future is None:
             completed_here += 1
         else:  # another frame came first: the request waits like any other
             assert future.result(WAIT) is None
+
+    for i in range(20):
+        buf = np.zeros(n, np.uint8)
+        body = request([(i * KiB, n)])
+        exchange(RequestKind.PULL, body, buf)
         np.testing.assert_array_equal(buf, link.server_handler.mem[i * KiB : i * KiB + n])
         data = random_bytes(n, i)
-        future = client.exchange(RequestKind.PUSH, body, rows(data, [(0, n)]), n, deadline())
-        if future is None:
-            completed_here += 1
-        else:
-            assert future.result(WAIT) is None
+        exchange(RequestKind.PUSH, body, data)
         np.testing.assert_array_equal(link.server_handler.mem[i * KiB : i * KiB + n], data)
     assert completed_here >= 30
     # The answers never went through the general reader of the client, nor its table.
@@ -957,9 +966,7 @@ def test_a_refused_exchange_fails_with_the_peer_status(cleanup: Cleanup) -> None
 def test_an_exchange_whose_answer_is_late_goes_to_the_reader(
     raw_server: RawServer, cleanup: Cleanup
 ) -> None:
-    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=1000)
-    channel, conn = raw_link(transport, raw_server, cleanup)
-    assert isinstance(channel, TcpChannel)
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=1000)
     buf = np.zeros(100, np.uint8)
     future = channel.exchange(
         RequestKind.PULL, request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline()
@@ -974,9 +981,7 @@ def test_an_exchange_whose_answer_is_late_goes_to_the_reader(
 def test_an_exchange_cut_at_its_deadline_leaves_the_link_usable(
     raw_server: RawServer, cleanup: Cleanup
 ) -> None:
-    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=2_000_000)
-    channel, conn = raw_link(transport, raw_server, cleanup)
-    assert isinstance(channel, TcpChannel)
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=2_000_000)
     buf = np.zeros(1000, np.uint8)
 
     def answer_in_part() -> None:

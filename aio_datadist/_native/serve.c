@@ -353,6 +353,21 @@ static size_t access_rows(const entry_t *e, const unsigned char *acc, uint32_t n
     return k;
 }
 
+/* Drop the first step bytes of the iovecs v[0, *n); the first one left (and *n updated). */
+static struct iovec *advance(struct iovec *v, size_t *n, size_t step)
+{
+    while (*n > 0 && step >= v->iov_len) {
+        step -= v->iov_len;
+        v++;
+        (*n)--;
+    }
+    if (step > 0) {
+        v->iov_base = (char *)v->iov_base + step;
+        v->iov_len -= step;
+    }
+    return v;
+}
+
 /* Move exactly the bytes of the iovecs v[0, n), which must already be readable in full
  * (seen with MSG_PEEK or FIONREAD): never waits. */
 static int take(int fd, struct iovec *v, size_t n)
@@ -374,16 +389,7 @@ static int take(int fd, struct iovec *v, size_t n)
             }
             return errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
         }
-        size_t step = (size_t)r;
-        while (n > 0 && step >= v->iov_len) {
-            step -= v->iov_len;
-            v++;
-            n--;
-        }
-        if (step > 0) {
-            v->iov_base = (char *)v->iov_base + step;
-            v->iov_len -= step;
-        }
+        v = advance(v, &n, (size_t)r);
     }
     return DD_OK;
 }
@@ -407,16 +413,7 @@ static int give(int fd, struct iovec *v, size_t n, uint64_t *sent)
             return errno == EPIPE || errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
         }
         *sent += (uint64_t)r;
-        size_t step = (size_t)r;
-        while (n > 0 && step >= v->iov_len) {
-            step -= v->iov_len;
-            v++;
-            n--;
-        }
-        if (step > 0) {
-            v->iov_base = (char *)v->iov_base + step;
-            v->iov_len -= step;
-        }
+        v = advance(v, &n, (size_t)r);
     }
     return DD_OK;
 }
