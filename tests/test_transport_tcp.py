@@ -813,8 +813,14 @@ class FrameReaders:
         return sum(1 for thread in self.threads if thread == name)
 
 
-def eager_link(cleanup: Cleanup, busy_poll_us: int) -> Link:
-    transport = TcpTransport(handshake_timeout=2.0, stall_timeout=2.0, busy_poll_us=busy_poll_us)
+def eager_link(cleanup: Cleanup, busy_poll_us: int, buffers: int = 0) -> Link:
+    transport = TcpTransport(
+        handshake_timeout=2.0,
+        stall_timeout=2.0,
+        busy_poll_us=busy_poll_us,
+        sndbuf=buffers,
+        rcvbuf=buffers,
+    )
     return open_link(transport, cleanup)
 
 
@@ -891,6 +897,16 @@ def test_a_reading_caller_that_meets_garbage_breaks_the_link(
     assert read_until_eof(conn) == b""
 
 
+def run_callers(link: Link, callers: int, run: Callable[[int], None]) -> None:
+    """Run ``run(caller)`` on that many threads at once: all end in time, the link open."""
+    start = time.monotonic()
+    with ThreadPoolExecutor(callers) as pool:
+        for done in [pool.submit(run, w) for w in range(callers)]:
+            done.result()
+    assert time.monotonic() - start < WAIT
+    assert not link.client.closed and not link.server.closed
+
+
 def test_reading_callers_and_requests_both_ways(cleanup: Cleanup) -> None:
     """Callers on both ends read their own answers while the other end's requests arrive
     too: every request is answered with exact bytes, none waits for a timeout."""
@@ -909,12 +925,7 @@ def test_reading_callers_and_requests_both_ways(cleanup: Cleanup) -> None:
             assert future.result(WAIT) is None
             np.testing.assert_array_equal(buf, serving.mem[off : off + n])
 
-    start = time.monotonic()
-    with ThreadPoolExecutor(6) as pool:
-        for done in [pool.submit(run, w) for w in range(6)]:
-            done.result()
-    assert time.monotonic() - start < WAIT
-    assert not link.client.closed and not link.server.closed
+    run_callers(link, 6, run)
 
 
 def test_a_blocking_exchange_runs_its_round_trip_in_the_caller(
@@ -1004,6 +1015,57 @@ def test_an_exchange_cut_at_its_deadline_leaves_the_link_usable(
     conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=10) + b"\x09" * 10)
     assert future.result(WAIT) is None
     assert (other == 9).all() and not channel.closed
+
+
+def test_an_exchange_the_socket_takes_in_part_goes_on_as_any_request(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=2_000_000)
+    channel._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    n = 512 * KiB
+    data = random_bytes(n, 5)
+    got: list[bytes] = []
+
+    def peer() -> None:  # reads only once the push is under way, then acknowledges
+        time.sleep(0.05)
+        header, _ = read_frame(conn)
+        got.append(recv_exact(conn, header.payload_len))
+        conn.sendall(frame(FrameKind.PUSH_ACK, header.request_id))
+
+    reader = threading.Thread(target=peer, daemon=True)
+    reader.start()
+    future = channel.exchange(
+        RequestKind.PUSH, request([(0, n)]), rows(data, [(0, n)]), n, deadline()
+    )
+    assert future is not None  # the socket could not take it whole at once
+    assert future.result(WAIT) is None
+    reader.join(WAIT)
+    assert got == [data.tobytes()]
+
+
+def test_both_ends_exchanging_large_requests_keep_reading(cleanup: Cleanup) -> None:
+    """Callers on both ends push and pull payloads larger than the socket buffers at once:
+    an exchange never holds the read lock while it waits to send, so none stalls."""
+    link = eager_link(cleanup, busy_poll_us=500, buffers=16 * KiB)
+    ends = [(link.client, link.server_handler), (link.server, link.client_handler)]
+    n = 256 * KiB
+
+    def run(worker: int) -> None:  # two callers per end
+        channel, serving = ends[worker % 2]
+        assert isinstance(channel, TcpChannel)
+        for i in range(10):
+            off = (worker // 2) * 2 * n + i * KiB  # each caller has its own span
+            data = random_bytes(n, worker * 100 + i)
+            local = rows(data, [(0, n)])
+            future = channel.exchange(RequestKind.PUSH, request([(off, n)]), local, n, deadline())
+            assert future is None or future.result(WAIT) is None
+            back = np.zeros(n, np.uint8)
+            local = rows(back, [(0, n)])
+            future = channel.exchange(RequestKind.PULL, request([(off, n)]), local, n, deadline())
+            assert future is None or future.result(WAIT) is None
+            assert back.tobytes() == serving.mem[off : off + n].tobytes()
+
+    run_callers(link, 4, run)
 
 
 # -- another process ---------------------------------------------------------------------------

@@ -594,12 +594,17 @@ class TcpChannel(Channel):
                 raise error
 
         failure, broke = self._send_request("push", "payload", deadline_ns, send)
-        # Unless failed, the request now waits for PUSH_ACK like any other.
+        self._sent(req, failure, broke)
+        return req.future
+
+    def _sent(self, req: _Request, failure: LLMException | None, broke: str) -> None:
+        """A busy request's frame went out (or failed): unless it failed, it now waits for
+        its answer like any other."""
         with self._lock:
             req.busy = False
             if failure is not None:
-                if self._pending.get(rid) is req:
-                    del self._pending[rid]
+                if self._pending.get(req.rid) is req:
+                    del self._pending[req.rid]
                 if not req.has_outcome:
                     req.has_outcome, req.outcome = True, failure
             done = req.has_outcome
@@ -607,28 +612,41 @@ class TcpChannel(Channel):
             self._complete(req)
         if broke:
             self._break(broke)
-        return req.future
 
     def exchange(
         self, kind: RequestKind, body: bytes, local: Payload, nbytes: int, deadline_ns: int
     ) -> Future[None] | None:
         """Run a small request's whole round trip in the calling thread when no other thread
-        reads the link: send it, busy-poll for its answer and take the answer in native
-        code, with no request table entry, future or timer. Holding the read lock from
-        before the send, this caller is the only one who can meet the answer; when it does
-        not come within the busy-poll time (or another frame comes first), the request is
-        registered like any other and the caller waits for it as usual.
+        reads or sends on the link: send it, busy-poll for its answer and take the answer in
+        native code, with no request table entry, future or timer. Holding the read lock
+        from before the send, this caller is the only one who can meet the answer; when it
+        does not come within the busy-poll time (or another frame comes first), the request
+        is registered like any other and the caller waits for it as usual.
+
+        While it holds the read lock it never waits on the socket or the send lock: two
+        ends exchanging at once must each keep reading the other. A request the socket
+        cannot take at once whole is registered, the read lock let go, and the rest sent
+        as for any request.
         """
-        pull = kind is RequestKind.PULL
         if self._spin_ns <= 0 or not isinstance(local, np.ndarray):
             return super().exchange(kind, body, local, nbytes, deadline_ns)
         if not self._rlock.acquire(blocking=False):
             return super().exchange(kind, body, local, nbytes, deadline_ns)
-        registered = False
+        if self._owed or self.closed or not self._slock.acquire(blocking=False):
+            self._rlock.release()
+            return super().exchange(kind, body, local, nbytes, deadline_ns)
+        return self._exchange(kind, body, local, nbytes, deadline_ns)
+
+    def _exchange(
+        self, kind: RequestKind, body: bytes, local: Iov, nbytes: int, deadline_ns: int
+    ) -> Future[None] | None:
+        """:meth:`exchange` from the point where it holds both the read and the send lock;
+        it lets both go."""
+        pull = kind is RequestKind.PULL
+        call = "pull" if pull else "push"
+        reading = sending = True
+        future: Future[None] | None = None
         try:
-            if self._owed or self.closed:
-                return super().exchange(kind, body, local, nbytes, deadline_ns)
-            call = "pull" if pull else "push"
             problem = _iov_problem(local, nbytes)
             if problem is not None:
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {problem}")
@@ -643,45 +661,69 @@ class TcpChannel(Channel):
             except (WireError, struct.error) as exc:
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {exc}") from None
             self._callers_until = now_ns() + _CALLERS_NS  # the reader thread stays off
-            failure, broke = self._send_request(
-                call,
-                "request",
-                deadline_ns,
-                lambda: sock_sendv(self._fd, frame.iov, self._send_deadline(deadline_ns)),
-            )
-            if broke:
-                self._break(broke)
-            if failure is not None:
-                raise failure
-            answer, into = (FrameKind.PULL_DATA, local) if pull else (FrameKind.PUSH_ACK, _NONE)
             try:
-                if sock_take_answer(
-                    self._fd,
-                    answer,
-                    rid,
-                    into,
-                    nbytes if pull else 0,
-                    spin_ns=self._spin_ns,
-                    deadline_ns=deadline_ns,
-                ):
-                    return None
-            except NetTimeout as exc:  # the payload stopped at the deadline: drop the rest
-                self._owed = nbytes - exc.transferred
-                raise _error(
-                    LLMStatusCode.LLM_TIMEOUT,
-                    f"{call} {rid}: deadline passed after {exc.transferred} of {nbytes} bytes",
-                ) from None
-            except (PeerClosed, OSError) as exc:
-                self._break(f"receive failed: {exc}")
-                raise self._link_failed() from None
-            # Not here yet: from now on the answer is anyone's to read.
-            req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns)
-            registered = self._register(req)
-            return req.future
-        finally:
-            self._rlock.release()
-            if registered:
+                sock_sendv(self._fd, frame.iov, 1)  # a deadline in the past: never waits
+            except NetTimeout as exc:  # no room for all of it: the usual machinery goes on
+                req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns, busy=True)
+                self._register(req)
+                self._rlock.release()
+                reading = False
                 self._unpark()
+                sending = False  # _sending lets the send lock go
+                rest = _iov_skip(frame.iov, exc.transferred)
+                failure, broke = self._sending(
+                    call,
+                    "request",
+                    lambda: sock_sendv(self._fd, rest, self._send_deadline(deadline_ns)),
+                )
+                self._sent(req, failure, broke)
+                return req.future
+            except _IO_ERRORS as exc:
+                self._break(f"send failed: {exc}")
+                raise self._link_failed() from None
+            self._slock.release()
+            sending = False
+            future = self._take_answer(kind, rid, local, nbytes, deadline_ns)
+            return future
+        finally:
+            if sending:
+                self._slock.release()
+            if reading:
+                self._rlock.release()
+                if future is not None:
+                    self._unpark()  # the answer is the reader thread's to take now
+
+    def _take_answer(
+        self, kind: RequestKind, rid: int, local: Iov, nbytes: int, deadline_ns: int
+    ) -> Future[None] | None:
+        """Busy-poll for the answer of the request ``rid`` just sent (read lock held) and
+        take it here; else register the request. None when the answer was taken."""
+        pull = kind is RequestKind.PULL
+        answer, into = (FrameKind.PULL_DATA, local) if pull else (FrameKind.PUSH_ACK, _NONE)
+        try:
+            if sock_take_answer(
+                self._fd,
+                answer,
+                rid,
+                into,
+                nbytes if pull else 0,
+                spin_ns=self._spin_ns,
+                deadline_ns=deadline_ns,
+            ):
+                return None
+        except NetTimeout as exc:  # the payload stopped at the deadline: drop the rest
+            self._owed = nbytes - exc.transferred
+            raise _error(
+                LLMStatusCode.LLM_TIMEOUT,
+                f"{kind.value} {rid}: deadline passed after {exc.transferred} of {nbytes} bytes",
+            ) from None
+        except (PeerClosed, OSError) as exc:
+            self._break(f"receive failed: {exc}")
+            raise self._link_failed() from None
+        # Not here yet: once the read lock goes, the answer is anyone's to read.
+        req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns)
+        self._register(req)
+        return req.future
 
     def _send_request(
         self, call: str, what: str, deadline_ns: int, send: Callable[[], None]
@@ -691,6 +733,12 @@ class TcpChannel(Channel):
             return _error(
                 LLMStatusCode.LLM_TIMEOUT, f"{call}: the link stayed busy past the deadline"
             ), ""
+        return self._sending(call, what, send)
+
+    def _sending(
+        self, call: str, what: str, send: Callable[[], None]
+    ) -> tuple[LLMException | None, str]:
+        """:meth:`_send_request` with the send lock held; it lets the lock go."""
         try:
             if self._broken:
                 return self._link_failed(), ""
