@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -287,6 +288,11 @@ def test_bad_arguments(table: ServeTable) -> None:
         worker.serve(-1, MAX)
     with pytest.raises(TypeError):
         worker.serve(3, "big")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        worker.serve(3, MAX, spin_ns=0.5)  # type: ignore[arg-type]
+    for spin_ns in (-1, 1 << 63):
+        with pytest.raises(ParamInvalidError):
+            worker.serve(3, MAX, spin_ns=spin_ns)
 
 
 # -- partial answers and pins ---------------------------------------------------------------
@@ -380,6 +386,21 @@ def test_a_push_still_arriving_is_left_untouched(
     assert (result.served, result.pending) == (0, True)
     np.testing.assert_array_equal(memory, before)
     assert waiting(b) == frame[:-1]
+
+
+def test_the_rest_of_a_push_in_flight_is_busy_polled_for(
+    table: ServeTable, memory: npt.NDArray[np.uint8], pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    access = blocks_access([4, 5])
+    payload = b"\x03" * access.nbytes
+    frame = push_frame(access, 6, payload)
+    a.sendall(frame[:-100])
+    threading.Timer(0.005, a.sendall, (frame[-100:],)).start()
+    result = table.worker().serve(b.fileno(), MAX, spin_ns=2_000_000_000)
+    assert (result.served, result.pending) == (1, False)
+    assert read_ack(a) == 6
+    np.testing.assert_array_equal(memory, pushed(memory, access, payload))
 
 
 def refused_pushes() -> list[tuple[str, bytes]]:

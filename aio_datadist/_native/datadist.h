@@ -171,13 +171,20 @@ int dd_serve_table_stats(dd_serve_table *t, dd_serve_stats *out);
 void dd_serve_unpin(dd_serve_table *t, void *pin);
 /* Answer the PULL and PUSH frames waiting on fd that t can serve, up to the first that it
  * cannot (out->pending then says a frame waits) or until none waits. rows is scratch of
- * cap (addr, len) pairs; requests of more rows, or of more than max_bytes, are left.
- * Returns DD_OK, DD_SERVE_PARTIAL, DD_EINVAL, or DD_ECLOSED_PEER / DD_ESYS when the socket
- * failed after a request was taken (the link cannot go on). Never waits. */
-int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows,
-                      size_t cap, dd_serve_out *out);
+ * cap (addr, len) pairs; requests of more rows, or of more than max_bytes, are left. A
+ * push whose payload is still arriving is waited for by busy polling up to spin_ns, then
+ * left. Returns DD_OK, DD_SERVE_PARTIAL, DD_EINVAL, or DD_ECLOSED_PEER / DD_ESYS when the
+ * socket failed after a request was taken (the link cannot go on). Never sleeps, and never
+ * waits to send. */
+int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spin_ns,
+                      uint64_t *rows, size_t cap, dd_serve_out *out);
 
 /* cdef-end */
+
+/* Shared inside the native layer only (not part of the Python surface). */
+
+/* A short pause between two polls of a busy-polling wait (about a microsecond). */
+void dd_cpu_relax(void);
 
 #ifdef __cplusplus
 }

@@ -262,7 +262,7 @@ int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint6
 }
 
 /* A short pause between polls, leaving the core's other hardware thread its share. */
-static void cpu_relax(void)
+void dd_cpu_relax(void)
 {
     for (int i = 0; i < SPIN_PAUSES; i++) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -311,7 +311,7 @@ int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns)
             return r > 0 ? DD_OK : DD_ESYS;
         if (dd_monotonic_ns() >= spin_end)
             break;
-        cpu_relax();
+        dd_cpu_relax();
     }
     if (deadline_ns > 0 && dd_monotonic_ns() >= deadline_ns)
         return DD_ETIMEDOUT;
@@ -353,7 +353,7 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
             return DD_ANSWER_ELSEWHERE;
         if (dd_monotonic_ns() >= spin_end)
             return DD_ANSWER_ELSEWHERE;
-        cpu_relax();
+        dd_cpu_relax();
     }
     uint16_t version, got_kind;
     uint32_t body_len, flags;

@@ -8,8 +8,9 @@
  * (MSG_PEEK). A frame that is a whole, well-formed PULL or PUSH of blocks of a listed
  * cache, whose every row lies inside that cache and adds up to the size the requester
  * expects, is taken and answered at once: a pull with the PULL_DATA header and the rows of
- * cache memory in one sendmsg, a push (only once all of its payload has arrived, so this
- * never waits) by one recvmsg straight into the rows and a PUSH_ACK. The first frame that
+ * cache memory in one sendmsg, a push (only once all of its payload has arrived: the rest
+ * of one in flight is busy-polled for briefly, never slept for) by one recvmsg straight
+ * into the rows and a PUSH_ACK. The first frame that
  * is anything else, or not yet whole, stops the loop and is left on the socket for the
  * transport's general reader, which also answers every refusal: this path never answers
  * an error, so a refusal reads the same whichever path met it.
@@ -445,13 +446,27 @@ static uint64_t readable_bytes(int fd)
     return ioctl(fd, FIONREAD, &n) == 0 && n > 0 ? (uint64_t)n : 0;
 }
 
-int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *rows, size_t cap,
-                      dd_serve_out *out)
+/* Whether n bytes wait on fd, busy-polling up to spin_ns for them. */
+static int arrived(int fd, uint64_t n, int64_t spin_ns)
+{
+    if (readable_bytes(fd) >= n)
+        return 1;
+    int64_t end = dd_monotonic_ns() + spin_ns;
+    while (dd_monotonic_ns() < end) {
+        dd_cpu_relax();
+        if (readable_bytes(fd) >= n)
+            return 1;
+    }
+    return 0;
+}
+
+int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spin_ns,
+                      uint64_t *rows, size_t cap, dd_serve_out *out)
 {
     if (out == NULL)
         return DD_EINVAL;
     memset(out, 0, sizeof *out);
-    if (t == NULL || fd < 0 || rows == NULL || cap == 0)
+    if (t == NULL || fd < 0 || rows == NULL || cap == 0 || spin_ns < 0)
         return DD_EINVAL;
     if (cap > ROWS_MAX)
         cap = ROWS_MAX;
@@ -479,8 +494,9 @@ int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, uint64_t *r
         uint64_t frame = HDR_SIZE + (uint64_t)body_len;
         if ((!push && payload != 0) || nbytes == 0 || nbytes > max_bytes)
             return DD_OK;
-        /* A push is taken only when all of it has arrived: this path never waits. */
-        if (push && readable_bytes(fd) < frame + nbytes)
+        /* A push is taken only once all of it has arrived: the rest of one in flight is
+         * busy-polled for up to spin_ns (it follows within microseconds), never slept for. */
+        if (push && !arrived(fd, frame + nbytes, spin_ns))
             return DD_OK;
         const unsigned char *acc = buf + HDR_SIZE + fixed;
         uint32_t nblocks = rd32(acc + 58), nrows = rd32(acc + 62);

@@ -133,12 +133,13 @@ class ServeWorker:
         self._rows = ffi.new("uint64_t[]", 2 * ROWS_MAX)
         self._out = ffi.new("dd_serve_out *")
 
-    def serve(self, fd: int, max_bytes: int) -> ServeResult:
+    def serve(self, fd: int, max_bytes: int, spin_ns: int = 0) -> ServeResult:
         """Answer the pulls and pushes waiting on socket ``fd`` that the table can serve
         (never waits).
 
         Requests of more than ``max_bytes`` payload bytes, or more than :data:`ROWS_MAX`
-        rows, are left to the general reader.
+        rows, are left to the general reader; so is a push whose payload has not all
+        arrived after ``spin_ns`` of busy polling.
 
         Raises:
             PeerClosed: the peer went away after a request was taken.
@@ -146,8 +147,12 @@ class ServeWorker:
         """
         _fd(fd)
         out = self._out
+        if isinstance(spin_ns, bool) or not isinstance(spin_ns, int):
+            raise TypeError(f"spin_ns must be an int, got {type(spin_ns).__name__}")
+        if not 0 <= spin_ns < 1 << 63:
+            _check(lib.DD_EINVAL, f"spin_ns={spin_ns} is outside [0, 2**63)")
         rc = lib.dd_serve_requests(
-            self._table._ptr, fd, _u64(max_bytes, "max_bytes"), self._rows, ROWS_MAX, out
+            self._table._ptr, fd, _u64(max_bytes, "max_bytes"), spin_ns, self._rows, ROWS_MAX, out
         )
         if rc == 0:
             return ServeResult(int(out.served), bool(out.pending))

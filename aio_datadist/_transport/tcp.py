@@ -1080,7 +1080,7 @@ class TcpChannel(Channel):
         try:
             if self._broken:
                 return False
-            result = native.serve(self._fd, MAX_PAYLOAD)
+            result = native.serve(self._fd, MAX_PAYLOAD, self._spin_ns)
             if result.served:
                 self._served = True
             partial = result.partial
