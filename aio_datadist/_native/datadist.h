@@ -171,9 +171,9 @@ int dd_serve_table_stats(dd_serve_table *t, dd_serve_stats *out);
 void dd_serve_unpin(dd_serve_table *t, void *pin);
 /* Answer the PULL and PUSH frames waiting on fd that t can serve, up to the first that it
  * cannot (out->pending then says a frame waits) or until none waits. rows is scratch of
- * cap (addr, len) pairs; requests of more rows, or of more than max_bytes, are left. A
- * push whose payload is still arriving is waited for by busy polling up to spin_ns, then
- * left. Returns DD_OK, DD_SERVE_PARTIAL, DD_EINVAL, or DD_ECLOSED_PEER / DD_ESYS when the
+ * cap (addr, len) pairs; requests of more rows, or of more than max_bytes, are left. The
+ * rest of a small push (up to 256 KiB) still arriving is busy-polled for up to spin_ns;
+ * a push not all there then is left. Returns DD_OK, DD_SERVE_PARTIAL, DD_EINVAL, or DD_ECLOSED_PEER / DD_ESYS when the
  * socket failed after a request was taken (the link cannot go on). Never sleeps, and never
  * waits to send. */
 int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spin_ns,

@@ -51,6 +51,8 @@
 /* Largest frame looked at: header, fixed body and up to PEEK_BLOCKS block ids. */
 #define PEEK_BLOCKS 496
 #define PEEK_MAX (HDR_SIZE + PULL_FIXED + ACCESS_FIXED + 8 * PEEK_BLOCKS)
+/* Largest push whose payload still arriving is busy-polled for. */
+#define PUSH_SPIN_MAX (256u << 10)
 /* Payload rows of one answer: one sendmsg carries them with the header (IOV_MAX 1024). */
 #define ROWS_MAX 1023
 
@@ -494,9 +496,10 @@ int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spi
         uint64_t frame = HDR_SIZE + (uint64_t)body_len;
         if ((!push && payload != 0) || nbytes == 0 || nbytes > max_bytes)
             return DD_OK;
-        /* A push is taken only once all of it has arrived: the rest of one in flight is
-         * busy-polled for up to spin_ns (it follows within microseconds), never slept for. */
-        if (push && !arrived(fd, frame + nbytes, spin_ns))
+        /* A push is taken only once all of it has arrived: the rest of a small one in
+         * flight is busy-polled for up to spin_ns (it follows within microseconds), never
+         * slept for; a large one may not fit the socket's buffer at all. */
+        if (push && !arrived(fd, frame + nbytes, nbytes <= PUSH_SPIN_MAX ? spin_ns : 0))
             return DD_OK;
         const unsigned char *acc = buf + HDR_SIZE + fixed;
         uint32_t nblocks = rd32(acc + 58), nrows = rd32(acc + 62);

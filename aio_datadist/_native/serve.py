@@ -139,7 +139,7 @@ class ServeWorker:
 
         Requests of more than ``max_bytes`` payload bytes, or more than :data:`ROWS_MAX`
         rows, are left to the general reader; so is a push whose payload has not all
-        arrived after ``spin_ns`` of busy polling.
+        arrived (for a push of up to 256 KiB, after ``spin_ns`` of busy polling).
 
         Raises:
             PeerClosed: the peer went away after a request was taken.
