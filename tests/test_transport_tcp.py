@@ -865,20 +865,46 @@ def test_without_busy_polling_the_reader_thread_reads(
     assert readers.by(threading.current_thread().name) == 0
 
 
+def pull_from_raw_peer(
+    channel: Channel, conn: socket.socket
+) -> tuple[U8, Future[None], FrameHeader]:
+    """A 100-byte pull into a fresh buffer, and its request as the raw peer read it."""
+    buf = np.zeros(100, np.uint8)
+    future = channel.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline())
+    header, _ = read_frame(conn)
+    assert header.kind is FrameKind.PULL
+    return buf, future, header
+
+
 def test_a_caller_that_gives_up_leaves_the_answer_to_the_reader(
     raw_server: RawServer, cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     readers = FrameReaders(monkeypatch)
     channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=1000)
-    buf = np.zeros(100, np.uint8)
-    future = channel.pull(request([(0, 100)]), rows(buf, [(0, 100)]), 100, deadline())
-    header, _ = read_frame(conn)
+    buf, future, header = pull_from_raw_peer(channel, conn)
     channel.read_for(future, deadline())  # nothing arrives within a millisecond
     assert not future.done()
     conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=100) + b"\x07" * 100)
     assert future.result(WAIT) is None
     assert (buf == 7).all()
     assert readers.by(threading.current_thread().name) == 0 and len(readers.threads) == 1
+
+
+def test_a_reading_caller_leaves_the_peers_pushes_to_the_reader(
+    raw_server: RawServer, cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=2_000_000)
+    buf, future, header = pull_from_raw_peer(channel, conn)
+    push = frame(FrameKind.PUSH, 77, request([(0, 1000)]), payload_len=1000) + b"\x06" * 1000
+    answer = frame(FrameKind.PULL_DATA, header.request_id, payload_len=100) + b"\x04" * 100
+    conn.sendall(push + answer)
+    channel.read_for(future, deadline())
+    assert future.result(WAIT) is None
+    assert (buf == 4).all()
+    ack, _ = read_frame(conn)
+    assert (ack.kind, ack.request_id) == (FrameKind.PUSH_ACK, 77)
+    assert readers.by(threading.current_thread().name) == 0 and len(readers.threads) == 2
 
 
 def test_a_reading_caller_that_meets_garbage_breaks_the_link(

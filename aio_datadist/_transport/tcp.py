@@ -154,6 +154,7 @@ _NO_BODY = (
 _IO_ERRORS = (NetTimeout, PeerClosed, OSError)
 _ANSWERS = (FrameKind.PULL_DATA, FrameKind.PUSH_ACK, FrameKind.ERROR)
 _NONE: Iov = np.empty((0, 2), dtype=np.uint64)  # no payload rows
+_PUSH_KIND = struct.pack("<H", FrameKind.PUSH)  # a header's kind field (bytes 6-7)
 
 
 def _error(status: LLMStatusCode, message: str) -> LLMException:
@@ -1103,7 +1104,8 @@ class TcpChannel(Channel):
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Busy-poll for up to the busy-poll time and read arriving frames in this thread
         while ``future`` is pending; return once it completed, the time passed with nothing
-        arriving, the reader thread took the frame, or the channel broke.
+        arriving, the reader thread took the frame, the peer's push comes next (the reader
+        thread receives it), or the channel broke.
 
         The caller then waits for ``future`` as usual. Reading here saves the reader
         thread's wake-up and the hand-over of the answer, which together cost more than a
@@ -1126,6 +1128,8 @@ class TcpChannel(Channel):
                         return
                 except OSError:
                     return  # closed meanwhile: the reader thread reports it
+                if self._peer_push_next():
+                    return
                 try:
                     failure = self._read_frame()
                 except BaseException:  # interrupted mid-frame: the stream is out of step
@@ -1138,6 +1142,15 @@ class TcpChannel(Channel):
             self._rlock.release()
             if not future.done() or self._pending or self._owed:
                 self._unpark()  # answers still to come: the reader thread takes over now
+
+    def _peer_push_next(self) -> bool:
+        """True when the next frame is a push of the peer's: its payload takes as long as
+        the peer does, so the reader thread receives it, not a caller with a deadline."""
+        try:
+            head = self._sock.recv(8, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing there after all, or the socket failed: _read_frame says
+            return False
+        return head[6:8] == _PUSH_KIND
 
     def _unpark(self) -> None:
         """Send the reader thread back to the socket at once."""
