@@ -109,9 +109,9 @@ def _check_size(access: Access, nbytes: int) -> None:
 class Server:
     """Serves the peers' pulls and pushes from one engine's caches (a ``RequestHandler``).
 
-    Its :attr:`serve_table` lists the blocks caches whose small pulls a stream transport may
-    answer in native code straight from its reader thread; every request that path leaves
-    (anything else, and every refusal) comes to :meth:`serve`.
+    Its :attr:`serve_table` lists the blocks caches whose small pulls and pushes a stream
+    transport may answer in native code straight from its reader thread; every request that
+    path leaves (anything else, and every refusal) comes to :meth:`serve`.
     """
 
     def __init__(self, caches: CacheService) -> None:
@@ -121,8 +121,8 @@ class Server:
         caches.registry.add_listener(self._publish)
 
     def _publish(self) -> None:
-        """List the host-memory blocks caches peers may read (registry lock held); returns
-        once no native answer still reads a cache that left the list."""
+        """List the host-memory blocks caches peers may read and write (registry lock held);
+        returns once no native answer still uses a cache that left the list."""
         caches = self._caches
         listed = [
             (e.blocks_key.model_id, e.addrs, e.row_bytes, e.num_rows)

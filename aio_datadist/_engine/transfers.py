@@ -11,6 +11,7 @@ a transfer still writes.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -218,6 +219,21 @@ def _completed() -> Future[None]:
 DONE: Future[None] = _completed()
 
 
+def _tracked(plan: TransferPlan, begin: Callable[[], Future[None] | None]) -> Future[None]:
+    """Start a request with ``begin`` (None: it completed at once) and let ``plan`` hold its
+    pins until it completes; a refusal in the caller becomes a failed future."""
+    future: Future[None] | None
+    try:
+        future = begin()
+    except LLMException as exc:
+        future = Future()
+        future.set_exception(exc)
+    if future is None:
+        return DONE
+    plan.track(future)
+    return future
+
+
 def wait_blocking(future: Future[None], deadline_ns: int) -> None:
     """Wait for a request's future in this thread; raise its ``LLMException``."""
     if future is DONE:
@@ -288,14 +304,7 @@ class TransferService:
     def start(self, plan: TransferPlan, step: Step) -> Future[None]:
         """Start one step (one-sided, or its request on the link); the plan holds its pins
         until the returned future completes."""
-        future: Future[None]
-        try:
-            future = self._submit(plan, step)
-        except LLMException as exc:
-            future = Future()
-            future.set_exception(exc)
-        plan.track(future)
-        return future
+        return _tracked(plan, functools.partial(self._submit, plan, step))
 
     def _submit(self, plan: TransferPlan, step: Step) -> Future[None]:
         if step.peer is not None and step.peer.transfer(
@@ -351,17 +360,12 @@ class TransferService:
     def _exchange(plan: TransferPlan, step: Step) -> Future[None]:
         """Start (or run to completion, where the link can) the one request of a blocking
         call; the plan holds its pins until it completes."""
-        try:
-            future = step.channel.exchange(
+        return _tracked(
+            plan,
+            lambda: step.channel.exchange(
                 step.kind, encode_access(step.access), step.local, step.nbytes, plan.deadline_ns
-            )
-        except LLMException as exc:
-            future = Future()
-            future.set_exception(exc)
-        if future is None:
-            return DONE
-        plan.track(future)
-        return future
+            ),
+        )
 
     def _local(self, cache: Any, name: str) -> CacheEntry:
         return self.caches.entry(cache, name)

@@ -189,6 +189,14 @@ def _frame(
     return pack_header(kind, rid, status=status, body_len=body_len, payload_len=payload_len)
 
 
+def _request_ctl(kind: RequestKind, rid: int, body: bytes, nbytes: int) -> bytes:
+    """The control bytes of a request frame: its header and body (a pull's body starts with
+    the payload size it asks for; a push's payload follows the body)."""
+    if kind is RequestKind.PULL:
+        return _frame(FrameKind.PULL, rid, body_len=8 + len(body)) + _U64.pack(nbytes) + body
+    return _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes) + body
+
+
 def _iov_problem(iov: object, nbytes: int) -> str | None:
     """None when ``iov`` is well-formed rows (or segments) that add up to ``nbytes``; else
     what is wrong."""
@@ -539,7 +547,7 @@ class TcpChannel(Channel):
             return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {problem}")
         rid = next(self._ids)
         try:
-            ctl = _frame(FrameKind.PULL, rid, body_len=8 + len(body)) + _U64.pack(nbytes) + body
+            ctl = _request_ctl(RequestKind.PULL, rid, body, nbytes)
         except (WireError, struct.error) as exc:
             return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {exc}")
         req = _Request(rid, RequestKind.PULL, dst, nbytes, deadline_ns, commit=commit)
@@ -563,8 +571,8 @@ class TcpChannel(Channel):
             return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {problem}")
         rid = next(self._ids)
         try:
-            ctl = _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes) + body
-        except WireError as exc:
+            ctl = _request_ctl(RequestKind.PUSH, rid, body, nbytes)
+        except (WireError, struct.error) as exc:
             return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {exc}")
         req = _Request(rid, RequestKind.PUSH, None, nbytes, deadline_ns, busy=True)
         if not self._register(req):
@@ -653,12 +661,7 @@ class TcpChannel(Channel):
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {problem}")
             rid = next(self._ids)
             try:
-                if pull:
-                    ctl = _frame(FrameKind.PULL, rid, body_len=8 + len(body)) + _U64.pack(nbytes)
-                    frame = _Send(ctl + body)
-                else:
-                    ctl = _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes)
-                    frame = _Send(ctl + body, local)
+                frame = _Send(_request_ctl(kind, rid, body, nbytes), None if pull else local)
             except (WireError, struct.error) as exc:
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {exc}") from None
             self._callers_until = now_ns() + _CALLERS_NS  # the reader thread stays off
