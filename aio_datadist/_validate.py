@@ -39,7 +39,7 @@ def _type_names(types: tuple[type, ...]) -> str:
 
 def check_type(name: str, value: Any, *types: type, allow_none: bool = False) -> None:
     """Raise ``TypeError`` unless ``value`` is an instance of one of ``types`` (or None)."""
-    if value is None and allow_none:
+    if type(value) in types or (value is None and allow_none):
         return
     # bool is an int subclass; an int parameter must not silently accept True/False.
     if isinstance(value, bool) and bool not in types:
@@ -62,7 +62,8 @@ def check_int_list(
     name: str, value: Any, kind: str = "uint64", *, containers: tuple[type, ...] = (list, tuple)
 ) -> None:
     """Check a list/tuple of ints, each within the range of ``kind``."""
-    check_type(name, value, *containers)
+    if type(value) not in containers:
+        check_type(name, value, *containers)
     lo, hi = _RANGES[kind]
     for i, item in enumerate(value):
         # Exact ints in range (every valid item) pass without building a name.

@@ -140,8 +140,8 @@ class CacheManager:
 
         Block ``src_blocks[i]`` lands in local block ``dst_blocks[i]``; errors as ``pull_cache``.
         """
-        self._transfers.run(
-            self._transfers.plan_pull_blocks(
+        self._transfers.run_checked(
+            self._transfers.check_pull_blocks(
                 src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
             )
         )
@@ -186,8 +186,8 @@ class CacheManager:
 
         Needs ``enable_remote_cache_accessible``; returns once the bytes are in remote memory.
         """
-        self._transfers.run(
-            self._transfers.plan_push_blocks(
+        self._transfers.run_blocks(
+            self._transfers.check_push_blocks(
                 dst_cache_key,
                 src_cache,
                 src_blocks,

@@ -18,7 +18,14 @@ from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 import aio_datadist as llm
-from aio_datadist._engine.access import MAX_ROWS, Access, Target, decode_access, encode_access
+from aio_datadist._engine.access import (
+    MAX_ROWS,
+    Access,
+    Target,
+    decode_access,
+    encode_access,
+    encode_blocks_access,
+)
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions, encode_entries
 from aio_datadist._transport._wire import MAX_ERROR_TEXT, MAX_PAYLOAD, WireError, decode_error_text
 from aio_datadist._transport.samehost import decode_extensions
@@ -64,6 +71,24 @@ def test_access_round_trip(access: Access) -> None:
     back = decode_access(encode_access(access))
     for name in Access.__slots__:
         assert np.array_equal(getattr(back, name), getattr(access, name)), name
+
+
+@FUZZ
+@given(u64, u32, u32, st.integers(0, MAX_PAYLOAD), st.lists(u64, max_size=200))
+def test_blocks_access_encodes_as_its_access(
+    model_id: int, start: int, count: int, seg: int, blocks: list[int]
+) -> None:
+    access = Access(
+        Target.BLOCKS_KEY,
+        ident=model_id,
+        tensor_start=start,
+        tensor_count=count,
+        seg_bytes=seg,
+        blocks=np.array(blocks, dtype=np.uint64),
+    )
+    body = encode_blocks_access(model_id, start, count, seg, blocks)
+    assert body == encode_access(access)
+    assert encode_blocks_access(model_id, start, count, seg, tuple(blocks)) == body
 
 
 @FUZZ

@@ -506,3 +506,126 @@ def test_vm_copy_batch_errors(peer_buffer: tuple[subprocess.Popen[str], int, int
     proc.wait()
     with pytest.raises(ProcessLookupError):
         api.vm_copy_batch(proc.pid, make_ops([(addr(local), there, 4096)]), write=False)
+
+
+# -- blocks -----------------------------------------------------------------------------------
+
+
+def _layout(buf: npt.NDArray[np.uint8], tensors: int, block: int, blocks: int) -> api.BlockLayout:
+    return api.BlockLayout([addr(buf) + t * block * blocks for t in range(tensors)], block, blocks)
+
+
+@given(
+    start=st.integers(0, 3),
+    count=st.integers(0, 4),
+    blocks=st.lists(st.integers(0, 7), max_size=12),
+    seg=st.integers(1, 16),
+)
+@settings(max_examples=200, deadline=None)
+def test_block_rows_match_the_python_rows(
+    start: int, count: int, blocks: list[int], seg: int
+) -> None:
+    buf = np.zeros(4 * 8 * 16, dtype=np.uint8)
+    layout = _layout(buf, 4, 16, 8)
+    if start + count > 4:
+        with pytest.raises(ParamInvalidError):
+            api.block_rows(layout, start, count, blocks, seg)
+        return
+    want = [
+        (addr(buf) + t * 128 + b * 16, seg) for t in range(start, start + count) for b in blocks
+    ]
+    got = api.block_rows(layout, start, count, blocks, seg)
+    assert got.dtype == np.uint64 and got.shape == (len(want), 2)
+    assert [tuple(r) for r in got.tolist()] == want
+    as_array = api.block_rows(layout, start, count, np.asarray(blocks, dtype=np.uint64), seg)
+    np.testing.assert_array_equal(as_array, got)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "seg", "error"),
+    [
+        ([8], 16, ParamInvalidError),  # block past the end
+        ([-1], 16, ParamInvalidError),
+        ([2**64], 16, ParamInvalidError),
+        ([1], 17, ParamInvalidError),  # segment over a block
+        ([1], 0, ParamInvalidError),
+        (["1"], 16, TypeError),
+        ([1.0], 16, TypeError),
+        (np.asarray([1], dtype=np.int64), 16, TypeError),
+    ],
+)
+def test_block_rows_refusals(blocks: object, seg: int, error: type[Exception]) -> None:
+    buf = np.zeros(4 * 8 * 16, dtype=np.uint8)
+    with pytest.raises(error):
+        api.block_rows(_layout(buf, 4, 16, 8), 0, 2, blocks, seg)
+
+
+def test_block_layout_refuses_addresses_that_wrap() -> None:
+    layout = api.BlockLayout([2**64 - 64], 16, 8)
+    with pytest.raises(ParamInvalidError):
+        api.block_rows(layout, 0, 1, [7], 16)
+
+
+def test_vm_copy_blocks_reads_and_writes_another_process(
+    peer_buffer: tuple[subprocess.Popen[str], int, int],
+) -> None:
+    proc, there, size = peer_buffer
+    expected = np.frombuffer(bytes(range(256)) * (size // 256), dtype=np.uint8)
+    block, per_tensor = 4096, 64  # the peer's 8 MiB: 32 tensors of 64 blocks
+    theirs = api.BlockLayout([there + t * block * per_tensor for t in range(32)], block, 64)
+    local = np.zeros(4 * 16 * block, dtype=np.uint8)  # 4 tensors of 16 blocks
+    mine = _layout(local, 4, block, 16)
+    src_blocks, dst_blocks = [63, 0, 17], [1, 15, 2]
+    try:
+        api.vm_copy_blocks(
+            proc.pid, (mine, 1, dst_blocks), (theirs, 5, src_blocks), 3, block, write=False
+        )
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+    got = local.reshape(4, 16, block)
+    want = expected.reshape(32, 64, block)
+    for t in range(3):
+        for s, d in zip(src_blocks, dst_blocks, strict=True):
+            np.testing.assert_array_equal(got[1 + t, d], want[5 + t, s])
+    assert not got[0].any() and not got[1, 0].any()
+    # write a block of ones over every block of the peer's first tensor, half a block each
+    ones = np.ones(64 * block // 2, dtype=np.uint8)
+    api.vm_copy_blocks(
+        proc.pid,
+        (theirs, 0, list(range(64))),
+        (_layout(ones, 1, block // 2, 64), 0, list(range(64))),
+        1,
+        block // 2,
+        write=True,
+    )
+    out, _ = proc.communicate("", timeout=30)
+    half = expected.reshape(32, 64, block)[0, :, : block // 2].astype(np.uint64).sum()
+    assert int(out.strip()) == int(expected.astype(np.uint64).sum()) - int(half) + 64 * block // 2
+
+
+def test_vm_copy_blocks_refuses_before_moving(
+    peer_buffer: tuple[subprocess.Popen[str], int, int],
+) -> None:
+    proc, there, _ = peer_buffer
+    theirs = api.BlockLayout([there], 4096, 16)
+    local = np.zeros(4 * 4096, dtype=np.uint8)
+    mine = _layout(local, 1, 4096, 4)
+    bad: list[tuple[object, object, int, int]] = [
+        ((mine, 0, [4]), (theirs, 0, [0]), 1, 4096),  # local block past the end
+        ((mine, 0, [0]), (theirs, 0, [16]), 1, 4096),  # their block past the end
+        ((mine, 0, [0]), (theirs, 1, [0]), 1, 4096),  # their tensor past the end
+        ((mine, 0, [0, 1]), (theirs, 0, [0]), 1, 4096),  # lists differ
+        ((mine, 0, [0]), (theirs, 0, [0]), 1, 8192),  # segment over a block
+    ]
+    for dst, src, count, seg in bad:
+        with pytest.raises(ParamInvalidError):
+            api.vm_copy_blocks(proc.pid, dst, src, count, seg, write=False)  # type: ignore[arg-type]
+    assert not local.any()
+    with pytest.raises(TypeError):
+        api.vm_copy_blocks(proc.pid, (mine, 0, ["0"]), (theirs, 0, [0]), 1, 4096, write=False)
+    with pytest.raises(ValueError):
+        api.vm_copy_blocks(0, (mine, 0, [0]), (theirs, 0, [0]), 1, 4096, write=False)
+    proc.kill()
+    proc.wait()
+    with pytest.raises((ProcessLookupError, PermissionError)):
+        api.vm_copy_blocks(proc.pid, (mine, 0, [0]), (theirs, 0, [0]), 1, 4096, write=False)

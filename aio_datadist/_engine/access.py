@@ -16,6 +16,7 @@ Segment layout, in payload order:
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -24,7 +25,7 @@ import numpy.typing as npt
 
 from aio_datadist._transport._wire import MAX_PAYLOAD, WireError
 
-__all__ = ("Access", "Target", "decode_access", "encode_access")
+__all__ = ("Access", "Target", "decode_access", "encode_access", "encode_blocks_access")
 
 U64s = npt.NDArray[np.uint64]
 _EMPTY: U64s = np.empty(0, dtype=np.uint64)
@@ -79,6 +80,9 @@ class Access:
 
 
 _FIXED = struct.Struct("<BBQQQIIQQQ")
+_COUNTS = struct.Struct("<II")
+#: Up to this many blocks, ``struct`` packs a block list faster than numpy.
+_PACKED_BLOCKS = 64
 
 
 def encode_access(access: Access) -> bytes:
@@ -97,8 +101,25 @@ def encode_access(access: Access) -> bytes:
         access.seg_bytes,
         access.tail_bytes,
     )
-    counts = struct.pack("<II", len(blocks), len(rows) // 2)
+    counts = _COUNTS.pack(len(blocks), len(rows) // 2)
     return b"".join((fixed, counts, blocks.tobytes(), rows.tobytes()))
+
+
+def encode_blocks_access(
+    model_id: int, tensor_start: int, tensor_count: int, seg_bytes: int, blocks: Sequence[int]
+) -> bytes:
+    """The request body of an access of ``blocks`` (whole blocks of ``seg_bytes``) of the
+    blocks cache ``model_id``: :func:`encode_access` of that access, built without one."""
+    n = len(blocks)
+    listed = (
+        struct.pack(f"<{n}Q", *blocks)
+        if n <= _PACKED_BLOCKS
+        else np.asarray(blocks, dtype="<u8").tobytes()
+    )
+    fixed = _FIXED.pack(
+        Target.BLOCKS_KEY, 0, model_id, 0, 0, tensor_start, tensor_count, 0, seg_bytes, 0
+    )
+    return b"".join((fixed, _COUNTS.pack(n, 0), listed))
 
 
 def decode_access(body: bytes | bytearray | memoryview) -> Access:

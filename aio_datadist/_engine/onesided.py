@@ -22,8 +22,10 @@ pull reads it fails that pull with ``LLM_KV_CACHE_NOT_EXIST`` (the board changed
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import structlog
@@ -34,6 +36,7 @@ from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api
+from aio_datadist._native.api import BlockLayout
 from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.samehost import HostPresence, local_host_key
@@ -148,6 +151,51 @@ class PeerMemory:
             self._check_still_there(regions, entries)
         return moved
 
+    def transfer_blocks(
+        self,
+        kind: RequestKind,
+        model_id: int,
+        remote: tuple[int, int],
+        remote_blocks: Sequence[int],
+        local: tuple[BlockLayout, int, Sequence[int]],
+        count: int,
+        seg: int,
+    ) -> bool:
+        """:meth:`transfer` of blocks between host blocks caches, in one native call:
+        ``seg`` bytes of each of ``count`` tensors from ``remote_blocks`` of the peer's
+        blocks cache ``model_id`` (tensors from ``remote[0]``) to the ``local`` blocks
+        (``(layout, first tensor, blocks)``), or back for a push.
+
+        False when this route does not take it, nothing moved: the peer does not publish
+        that cache in host memory, or a block, tensor or size lies outside it (the general
+        route then names the problem exactly as the serving side would).
+
+        :raises LLMException: as :meth:`transfer`.
+        """
+        if not self.enabled:
+            return False
+        regions = self._view.regions()
+        if regions is None:
+            return False
+        entry = regions.by_model.get(model_id)
+        if entry is None or entry.token:
+            return False
+        theirs = (regions.layout(entry), remote[0], remote_blocks)
+        push = kind is RequestKind.PUSH
+        dst, src = (theirs, local) if push else (local, theirs)
+        try:
+            moved = self._vm_copy(
+                kind,
+                functools.partial(api.vm_copy_blocks, self.pid, dst, src, count, seg, write=push),
+                regions,
+                [entry],
+            )
+        except ParamInvalidError:
+            return False
+        if moved:
+            self._check_still_there(regions, [entry])
+        return moved
+
     def _map(self, entries: list[BoardEntry], remote: Iov) -> Iov | None:
         """``remote`` rows translated into this process through the peer's sharing tokens;
         None when the runtime cannot map them (the link carries such requests from then on)."""
@@ -182,13 +230,17 @@ class PeerMemory:
     def _vm_copy(
         self,
         kind: RequestKind,
-        ops: np.ndarray,
+        ops: np.ndarray | Callable[[], None],
         regions: RemoteRegions,
         entries: list[BoardEntry],
     ) -> bool:
-        """Copy with the peer's host memory; False when the kernel refused (use the link)."""
+        """Copy with the peer's host memory (the ops, or a call that copies); False when the
+        kernel refused (use the link)."""
         try:
-            api.vm_copy_batch(self.pid, ops, write=kind is RequestKind.PUSH)
+            if callable(ops):
+                ops()
+            else:
+                api.vm_copy_batch(self.pid, ops, write=kind is RequestKind.PUSH)
         except PermissionError as exc:
             self.enabled = False
             self._log.warning(

@@ -37,6 +37,8 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from aio_datadist._native.api import BlockLayout
+
 __all__ = ("BOARD_BYTES", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegions")
 
 #: Size of a board file (sparse: only the pages a table uses are ever committed).
@@ -118,6 +120,15 @@ class RemoteRegions:
         )
         self._starts = [s for s, _, _ in spans]
         self._spans = spans
+        self._layouts: dict[int, BlockLayout] = {}
+
+    def layout(self, entry: BoardEntry) -> BlockLayout:
+        """The blocks of ``entry`` (one of this board's) for native code."""
+        layout = self._layouts.get(entry.cache_id)
+        if layout is None:
+            layout = BlockLayout(entry.addrs, entry.row_bytes, entry.num_rows)
+            self._layouts[entry.cache_id] = layout
+        return layout
 
     @classmethod
     def decode(cls, seq: int, table: bytes) -> RemoteRegions:

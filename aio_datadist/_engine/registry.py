@@ -12,6 +12,7 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from aio_datadist._memory.pool import Allocation, MemoryPool
+from aio_datadist._native.api import BlockLayout
 from aio_datadist.cache import Cache
 from aio_datadist.enums import Placement
 from aio_datadist.types import BlocksCacheKey, CacheDesc
@@ -48,12 +49,15 @@ class CacheEntry:
     row_bytes: int = field(init=False)
     #: Where the memory lives.
     placement: Placement = field(init=False)
+    #: The tensors' rows (or blocks) for native code.
+    layout: BlockLayout = field(init=False)
 
     def __post_init__(self) -> None:
         self.tensor_bytes = self.desc.size
         self.num_rows = self.desc.batch_size
         self.row_bytes = self.tensor_bytes // self.num_rows if self.num_rows else 0
         self.placement = self.desc.placement
+        self.layout = BlockLayout(self.addrs, self.row_bytes, self.num_rows)
 
 
 class CacheRegistry:
@@ -62,6 +66,7 @@ class CacheRegistry:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._unpinned = threading.Condition(self.lock)
+        self._waiting = 0  # threads in wait_unpinned
         self._next_id = 1
         self._entries: dict[int, CacheEntry] = {}
         self._keys: dict[KeyIdentity, CacheEntry] = {}
@@ -167,12 +172,17 @@ class CacheRegistry:
             for entry in entries:
                 entry.pins -= 1
                 self._maybe_free(entry)
-            self._unpinned.notify_all()
+            if self._waiting:
+                self._unpinned.notify_all()
 
     def wait_unpinned(self, entry: CacheEntry, timeout: float | None = None) -> bool:
         """Block until no copy uses ``entry``; False if ``timeout`` (seconds) ran out first."""
         with self.lock:
-            return self._unpinned.wait_for(lambda: entry.pins == 0, timeout)
+            self._waiting += 1
+            try:
+                return self._unpinned.wait_for(lambda: entry.pins == 0, timeout)
+            finally:
+                self._waiting -= 1
 
     def clear(self, free: Callable[[CacheEntry], None] | None = None) -> None:
         """Forget everything (finalize); ``free`` is called for each entry still holding memory."""

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from aio_datadist._engine.access import Access, Target, encode_access
+from aio_datadist._engine.access import Access, Target, encode_access, encode_blocks_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.onesided import PeerMemory
@@ -149,6 +149,51 @@ class Step:
             self.channel.pull_in_caller
             if self.kind is RequestKind.PULL
             else self.channel.push_in_caller
+        )
+
+
+@dataclass(slots=True, eq=False)
+class BlocksCall:
+    """A checked ``pull_blocks``/``push_blocks`` between two blocks caches by
+    ``BlocksCacheKey``, before any request exists.
+
+    It pins its local cache from the check on; whoever takes it over
+    (:meth:`TransferService.run_blocks` or :meth:`TransferService.plan_blocks`) lets the pin
+    go once the bytes moved.
+    """
+
+    kind: RequestKind
+    cluster_id: int
+    #: The peer's blocks key.
+    model_id: int
+    entry: CacheEntry
+    #: ``(first tensor, tensors)`` here and on the peer.
+    local: tuple[int, int]
+    remote: tuple[int, int]
+    local_blocks: Sequence[int]
+    remote_blocks: Sequence[int]
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the call."""
+        return self.local[1] * len(self.local_blocks) * self.entry.row_bytes
+
+    def access(self) -> Access:
+        """The access naming the peer's blocks."""
+        return Access(
+            Target.BLOCKS_KEY,
+            ident=self.model_id,
+            tensor_start=self.remote[0],
+            tensor_count=self.remote[1],
+            seg_bytes=self.entry.row_bytes,
+            blocks=np.asarray(self.remote_blocks, dtype=np.uint64),
+        )
+
+    def rows(self) -> Iov:
+        """The local rows, in payload order."""
+        start, count = self.local
+        return api.block_rows(
+            self.entry.layout, start, count, self.local_blocks, self.entry.row_bytes
         )
 
 
@@ -381,9 +426,8 @@ class TransferService:
     def _pull_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
         if not kwargs:
             return None, None, 2
-        unknown = set(kwargs) - _PULL_KWARGS
-        if unknown:
-            raise TypeError(f"unexpected keyword arguments: {sorted(unknown)}")
+        if not _PULL_KWARGS.issuperset(kwargs):
+            raise TypeError(f"unexpected keyword arguments: {sorted(set(kwargs) - _PULL_KWARGS)}")
         per_layer = kwargs.get("tensor_num_per_layer", 2)
         check_int("tensor_num_per_layer", per_layer, "uint32")
         if per_layer < 1:
@@ -482,6 +526,20 @@ class TransferService:
         kwargs: dict[str, Any],
     ) -> TransferPlan:
         """Plan ``pull_blocks``: remote blocks (or one remote row) into local blocks."""
+        return self._planned(
+            self.check_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
+        )
+
+    def check_pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        kwargs: dict[str, Any],
+    ) -> BlocksCall | TransferPlan:
+        """Check ``pull_blocks``: a :class:`BlocksCall` between blocks caches, else the plan
+        of a remote row pulled into local blocks."""
         check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
         check_type("dst_cache", dst_cache, Cache)
         src_blocks = () if src_blocks is None else src_blocks
@@ -490,37 +548,30 @@ class TransferService:
         src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
         if not dst_blocks:
             raise _invalid("dst_blocks must not be empty")
+        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        if by_blocks and len(src_blocks) != len(dst_blocks):
+            raise _invalid(
+                f"src_blocks has {len(src_blocks)} blocks but dst_blocks has {len(dst_blocks)}"
+            )
+        if not by_blocks and src_blocks:
+            raise _invalid("src_blocks must be empty when the source is a batch cache key")
         with self.caches.registry.lock:
             entry = self._local(dst_cache, "dst_cache")
             if not entry.is_blocks:
                 raise _invalid("pull_blocks needs a blocks cache as dst_cache")
             check_blocks("dst_blocks", dst_blocks, entry.num_rows)
             remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
-            block = entry.row_bytes
-            if isinstance(src_cache_key, BlocksCacheKey):
-                if len(src_blocks) != len(dst_blocks):
-                    raise _invalid(
-                        f"src_blocks has {len(src_blocks)} blocks but dst_blocks has "
-                        f"{len(dst_blocks)}"
-                    )
-                access = Access(
-                    Target.BLOCKS_KEY,
-                    ident=src_cache_key.model_id,
-                    tensor_start=remote[0],
-                    tensor_count=remote[1],
-                    seg_bytes=block,
-                    blocks=np.asarray(src_blocks, dtype=np.uint64),
+            if by_blocks:
+                return self._blocks_call(
+                    RequestKind.PULL, src_cache_key, entry, local, remote, dst_blocks, src_blocks
                 )
-            else:
-                if src_blocks:
-                    raise _invalid("src_blocks must be empty when the source is a batch cache key")
-                access = self._key_access(
-                    src_cache_key,
-                    tensor_start=remote[0],
-                    tensor_count=remote[1],
-                    seg_bytes=block * len(dst_blocks),
-                )
-            rows = local_rows(entry, local, seg=block, blocks=list(dst_blocks))
+            access = self._key_access(
+                src_cache_key,
+                tensor_start=remote[0],
+                tensor_count=remote[1],
+                seg_bytes=entry.row_bytes * len(dst_blocks),
+            )
+            rows = api.block_rows(entry.layout, local[0], local[1], dst_blocks, entry.row_bytes)
             step = self.step(src_cache_key.cluster_id, RequestKind.PULL, access, rows, entry=entry)
             return self._plan([step], [entry])
 
@@ -591,6 +642,30 @@ class TransferService:
         tensor_num_per_layer: Any,
     ) -> TransferPlan:
         """Plan ``push_blocks``: local blocks into the remote blocks cache of ``dst_cache_key``."""
+        return self.plan_blocks(
+            self.check_push_blocks(
+                dst_cache_key,
+                src_cache,
+                src_blocks,
+                dst_blocks,
+                src_layer_range,
+                dst_layer_range,
+                tensor_num_per_layer,
+            )
+        )
+
+    def check_push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        tensor_num_per_layer: Any,
+    ) -> BlocksCall:
+        """Check ``push_blocks``: local blocks into the remote blocks cache of
+        ``dst_cache_key``."""
         self._require_remote_access("push_blocks")
         check_type("dst_cache_key", dst_cache_key, BlocksCacheKey)
         check_type("src_cache", src_cache, Cache)
@@ -611,15 +686,93 @@ class TransferService:
             remote, local = self._push_spans(
                 entry, src_layer_range, dst_layer_range, tensor_num_per_layer
             )
-            block = entry.row_bytes
-            access = Access(
-                Target.BLOCKS_KEY,
-                ident=dst_cache_key.model_id,
-                tensor_start=remote[0],
-                tensor_count=remote[1],
-                seg_bytes=block,
-                blocks=np.asarray(dst_blocks, dtype=np.uint64),
+            return self._blocks_call(
+                RequestKind.PUSH, dst_cache_key, entry, local, remote, src_blocks, dst_blocks
             )
-            rows = local_rows(entry, local, seg=block, blocks=list(src_blocks))
-            step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows, entry=entry)
-            return self._plan([step], [entry])
+
+    # -- blocks calls ---------------------------------------------------------------------
+    def _blocks_call(
+        self,
+        kind: RequestKind,
+        key: BlocksCacheKey,
+        entry: CacheEntry,
+        local: tuple[int, int],
+        remote: tuple[int, int],
+        local_blocks: Sequence[int],
+        remote_blocks: Sequence[int],
+    ) -> BlocksCall:
+        """A :class:`BlocksCall` pinning ``entry`` (registry lock held)."""
+        self.caches.registry.pin((entry,))
+        return BlocksCall(
+            kind, key.cluster_id, key.model_id, entry, local, remote, local_blocks, remote_blocks
+        )
+
+    def _unpin(self, call: BlocksCall) -> Callable[[], None]:
+        registry, entries = self.caches.registry, (call.entry,)
+        return lambda: registry.unpin(entries)
+
+    def _planned(self, checked: BlocksCall | TransferPlan) -> TransferPlan:
+        return checked if isinstance(checked, TransferPlan) else self.plan_blocks(checked)
+
+    def run_checked(self, checked: BlocksCall | TransferPlan) -> None:
+        """Run a checked call or a plan in this thread (the blocking face)."""
+        if isinstance(checked, TransferPlan):
+            self.run(checked)
+        else:
+            self.run_blocks(checked)
+
+    def plan_blocks(self, call: BlocksCall) -> TransferPlan:
+        """The general plan of ``call`` (one request); it takes over the call's pin."""
+        try:
+            step = self.step(
+                call.cluster_id, call.kind, call.access(), call.rows(), entry=call.entry
+            )
+        except BaseException:
+            self._unpin(call)()
+            raise
+        return TransferPlan(
+            [step], api.monotonic_ns() + self.timeout_ms * 1_000_000, self._unpin(call)
+        )
+
+    def run_blocks(self, call: BlocksCall) -> None:
+        """Run ``call`` in this thread (the blocking face): one-sided to a same-host peer in
+        one native call, else its request exchanged over the link in the caller; device
+        memory, and whatever the peer's board does not show, take the general plan."""
+        link = self.links.get(call.cluster_id)
+        if link is None or self.caches.on_device(call.entry):
+            return self.run(self.plan_blocks(call))
+        registry, entries = self.caches.registry, (call.entry,)
+        peer = link.peer_memory
+        try:
+            if peer is not None and peer.serves(Target.BLOCKS_KEY):
+                moved = peer.transfer_blocks(
+                    call.kind,
+                    call.model_id,
+                    call.remote,
+                    call.remote_blocks,
+                    (call.entry.layout, call.local[0], call.local_blocks),
+                    call.local[1],
+                    call.entry.row_bytes,
+                )
+                future = None
+            else:
+                moved = True
+                deadline_ns = api.monotonic_ns() + self.timeout_ms * 1_000_000
+                body = encode_blocks_access(
+                    call.model_id, *call.remote, call.entry.row_bytes, call.remote_blocks
+                )
+                future = link.channel.exchange(
+                    call.kind, body, call.rows(), call.nbytes, deadline_ns
+                )
+        except BaseException:
+            registry.unpin(entries)
+            raise
+        if not moved:  # the general plan takes the pin over
+            return self.run(self.plan_blocks(call))
+        if future is None:
+            registry.unpin(entries)
+            return None
+        future.add_done_callback(lambda _: registry.unpin(entries))
+        link.channel.read_for(future, deadline_ns)
+        wait_blocking(future, deadline_ns)
+        return None

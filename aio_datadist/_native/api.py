@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from ._ffi import ffi, lib
 
 __all__ = (
     "SPLIT_THRESHOLD",
+    "BlockLayout",
     "NativePool",
     "NetTimeout",
     "PeerClosed",
@@ -53,6 +55,8 @@ __all__ = (
     "sock_take_answer",
     "sock_tune",
     "sock_wait_readable",
+    "block_rows",
+    "vm_copy_blocks",
     "vm_copy_batch",
 )
 
@@ -301,11 +305,15 @@ def copy(dst: int, src: int, nbytes: int) -> None:
 def _ops_table(ops: object, threads: object) -> int:
     """Check a ``(dst, src, nbytes)`` table and a thread count; return the row count."""
     table = _u64_table("ops", ops, 3)
+    _copy_threads(threads)
+    return int(table.shape[0])
+
+
+def _copy_threads(threads: object) -> None:
     if isinstance(threads, bool) or not isinstance(threads, int):
         raise TypeError(f"threads must be an int, got {type(threads).__name__}")
     if not 0 <= threads <= MAX_COPY_THREADS:
         _check(lib.DD_EINVAL, f"copy threads={threads}")
-    return int(table.shape[0])
 
 
 def vm_copy_batch(pid: int, ops: npt.NDArray[np.uint64], *, write: bool, threads: int = 0) -> None:
@@ -324,25 +332,152 @@ def vm_copy_batch(pid: int, ops: npt.NDArray[np.uint64], *, write: bool, threads
         OSError: ``EFAULT`` (an address is not mapped on one side) or another failure;
             part of the batch may have moved.
     """
-    if isinstance(pid, bool) or not isinstance(pid, int):
-        raise TypeError(f"pid must be an int, got {type(pid).__name__}")
-    if not 0 < pid <= _INT_MAX:
-        raise ValueError(f"pid must be a positive process id, got {pid}")
+    _pid(pid)
     n = _ops_table(ops, threads)
     if n == 0:
         return
     err = ffi.new("int *")
     rc = lib.dd_vm_copy_batch(pid, int(write), ffi.from_buffer("uint64_t[]", ops), n, threads, err)
+    _vm_check(rc, int(err[0]), pid, write, f"vm_copy_batch of {n} rows")
+
+
+def _pid(pid: object) -> None:
+    if isinstance(pid, bool) or not isinstance(pid, int):
+        raise TypeError(f"pid must be an int, got {type(pid).__name__}")
+    if not 0 < pid <= _INT_MAX:
+        raise ValueError(f"pid must be a positive process id, got {pid}")
+
+
+def _vm_check(rc: int, code: int, pid: int, write: bool, what: str) -> None:
+    """Raise for a cross-process copy's return code (``code``: the errno it met)."""
     if rc == lib.DD_ESYS:
-        code = int(err[0])
-        what = f"{'write to' if write else 'read from'} process {pid}: {os.strerror(code)}"
+        where = f"{'write to' if write else 'read from'} process {pid}: {os.strerror(code)}"
         if code in (errno.EPERM, errno.EACCES, errno.ENOSYS):
-            raise PermissionError(code, what)
+            raise PermissionError(code, where)
         if code == errno.ESRCH:
-            raise ProcessLookupError(code, what)
-        raise OSError(code, what)
+            raise ProcessLookupError(code, where)
+        raise OSError(code, where)
     if rc != 0:
-        _check(rc, f"vm_copy_batch of {n} rows (a row has a null address or wraps around)")
+        _check(rc, f"{what} (a row outside its memory, a null address or one that wraps)")
+
+
+class BlockLayout:
+    """Where the blocks of a blocks cache live: each tensor's base address, the bytes of one
+    block, and the blocks per tensor (block ``b`` of tensor ``t`` starts at
+    ``bases[t] + b * block_bytes``)."""
+
+    __slots__ = ("_cbases", "bases", "block_bytes", "num_blocks")
+
+    def __init__(self, bases: tuple[int, ...] | list[int], block_bytes: int, num_blocks: int):
+        self.bases = np.array(bases, dtype=np.uint64)
+        self.block_bytes = _u64(block_bytes, "block_bytes")
+        self.num_blocks = _u64(num_blocks, "num_blocks")
+        self._cbases = ffi.from_buffer("uint64_t[]", self.bases)
+
+    def _tensors(self, start: int, count: int) -> Any:
+        """The C pointer to ``bases[start]``, once ``[start, start + count)`` was checked."""
+        if not 0 <= start <= start + count <= len(self.bases):
+            _check(
+                lib.DD_EINVAL,
+                f"tensors [{start}, {start + count}) of a layout of {len(self.bases)} tensors",
+            )
+        return self._cbases + start
+
+
+def _block_list(name: str, blocks: object) -> Any:
+    """A block list (ints, or a 1-D uint64 array) as a C array."""
+    if isinstance(blocks, np.ndarray):
+        if blocks.dtype != np.uint64 or blocks.ndim != 1 or not blocks.flags.c_contiguous:
+            raise TypeError(f"{name} must be a contiguous 1-D uint64 array or a list of ints")
+        return ffi.from_buffer("uint64_t[]", blocks)
+    try:
+        return ffi.new("uint64_t[]", blocks)
+    except OverflowError:
+        _check(lib.DD_EINVAL, f"{name} holds a value outside [0, 2**64)")
+    except TypeError:
+        raise TypeError(f"{name} must be a list of ints or a uint64 array") from None
+
+
+def block_rows(
+    layout: BlockLayout, start: int, count: int, blocks: object, seg: int
+) -> npt.NDArray[np.uint64]:
+    """The ``(addr, len)`` rows of ``blocks`` in tensors ``[start, start + count)`` of
+    ``layout``: ``seg`` bytes at each block, per tensor then per block.
+
+    Raises:
+        TypeError: ``blocks`` is not a list of ints or a 1-D uint64 array.
+        ParamInvalidError: a tensor outside the layout, a block not below ``num_blocks``,
+            ``seg`` 0 or over ``block_bytes``, or an address that wraps.
+    """
+    cblocks = _block_list("blocks", blocks)
+    n = len(cblocks)
+    rows = np.empty((count * n, 2), dtype=np.uint64)
+    rc = lib.dd_block_rows(
+        ffi.from_buffer("uint64_t[]", rows),
+        layout._tensors(start, count),
+        count,
+        layout.block_bytes,
+        layout.num_blocks,
+        cblocks,
+        n,
+        _u64(seg, "seg"),
+    )
+    _check(rc, "block_rows (a block or segment outside the layout)")
+    return rows
+
+
+def vm_copy_blocks(
+    pid: int,
+    dst: tuple[BlockLayout, int, Sequence[int]],
+    src: tuple[BlockLayout, int, Sequence[int]],
+    count: int,
+    seg: int,
+    *,
+    write: bool,
+    threads: int = 0,
+) -> None:
+    """``vm_copy_batch`` of blocks between two layouts, one of them in process ``pid``.
+
+    ``dst`` and ``src`` are ``(layout, first tensor, blocks)`` with blocks as lists of ints:
+    ``seg`` bytes of block ``src_blocks[k]`` of each of ``count`` tensors land in block
+    ``dst_blocks[k]`` of the matching ``dst`` tensor. ``write``: ``dst`` is in ``pid``'s
+    memory; else ``src`` is.
+
+    Raises:
+        TypeError, ValueError: as for ``vm_copy_batch``, or a block list that is not ints.
+        ParamInvalidError: the lists differ in length, a tensor or block outside its layout,
+            ``seg`` 0 or over a block; nothing moved then.
+        PermissionError, ProcessLookupError, OSError: as for ``vm_copy_batch``.
+    """
+    _pid(pid)
+    _copy_threads(threads)
+    d_layout, d_start, d_blocks = dst
+    s_layout, s_start, s_blocks = src
+    n = len(d_blocks)
+    if len(s_blocks) != n:
+        _check(lib.DD_EINVAL, f"{n} dst blocks but {len(s_blocks)} src blocks")
+    # One C array for both lists: its first n values are dst's.
+    blocks = _block_list("blocks", [*d_blocks, *s_blocks])
+    err = ffi.new("int *")
+    rc = lib.dd_vm_copy_blocks(
+        pid,
+        int(write),
+        d_layout._tensors(d_start, count),
+        d_layout.block_bytes,
+        d_layout.num_blocks,
+        blocks,
+        s_layout._tensors(s_start, count),
+        s_layout.block_bytes,
+        s_layout.num_blocks,
+        blocks + n,
+        count,
+        n,
+        _u64(seg, "seg"),
+        threads,
+        err,
+    )
+    if rc:
+        _vm_check(rc, int(err[0]), pid, write, f"vm_copy_blocks of {count} x {n} blocks")
 
 
 def copy_batch(ops: npt.NDArray[np.uint64], threads: int = 0) -> None:

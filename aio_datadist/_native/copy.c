@@ -25,6 +25,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -395,4 +396,86 @@ int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned
         return rc;
     *err_no = atomic_load(&j.err);
     return *err_no == 0 ? DD_OK : DD_ESYS;
+}
+
+/* ---- blocks ---- */
+
+/* Most rows built on the stack; more go to the heap. */
+#define STACK_ROWS 64
+
+/* Check one side of a blocks batch: every block below num_rows, 0 < seg <= row_bytes, the
+ * row count representable and no address wrapping. */
+static int blocks_side_ok(const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
+                          uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg)
+{
+    if ((ntensors && bases == NULL) || (nblocks && blocks == NULL))
+        return 0;
+    if (seg == 0 || seg > row_bytes || (nblocks && ntensors > SIZE_MAX / 3 / nblocks))
+        return 0;
+    uint64_t top = 0; /* highest block named */
+    for (size_t k = 0; k < nblocks; k++) {
+        if (blocks[k] >= num_rows)
+            return 0;
+        if (blocks[k] > top)
+            top = blocks[k];
+    }
+    if (nblocks == 0)
+        return 1;
+    /* top < num_rows, so the product is below the tensor's bytes only when that fits. */
+    if (top > (UINT64_MAX - seg) / row_bytes)
+        return 0;
+    uint64_t reach = top * row_bytes + seg;
+    for (size_t t = 0; t < ntensors; t++)
+        if (bases[t] == 0 || bases[t] + reach < bases[t])
+            return 0;
+    return 1;
+}
+
+int dd_block_rows(uint64_t *rows, const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
+                  uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg)
+{
+    if ((ntensors && nblocks && rows == NULL) ||
+        !blocks_side_ok(bases, ntensors, row_bytes, num_rows, blocks, nblocks, seg))
+        return DD_EINVAL;
+    for (size_t t = 0; t < ntensors; t++)
+        for (size_t k = 0; k < nblocks; k++) {
+            *rows++ = bases[t] + blocks[k] * row_bytes;
+            *rows++ = seg;
+        }
+    return DD_OK;
+}
+
+int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,
+                      uint64_t dst_num_rows, const uint64_t *dst_blocks,
+                      const uint64_t *src_bases, uint64_t src_row_bytes, uint64_t src_num_rows,
+                      const uint64_t *src_blocks, size_t ntensors, size_t nblocks, uint64_t seg,
+                      unsigned nthreads, int *err_no)
+{
+    if (err_no == NULL)
+        return DD_EINVAL;
+    *err_no = 0;
+    if (pid <= 0 || (write != 0 && write != 1) ||
+        !blocks_side_ok(dst_bases, ntensors, dst_row_bytes, dst_num_rows, dst_blocks, nblocks,
+                        seg) ||
+        !blocks_side_ok(src_bases, ntensors, src_row_bytes, src_num_rows, src_blocks, nblocks,
+                        seg))
+        return DD_EINVAL;
+    size_t n = ntensors * nblocks;
+    if (n == 0)
+        return DD_OK;
+    uint64_t stack[3 * STACK_ROWS];
+    uint64_t *ops = n <= STACK_ROWS ? stack : malloc(3 * n * sizeof *ops);
+    if (ops == NULL)
+        return DD_ENOMEM;
+    uint64_t *op = ops;
+    for (size_t t = 0; t < ntensors; t++)
+        for (size_t k = 0; k < nblocks; k++) {
+            *op++ = dst_bases[t] + dst_blocks[k] * dst_row_bytes;
+            *op++ = src_bases[t] + src_blocks[k] * src_row_bytes;
+            *op++ = seg;
+        }
+    int rc = dd_vm_copy_batch(pid, write, ops, n, nthreads, err_no);
+    if (ops != stack)
+        free(ops);
+    return rc;
 }

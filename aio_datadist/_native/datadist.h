@@ -80,6 +80,22 @@ uint64_t dd_copy_split_threshold(void);
  * is not mapped on one side); bytes before the failure may have moved. */
 int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
                      int *err_no);
+/* The (addr, len) rows of blocks: for each of ntensors tensors t (starting at bases[t]) and
+ * each of nblocks blocks k, seg bytes at bases[t] + blocks[k] * row_bytes, into rows (2 *
+ * ntensors * nblocks values). DD_EINVAL, nothing written, when a block is not below
+ * num_rows, seg is 0 or over row_bytes, or an address wraps. */
+int dd_block_rows(uint64_t *rows, const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
+                  uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg);
+/* dd_vm_copy_batch of blocks: seg bytes of block src_blocks[k] of each tensor t of the src
+ * side into block dst_blocks[k] of tensor t of the dst side (each side's rows as for
+ * dd_block_rows), in tensor then block order. write == 0: the src side is in pid's address
+ * space; write == 1: the dst side is. Returns as dd_vm_copy_batch; DD_EINVAL (nothing moved)
+ * when a side's rows are refused as by dd_block_rows. */
+int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,
+                      uint64_t dst_num_rows, const uint64_t *dst_blocks,
+                      const uint64_t *src_bases, uint64_t src_row_bytes, uint64_t src_num_rows,
+                      const uint64_t *src_blocks, size_t ntensors, size_t nblocks, uint64_t seg,
+                      unsigned nthreads, int *err_no);
 
 /* ---- hostmem.c: anonymous host memory ---- */
 

@@ -661,13 +661,17 @@ class TcpChannel(Channel):
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {problem}")
             rid = next(self._ids)
             try:
-                frame = _Send(_request_ctl(kind, rid, body, nbytes), None if pull else local)
+                ctl = _request_ctl(kind, rid, body, nbytes)
             except (WireError, struct.error) as exc:
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {exc}") from None
             self._callers_until = now_ns() + _CALLERS_NS  # the reader thread stays off
-            try:
-                sock_sendv(self._fd, frame.iov, 1)  # a deadline in the past: never waits
+            try:  # a deadline in the past: never waits
+                if pull:
+                    sock_send_bytes(self._fd, ctl, 1)
+                else:
+                    sock_sendv(self._fd, _Send(ctl, local).iov, 1)
             except NetTimeout as exc:  # no room for all of it: the usual machinery goes on
+                frame = _Send(ctl, None if pull else local)
                 req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns, busy=True)
                 self._register(req)
                 self._rlock.release()
