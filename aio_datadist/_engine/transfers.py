@@ -26,7 +26,6 @@ from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.onesided import PeerMemory
 from aio_datadist._engine.registry import CacheEntry
-from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._memory.staging import Staged
 from aio_datadist._native import api
 from aio_datadist._transport.base import Channel, Iov, Payload, RequestKind
@@ -91,18 +90,11 @@ def local_rows(
 ) -> Iov:
     """Rows of a local cache: one segment per tensor at batch ``row``, or the listed blocks."""
     start, count = tensors
-    bases_list = entry.addrs[start : start + count]
-    if blocks is not None and count * len(blocks) <= SMALL_ROWS:
-        return small_rows(bases_list, blocks, entry.row_bytes, seg)
-    bases = np.asarray(bases_list, dtype=np.uint64)
     if blocks is not None:
-        idx = np.asarray(blocks, dtype=np.uint64)
-        rows = np.empty((count, len(idx), 2), dtype=np.uint64)
-        rows[:, :, 0] = bases[:, None] + idx[None, :] * np.uint64(entry.row_bytes)
-        rows[:, :, 1] = seg
-        return rows.reshape(-1, 2)
+        return api.block_rows(entry.layout, start, count, blocks, seg)
     rows = np.empty((count, 2), dtype=np.uint64)
-    rows[:, 0] = bases + np.uint64(row * entry.row_bytes)
+    rows[:, 0] = np.asarray(entry.addrs[start : start + count], dtype=np.uint64)
+    rows[:, 0] += np.uint64(row * entry.row_bytes)
     rows[:, 1] = seg
     return rows
 
@@ -191,9 +183,8 @@ class BlocksCall:
 
     def rows(self) -> Iov:
         """The local rows, in payload order."""
-        start, count = self.local
-        return api.block_rows(
-            self.entry.layout, start, count, self.local_blocks, self.entry.row_bytes
+        return local_rows(
+            self.entry, self.local, seg=self.entry.row_bytes, blocks=self.local_blocks
         )
 
 
@@ -571,7 +562,7 @@ class TransferService:
                 tensor_count=remote[1],
                 seg_bytes=entry.row_bytes * len(dst_blocks),
             )
-            rows = api.block_rows(entry.layout, local[0], local[1], dst_blocks, entry.row_bytes)
+            rows = local_rows(entry, local, seg=entry.row_bytes, blocks=dst_blocks)
             step = self.step(src_cache_key.cluster_id, RequestKind.PULL, access, rows, entry=entry)
             return self._plan([step], [entry])
 
