@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import Future
 from functools import partial
 from types import TracebackType
@@ -50,6 +50,28 @@ class _LoopBound:
             )
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    """True in the thread running ``loop``."""
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
+def _watch(steps: Iterable[Step]) -> Callable[[], None]:
+    """Let the running loop read the answers of ``steps`` sent over links (see
+    ``Channel.watch``) until the returned call."""
+    loop = asyncio.get_running_loop()
+    channels = {step.channel: None for step in steps if step.peer is None}
+    ends = [end for channel in channels if (end := channel.watch(loop)) is not None]
+
+    def unwatch() -> None:
+        for end in ends:
+            end()
+
+    return unwatch
+
+
 def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
     if not waiter.done():
         waiter.set_result(completed)
@@ -66,6 +88,9 @@ async def _wait(future: Future[None], deadline_ns: int) -> None:
         waiter: asyncio.Future[bool] = loop.create_future()
 
         def wake(_: object) -> None:
+            if _on_loop(loop):  # completed by the loop itself (it read the answer)
+                _settle_waiter(waiter, True)
+                return
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
                 loop.call_soon_threadsafe(_settle_waiter, waiter, True)
 
@@ -127,6 +152,7 @@ class AsyncCacheManager(_LoopBound):
     async def _transfer(self, plan: TransferPlan) -> None:
         futures: list[Future[None]] = []
         first: LLMException | None = None
+        unwatch = _watch(plan.steps)
         try:
             try:
                 for step in plan.steps:
@@ -141,6 +167,8 @@ class AsyncCacheManager(_LoopBound):
         except asyncio.CancelledError:
             await _drain(futures, plan.deadline_ns)
             raise
+        finally:
+            unwatch()
         if first is not None:
             raise first
 
@@ -327,6 +355,7 @@ class AsyncCacheManager(_LoopBound):
     async def _settle(
         self, task: CacheTask, plan: TransferPlan, future: Future[None] | None
     ) -> None:
+        unwatch = _watch(plan.steps)
         try:
             if future is None:
                 try:
@@ -339,6 +368,7 @@ class AsyncCacheManager(_LoopBound):
             except LLMException as exc:
                 task._set_result(0, exc.status_code)
         finally:
+            unwatch()
             task._finish()
 
     def transfer_cache_async(

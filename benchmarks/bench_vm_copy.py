@@ -6,12 +6,16 @@ Run: python benchmarks/bench_vm_copy.py [--reps 5]
 A child process holds 256 MiB; this process reads it as 4096 scattered 64 KiB rows with
 ``api.vm_copy_batch`` (one and two threads), and copies the same pattern between two local
 buffers with ``api.copy_batch``. Prints GB/s (best of ``reps``) and the ratio, then the
-p50 latency of a single 64 KiB read (the one-sided W3 floor without the API's planning).
+p50 latency of a single 64 KiB read (the one-sided W3 floor without the API's planning):
+of one block read again and again (hot), and of a random block of the child's second
+256 MiB, an anonymous ``mmap`` of 4 KiB pages like the shared harness's buffers, into a
+random block of a local one (cold, as W3 reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import mmap
 import subprocess
 import sys
 import time
@@ -22,8 +26,9 @@ from aio_datadist._native import api
 
 SIZE, ROW = 256 << 20, 64 << 10
 _CHILD = (
-    "import numpy as np, sys; b = np.ones({size}, np.uint8); "
-    "print(b.ctypes.data, flush=True); sys.stdin.read()"
+    "import mmap, numpy as np, sys; b = np.ones({size}, np.uint8); "
+    "m = mmap.mmap(-1, {size}); c = np.frombuffer(m, np.uint8); c[:] = 1; "
+    "print(b.ctypes.data, c.ctypes.data, flush=True); sys.stdin.read()"
 )
 
 
@@ -43,6 +48,28 @@ def best_gbps(fn: object, reps: int) -> float:
     return SIZE / min(times) / 1e9
 
 
+def cold_read_us(pid: int, there: int) -> float:
+    """p50 of single 64 KiB reads from random blocks of ``there`` (4 KiB pages) into random
+    blocks of a local anonymous mapping."""
+    mine = mmap.mmap(-1, SIZE)
+    local = np.frombuffer(mine, np.uint8)
+    local[:] = 2
+    rng = np.random.default_rng(3)
+    n = SIZE // ROW
+    lat = []
+    for src, dst in zip(rng.integers(0, n, 310), rng.integers(0, n, 310), strict=True):
+        one = np.array(
+            [[int(local.ctypes.data) + int(dst) * ROW, there + int(src) * ROW, ROW]],
+            dtype=np.uint64,
+        )
+        t = time.perf_counter_ns()
+        api.vm_copy_batch(pid, one, write=False)
+        lat.append(time.perf_counter_ns() - t)
+    del local
+    mine.close()
+    return float(np.percentile(lat[10:], 50)) / 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
@@ -54,7 +81,7 @@ def main() -> None:
         text=True,
     )
     assert child.stdout is not None and child.stdin is not None
-    there = int(child.stdout.readline())
+    there, paged = (int(a) for a in child.stdout.readline().split())
     local, src = np.zeros(SIZE, np.uint8), np.ones(SIZE, np.uint8)
     remote_ops = scattered(int(local.ctypes.data), there)
     local_ops = scattered(int(local.ctypes.data), int(src.ctypes.data))
@@ -76,7 +103,8 @@ def main() -> None:
             t = time.perf_counter_ns()
             api.vm_copy_batch(child.pid, one, write=False)
             lat.append(time.perf_counter_ns() - t)
-        print(f"  one 64 KiB read: p50 {np.percentile(lat[10:], 50) / 1e3:.1f} us")
+        print(f"  one 64 KiB read: p50 {np.percentile(lat[10:], 50) / 1e3:.1f} us (hot)")
+        print(f"  one 64 KiB read: p50 {cold_read_us(child.pid, paged):.1f} us (cold)")
     except PermissionError as exc:
         print(f"the kernel refuses cross-process memory access here: {exc}")
     finally:

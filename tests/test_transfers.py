@@ -38,6 +38,7 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist._transport.tcp import TcpChannel
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
 
 S = LLMStatusCode
@@ -295,6 +296,37 @@ async def test_small_pulls_and_pushes_of_blocks_are_answered_natively_over_tcp(
         pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [0], [0]),
     )
     assert table.stats().served - before == 25
+    await pair.decoder.cm.deallocate_blocks_cache(d_cache)
+
+
+@pytest.mark.parametrize("transport", ["tcp"], indirect=True)
+@pytest.mark.parametrize("face_kind", ["async"], indirect=True)
+async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
+    make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers: list[str] = []
+    read_frame = TcpChannel._read_frame
+
+    def spy(channel: TcpChannel) -> str | None:
+        readers.append(threading.current_thread().name)
+        return read_frame(channel)
+
+    monkeypatch.setattr(TcpChannel, "_read_frame", spy)
+    pair = await make_pair(same_host=False, remote_accessible=True)
+    desc = CacheDesc(2, [8, 256], DataType.DT_FLOAT, Placement.DEVICE)
+    p_arrays = pair.arrays(2, 8, 256, seed=4)
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in p_arrays], BlocksCacheKey(1, 0)
+    )
+    d_cache = await pair.decoder.cm.allocate_blocks_cache(desc)
+    readers.clear()
+    for i in range(20):
+        await pair.decoder.cm.pull_blocks(BlocksCacheKey(1, 0), d_cache, [i % 8], [i % 8])
+        await push_blocks(pair.decoder, BlocksCacheKey(1, 0), d_cache, [i % 8], [i % 8])
+    for p, d in zip(p_arrays, d_cache.as_numpy(), strict=True):
+        np.testing.assert_array_equal(d.view(np.float32).reshape(8, 256), p)
+    loop_thread = threading.current_thread().name
+    assert readers.count(loop_thread) >= 20, readers
     await pair.decoder.cm.deallocate_blocks_cache(d_cache)
 
 

@@ -3,6 +3,7 @@ malformed peers (raw sockets speaking the wire format by hand) and a second proc
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import queue
@@ -48,7 +49,7 @@ from aio_datadist._transport.base import (
     Served,
 )
 from aio_datadist._transport.deadlines import Reaper, after_s, now_ns
-from aio_datadist._transport.tcp import TcpChannel, TcpTransport
+from aio_datadist._transport.tcp import LOOP_READ_BYTES, TcpChannel, TcpTransport
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
 from tests.conftest import Cleanup
@@ -1132,6 +1133,139 @@ CHILD = textwrap.dedent(
     listener.close()
     """
 )
+
+
+# -- an event loop reading the answers it awaits -------------------------------------------------
+
+
+async def awaited(channel: Channel, future: Future[None]) -> None:
+    """Await a request the way the async face does: with the loop watching the link."""
+    end = channel.watch(asyncio.get_running_loop())
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    finally:
+        if end is not None:
+            end()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_an_awaiting_loop_reads_its_small_answers(
+    cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    link = eager_link(cleanup, busy_poll_us=200)
+    client = link.client
+    assert isinstance(client, TcpChannel)
+    me, mem = threading.current_thread().name, link.server_handler.mem
+    n = 16 * KiB
+    for i in range(20):
+        buf = np.zeros(n, np.uint8)
+        await awaited(
+            client, client.pull(request([(i * KiB, n)]), rows(buf, [(0, n)]), n, deadline())
+        )
+        np.testing.assert_array_equal(buf, mem[i * KiB : i * KiB + n])
+        src = random_bytes(n, 100 + i)
+        await awaited(
+            client, client.push(request([(i * n, n)]), rows(src, [(0, n)]), n, deadline())
+        )
+        np.testing.assert_array_equal(mem[i * n : (i + 1) * n], src)
+    # The reader thread may take an answer that arrives as it looks at the socket (its
+    # first wait, or a millisecond tick); the loop reads the rest.
+    assert readers.by(me) >= 20
+    assert client._loop_fd >= 0  # the loop keeps watching for its next request
+
+
+async def test_an_awaiting_loop_leaves_big_answers_and_the_peers_requests_to_the_reader(
+    cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    readers = FrameReaders(monkeypatch)
+    link = eager_link(cleanup, busy_poll_us=200)
+    client, me = link.client, threading.current_thread().name
+    assert isinstance(client, TcpChannel)
+    big = LOOP_READ_BYTES  # with its header, one byte over what the loop reads itself
+    buf = np.zeros(big, np.uint8)
+    await awaited(client, client.pull(request([(0, big)]), rows(buf, [(0, big)]), big, deadline()))
+    np.testing.assert_array_equal(buf, link.server_handler.mem[:big])
+    assert readers.by(me) == 0 and client._loop_fd < 0
+    # The peer pulls from this end while the loop awaits its own small pull.
+    mine = np.zeros(KiB, np.uint8)
+    end = client.watch(asyncio.get_running_loop())
+    theirs = np.zeros(KiB, np.uint8)
+    served = link.server.pull(request([(0, KiB)]), rows(theirs, [(0, KiB)]), KiB, deadline())
+    assert served.result(WAIT) is None
+    np.testing.assert_array_equal(theirs, link.client_handler.mem[:KiB])
+    await awaited(client, client.pull(request([(0, KiB)]), rows(mine, [(0, KiB)]), KiB, deadline()))
+    assert end is not None
+    end()
+    np.testing.assert_array_equal(mine, link.server_handler.mem[:KiB])
+    assert "aio-dd-tcp-read" in " ".join(readers.threads)  # the peer's request
+
+
+async def test_a_watched_link_that_breaks_fails_the_await_and_lets_its_descriptor_go(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    before = open_fds()
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=200)
+    loop = asyncio.get_running_loop()
+    _, future, _ = pull_from_raw_peer(channel, conn)
+    end = channel.watch(loop)
+    assert end is not None and channel._loop_fd >= 0
+    conn.close()  # the peer vanishes
+    with pytest.raises(LLMException) as info:
+        await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    end()
+    give_up = time.monotonic() + WAIT
+    while channel._loop_fd >= 0 and time.monotonic() < give_up:  # the loop sees the hang-up
+        await asyncio.sleep(0.001)
+    assert channel._loop_fd < 0
+    assert channel.watch(loop) is None  # a broken link is not watched again
+    channel.close(notify_peer=False)
+    assert open_fds() <= before
+
+
+def test_a_link_closed_after_its_loop_lets_the_descriptor_go(cleanup: Cleanup) -> None:
+    before = open_fds()
+    link = eager_link(cleanup, busy_poll_us=200)
+    client = link.client
+    assert isinstance(client, TcpChannel)
+
+    async def pull() -> None:
+        buf = np.zeros(KiB, np.uint8)
+        await awaited(
+            client, client.pull(request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline())
+        )
+
+    asyncio.run(pull())  # the loop still watched the link when it closed
+    assert client._loop_fd >= 0
+    client.close(notify_peer=False)
+    link.server.close(notify_peer=False)
+    assert client._loop_fd < 0
+    assert open_fds() <= before + 1  # the listener's socket
+
+
+async def test_only_one_loop_watches_a_link(cleanup: Cleanup) -> None:
+    link = eager_link(cleanup, busy_poll_us=200)
+    end = link.client.watch(asyncio.get_running_loop())
+    assert end is not None
+
+    def other_loop() -> object:
+        async def watch() -> object:
+            return link.client.watch(asyncio.get_running_loop())
+
+        return asyncio.run(watch())
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(other_loop).result(WAIT) is None
+    end()
+    buf = np.zeros(KiB, np.uint8)
+    await awaited(
+        link.client, link.client.pull(request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline())
+    )
+    np.testing.assert_array_equal(buf, link.server_handler.mem[:KiB])
 
 
 @pytest.fixture

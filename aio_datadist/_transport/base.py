@@ -14,6 +14,7 @@ serve and request.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
@@ -191,6 +192,15 @@ class Channel(ABC):
         if kind is RequestKind.PULL:
             return self.pull(body, local, nbytes, deadline_ns)
         return self.push(body, local, nbytes, deadline_ns)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+        """Let ``loop`` (running in the calling thread) help complete the requests it awaits
+        until the returned call ends the watch; None when the transport does not.
+
+        A transport that can read its own answers (TCP) lets the loop take small answers
+        itself while watched, saving the reader thread's wake-up and the hand-over.
+        """
+        return None
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Help ``future`` (a request of this channel) complete in the calling thread, which

@@ -44,14 +44,19 @@ touches its memory rows.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import errno
+import fcntl
 import functools
 import ipaddress
 import itertools
+import os
 import socket
 import struct
+import sys
+import termios
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -134,6 +139,9 @@ _IDLE_S = 60.0
 #: wake it, which costs the sender more than the message on a virtual machine.
 _CALLERS_NS = 5_000_000
 _PARK_TICK_S = 0.001
+#: Largest answer frame (header, body and payload) an awaiting event loop reads itself; a
+#: bigger one goes to the reader thread, so the loop never copies for long.
+LOOP_READ_BYTES = 256 << 10
 #: Scratch buffer for draining unwanted payloads.
 _SCRATCH = 1 << 20
 #: Seconds a refused handshake waits for the client to close before dropping it.
@@ -511,6 +519,11 @@ class TcpChannel(Channel):
         self._native: ServeWorker | None = table.worker() if isinstance(table, ServeTable) else None
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
+        # An event loop reading the answers of the requests it awaits (see watch); its
+        # state is touched on that loop's thread only.
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._watchers = 0
+        self._loop_fd = -1  # a duplicate of the socket's descriptor, in the loop's selector
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -771,7 +784,23 @@ class TcpChannel(Channel):
         deadline = after_s(limit)
         told = self._close(notify_peer, limit, deadline)
         self._join(deadline)
+        self._end_watch()
         return told
+
+    def _end_watch(self) -> None:
+        """Let the watching loop's descriptor go with the link (its loop may be gone)."""
+        loop = self._watch_loop
+        if self._loop_fd < 0 or loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or loop.is_closed():
+            self._disarm()
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: the selector went with it
+            loop.call_soon_threadsafe(self._disarm)
 
     def _join(self, deadline_ns: int) -> None:
         """Wait until the reader and sender threads ended, at most until ``deadline_ns``."""
@@ -1149,6 +1178,104 @@ class TcpChannel(Channel):
             self._rlock.release()
             if not future.done() or self._pending or self._owed:
                 self._unpark()  # answers still to come: the reader thread takes over now
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+        """Let ``loop`` (running in the calling thread) read the answers of the requests it
+        awaits; the returned call ends this wait's part in it.
+
+        While the loop watches, its selector watches the socket, and the loop thread takes
+        each small answer (:data:`LOOP_READ_BYTES` at most, all of it arrived) itself and
+        completes its request there: no reader-thread wake-up and no hand-over to the loop,
+        which on a virtual machine cost more than the answer. The reader thread stays off
+        the socket while the loop's requests keep coming, looking every millisecond. The
+        first frame of anything else (the peer's requests, a bigger or partial answer,
+        another thread reading) sends the reader thread back to the socket, and the loop
+        stops watching until its next request.
+        """
+        if self._watch_loop is not None and self._watch_loop is not loop:
+            return None  # another loop watches this link; this one waits as usual
+        if self._loop_fd < 0:
+            with self._lock:  # the descriptor closes only after _broken is set, under _lock
+                if self._broken:
+                    return None
+                fd = os.dup(self._fd)
+            try:
+                loop.add_reader(fd, self._loop_read)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._loop_fd = fd
+        self._watch_loop = loop
+        self._watchers += 1
+        self._callers_until = now_ns() + _CALLERS_NS
+        return self._unwatch
+
+    def _unwatch(self) -> None:
+        # The loop keeps watching: its next request finds the socket in its selector and
+        # the reader thread parked. The first frame not for it ends the watch.
+        self._watchers -= 1
+        if self._watchers == 0 and self._loop_fd < 0:
+            self._watch_loop = None
+
+    def _disarm(self) -> None:
+        """Stop the loop watching the socket and send the reader thread back to it (on the
+        loop's thread)."""
+        fd, self._loop_fd = self._loop_fd, -1
+        loop = self._watch_loop
+        if self._watchers == 0:
+            self._watch_loop = None
+        self._unpark()
+        if fd >= 0:
+            try:
+                if loop is not None and not loop.is_closed():
+                    loop.remove_reader(fd)
+            finally:
+                os.close(fd)
+
+    def _loop_read(self) -> None:
+        """The socket is readable (on the watching loop's thread): take the small answers
+        there, or hand the socket back to the reader thread."""
+        if not self._rlock.acquire(blocking=False):  # another thread reads and completes
+            self._disarm()
+            return
+        try:
+            self._callers_until = now_ns() + _CALLERS_NS
+            while True:
+                if self._broken or self._owed or not self._loop_answer_waiting():
+                    self._disarm()
+                    return
+                try:
+                    failure = self._read_frame()
+                except BaseException:  # interrupted mid-frame: the stream is out of step
+                    self._break("an event loop reading an answer was interrupted mid-frame")
+                    raise
+                if failure is not None:
+                    self._break(failure)
+                    self._disarm()
+                    return
+                if not self._readable_now():
+                    return
+        finally:
+            self._rlock.release()
+
+    def _loop_answer_waiting(self) -> bool:
+        """True when an answer frame of :data:`LOOP_READ_BYTES` at most is next on the
+        socket and has arrived whole (``_rlock`` held)."""
+        try:
+            head = self._sock.recv(_HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        if len(head) < _HEADER_SIZE:
+            return False  # closed, or a header still arriving: the reader thread waits for it
+        try:
+            header = decode_header(head)
+        except WireError:
+            return False  # the reader thread breaks the link over it
+        size = _HEADER_SIZE + header.body_len + header.payload_len
+        if header.kind not in _ANSWERS or size > LOOP_READ_BYTES:
+            return False
+        arrived = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
+        return int.from_bytes(arrived, sys.byteorder) >= size
 
     def _peer_push_next(self) -> bool:
         """True when the next frame is a push of the peer's: its payload takes as long as
