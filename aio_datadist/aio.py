@@ -22,9 +22,16 @@ from aio_datadist._engine.engine import Engine
 from aio_datadist._engine.layerwise import LayerJob, plan_layer_job
 from aio_datadist._engine.offload import INLINE_BYTES, run_native
 from aio_datadist._engine.plan import CopyPlan
-from aio_datadist._engine.transfers import GRACE_S, Step, TransferPlan, TransferService
+from aio_datadist._engine.transfers import (
+    GRACE_S,
+    BlocksCall,
+    Step,
+    TransferPlan,
+    TransferService,
+)
 from aio_datadist._memory.pool import PoolStats
 from aio_datadist._native import api
+from aio_datadist._transport.base import Channel
 from aio_datadist.cache import Cache
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import LLMException, LLMStatusCode, LLMTimeoutError
@@ -107,6 +114,20 @@ async def _wait(future: Future[None], deadline_ns: int) -> None:
                 status_code=LLMStatusCode.LLM_TIMEOUT,
             )
     future.result()
+
+
+async def _await_request(channel: Channel, future: Future[None], deadline_ns: int) -> None:
+    """Await one request over ``channel`` with the loop watching the link; a cancelled
+    caller still waits until nothing writes its memory."""
+    unwatch = channel.watch(asyncio.get_running_loop())
+    try:
+        await _wait(future, deadline_ns)
+    except asyncio.CancelledError:
+        await _drain([future], deadline_ns)
+        raise
+    finally:
+        if unwatch is not None:
+            unwatch()
 
 
 async def _drain(futures: list[Future[None]], deadline_ns: int) -> None:
@@ -282,11 +303,31 @@ class AsyncCacheManager(_LoopBound):
     ) -> None:
         """As ``CacheManager.pull_blocks``."""
         self._check_loop()
-        await self._transfer(
-            self._transfers.plan_pull_blocks(
-                src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
-            )
+        checked = self._transfers.check_pull_blocks(
+            src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
         )
+        if isinstance(checked, TransferPlan):
+            await self._transfer(checked)
+        else:
+            await self._blocks(checked)
+
+    def _start_blocks(self, call: BlocksCall) -> tuple[Channel, Future[None] | None, int] | None:
+        """Start a small call on its direct route (``TransferService.start_blocks``); None
+        when it takes the general plan (big ones do: their copies leave the loop)."""
+        if call.nbytes > INLINE_BYTES:
+            return None
+        return self._transfers.start_blocks(call, exchange=False)
+
+    async def _blocks(self, call: BlocksCall) -> None:
+        """Run a checked call between blocks caches: small ones on their direct route,
+        awaited without a plan; the rest through the general plan."""
+        started = self._start_blocks(call)
+        if started is None:
+            await self._transfer(self._transfers.plan_blocks(call))
+            return
+        channel, future, deadline_ns = started
+        if future is not None:
+            await _await_request(channel, future, deadline_ns)
 
     async def push_cache(
         self,
@@ -327,7 +368,7 @@ class AsyncCacheManager(_LoopBound):
         Bad arguments raise here; transfer failures become the task's status.
         """
         self._check_loop()
-        plan = self._transfers.plan_push_blocks(
+        call = self._transfers.check_push_blocks(
             dst_cache_key,
             src_cache,
             src_blocks,
@@ -337,6 +378,24 @@ class AsyncCacheManager(_LoopBound):
             tensor_num_per_layer,
         )
         task = CacheTask(1, self._loop)
+        try:
+            started = self._start_blocks(call)
+        except LLMException as exc:  # failed in the caller (the peer gone, say)
+            task._set_result(0, exc.status_code)
+            task._finish()
+            return task
+        if started is not None:
+            channel, future, deadline_ns = started
+            if future is None:
+                task._set_result(0, LLMStatusCode.LLM_SUCCESS)
+                task._finish()
+            elif future.done():
+                _record(task, 0, future)
+                task._finish()
+            else:
+                self._spawn(self._settle_request(task, channel, future, deadline_ns))
+            return task
+        plan = self._transfers.plan_blocks(call)
         step = plan.steps[0]
         if step.in_caller and step.nbytes > INLINE_BYTES:
             self._spawn(self._settle(task, plan, None))
@@ -351,6 +410,18 @@ class AsyncCacheManager(_LoopBound):
         else:
             self._spawn(self._settle(task, plan, future))
         return task
+
+    @staticmethod
+    async def _settle_request(
+        task: CacheTask, channel: Channel, future: Future[None], deadline_ns: int
+    ) -> None:
+        try:
+            await _await_request(channel, future, deadline_ns)
+            task._set_result(0, LLMStatusCode.LLM_SUCCESS)
+        except LLMException as exc:
+            task._set_result(0, exc.status_code)
+        finally:
+            task._finish()
 
     async def _settle(
         self, task: CacheTask, plan: TransferPlan, future: Future[None] | None

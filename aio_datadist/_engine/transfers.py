@@ -726,17 +726,40 @@ class TransferService:
         )
 
     def run_blocks(self, call: BlocksCall) -> None:
-        """Run ``call`` in this thread (the blocking face): one-sided to a same-host peer in
-        one native call, else its request exchanged over the link in the caller; device
-        memory, and whatever the peer's board does not show, take the general plan."""
+        """Run ``call`` in this thread (the blocking face): on its direct route (see
+        :meth:`start_blocks`), its request exchanged in the caller; else the general plan."""
+        started = self.start_blocks(call, exchange=True)
+        if started is None:
+            return self.run(self.plan_blocks(call))
+        channel, future, deadline_ns = started
+        if future is not None:
+            channel.read_for(future, deadline_ns)
+            wait_blocking(future, deadline_ns)
+        return None
+
+    def start_blocks(
+        self, call: BlocksCall, *, exchange: bool
+    ) -> tuple[Channel, Future[None] | None, int] | None:
+        """Start ``call`` on its direct route, host memory on this side: one-sided to a
+        same-host peer with one native call, or its request over the link with the body
+        and rows built straight from the call (run to completion in the caller where
+        ``exchange``, the blocking face). Returns ``(channel, the request's future or None
+        once done, deadline)``; the pin goes once the request completed.
+
+        None, with the pin still held, when only the general plan takes the call: no link,
+        device memory, or what the peer's board does not show (the general route names
+        each refusal as the serving side would).
+        """
         link = self.links.get(call.cluster_id)
         if link is None or self.caches.on_device(call.entry):
-            return self.run(self.plan_blocks(call))
-        registry, entries = self.caches.registry, (call.entry,)
+            return None
+        registry, entries, channel = self.caches.registry, (call.entry,), link.channel
         peer = link.peer_memory
+        deadline_ns = api.monotonic_ns() + self.timeout_ms * 1_000_000
+        future: Future[None] | None
         try:
             if peer is not None and peer.serves(Target.BLOCKS_KEY):
-                moved = peer.transfer_blocks(
+                if not peer.transfer_blocks(
                     call.kind,
                     call.model_id,
                     call.remote,
@@ -744,26 +767,25 @@ class TransferService:
                     (call.entry.layout, call.local[0], call.local_blocks),
                     call.local[1],
                     call.entry.row_bytes,
-                )
+                ):
+                    return None
                 future = None
             else:
-                moved = True
-                deadline_ns = api.monotonic_ns() + self.timeout_ms * 1_000_000
                 body = encode_blocks_access(
                     call.model_id, *call.remote, call.entry.row_bytes, call.remote_blocks
                 )
-                future = link.channel.exchange(
-                    call.kind, body, call.rows(), call.nbytes, deadline_ns
-                )
+                rows, nbytes = call.rows(), call.nbytes
+                if exchange:
+                    future = channel.exchange(call.kind, body, rows, nbytes, deadline_ns)
+                elif call.kind is RequestKind.PULL:
+                    future = channel.pull(body, rows, nbytes, deadline_ns)
+                else:
+                    future = channel.push(body, rows, nbytes, deadline_ns)
         except BaseException:
             registry.unpin(entries)
             raise
-        if not moved:  # the general plan takes the pin over
-            return self.run(self.plan_blocks(call))
         if future is None:
             registry.unpin(entries)
-            return None
-        future.add_done_callback(lambda _: registry.unpin(entries))
-        link.channel.read_for(future, deadline_ns)
-        wait_blocking(future, deadline_ns)
-        return None
+        else:
+            future.add_done_callback(lambda _: registry.unpin(entries))
+        return channel, future, deadline_ns
