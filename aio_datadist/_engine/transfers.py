@@ -7,6 +7,11 @@ names the peer's memory). :meth:`TransferService.start` hands a step to its chan
 faces wait for the returned futures (blocking, or awaited). Pins are released once every
 started request has completed, whoever waits, so a caller that gives up never frees memory
 a transfer still writes.
+
+Calls between two blocks caches by ``BlocksCacheKey`` are checked (``check_*_blocks``) into
+a compact :class:`BlocksCall` instead, which runs on a direct route without building steps
+(:meth:`TransferService.start_blocks`) and becomes a plan only where that route does not
+take it (:meth:`TransferService.plan_blocks`).
 """
 
 from __future__ import annotations
@@ -508,19 +513,6 @@ class TransferService:
             )
             return self._plan([step], [entry])
 
-    def plan_pull_blocks(
-        self,
-        src_cache_key: Any,
-        dst_cache: Any,
-        src_blocks: Any,
-        dst_blocks: Any,
-        kwargs: dict[str, Any],
-    ) -> TransferPlan:
-        """Plan ``pull_blocks``: remote blocks (or one remote row) into local blocks."""
-        return self._planned(
-            self.check_pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
-        )
-
     def check_pull_blocks(
         self,
         src_cache_key: Any,
@@ -622,29 +614,6 @@ class TransferService:
             step = self.step(dst_cache_key.cluster_id, RequestKind.PUSH, access, rows, entry=entry)
             return self._plan([step], [entry])
 
-    def plan_push_blocks(
-        self,
-        dst_cache_key: Any,
-        src_cache: Any,
-        src_blocks: Any,
-        dst_blocks: Any,
-        src_layer_range: Any,
-        dst_layer_range: Any,
-        tensor_num_per_layer: Any,
-    ) -> TransferPlan:
-        """Plan ``push_blocks``: local blocks into the remote blocks cache of ``dst_cache_key``."""
-        return self.plan_blocks(
-            self.check_push_blocks(
-                dst_cache_key,
-                src_cache,
-                src_blocks,
-                dst_blocks,
-                src_layer_range,
-                dst_layer_range,
-                tensor_num_per_layer,
-            )
-        )
-
     def check_push_blocks(
         self,
         dst_cache_key: Any,
@@ -701,9 +670,6 @@ class TransferService:
     def _unpin(self, call: BlocksCall) -> Callable[[], None]:
         registry, entries = self.caches.registry, (call.entry,)
         return lambda: registry.unpin(entries)
-
-    def _planned(self, checked: BlocksCall | TransferPlan) -> TransferPlan:
-        return checked if isinstance(checked, TransferPlan) else self.plan_blocks(checked)
 
     def run_checked(self, checked: BlocksCall | TransferPlan) -> None:
         """Run a checked call or a plan in this thread (the blocking face)."""

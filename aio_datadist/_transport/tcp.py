@@ -1164,15 +1164,7 @@ class TcpChannel(Channel):
                         return
                 except OSError:
                     return  # closed meanwhile: the reader thread reports it
-                if self._peer_push_next():
-                    return
-                try:
-                    failure = self._read_frame()
-                except BaseException:  # interrupted mid-frame: the stream is out of step
-                    self._break("a reading caller was interrupted mid-frame")
-                    raise
-                if failure is not None:
-                    self._break(failure)
+                if self._peer_push_next() or not self._read_frame_here("a reading caller"):
                     return
         finally:
             self._rlock.release()
@@ -1244,13 +1236,7 @@ class TcpChannel(Channel):
                 if self._broken or self._owed or not self._loop_answer_waiting():
                     self._disarm()
                     return
-                try:
-                    failure = self._read_frame()
-                except BaseException:  # interrupted mid-frame: the stream is out of step
-                    self._break("an event loop reading an answer was interrupted mid-frame")
-                    raise
-                if failure is not None:
-                    self._break(failure)
+                if not self._read_frame_here("an event loop reading an answer"):
                     self._disarm()
                     return
                 if not self._readable_now():
@@ -1276,6 +1262,19 @@ class TcpChannel(Channel):
             return False
         arrived = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
         return int.from_bytes(arrived, sys.byteorder) >= size
+
+    def _read_frame_here(self, who: str) -> bool:
+        """:meth:`_read_frame` in a thread other than the reader's (``_rlock`` held);
+        False when the channel broke over it."""
+        try:
+            failure = self._read_frame()
+        except BaseException:  # interrupted mid-frame: the stream is out of step
+            self._break(f"{who} was interrupted mid-frame")
+            raise
+        if failure is not None:
+            self._break(failure)
+            return False
+        return True
 
     def _peer_push_next(self) -> bool:
         """True when the next frame is a push of the peer's: its payload takes as long as
