@@ -137,13 +137,16 @@ class PeerMemory:
             self._check_still_there(regions, entries)
             return True
         if not local_on_device:
-            moved = self._vm_copy(kind, _paired(kind, local, remote), regions, entries)
+            moved = self._vm_copy(
+                self._ops_copy(kind, _paired(kind, local, remote)), regions, entries
+            )
         else:
             pull = kind is RequestKind.PULL
             staged = self._staging.inbound(local) if pull else self._staging.outbound(local)
             ok = False
             try:
-                moved = self._vm_copy(kind, _paired(kind, staged.iov, remote), regions, entries)
+                ops = _paired(kind, staged.iov, remote)
+                moved = self._vm_copy(self._ops_copy(kind, ops), regions, entries)
                 ok = moved
             finally:
                 staged.finish(ok)
@@ -185,7 +188,6 @@ class PeerMemory:
         dst, src = (theirs, local) if push else (local, theirs)
         try:
             moved = self._vm_copy(
-                kind,
                 functools.partial(api.vm_copy_blocks, self.pid, dst, src, count, seg, write=push),
                 regions,
                 [entry],
@@ -227,20 +229,18 @@ class PeerMemory:
             self._mapped[entry.token] = base
             return base
 
+    def _ops_copy(self, kind: RequestKind, ops: np.ndarray) -> Callable[[], None]:
+        """The copy of ``(dst, src, nbytes)`` ops with the peer (its memory is src on a
+        pull, dst on a push)."""
+        return functools.partial(api.vm_copy_batch, self.pid, ops, write=kind is RequestKind.PUSH)
+
     def _vm_copy(
-        self,
-        kind: RequestKind,
-        ops: np.ndarray | Callable[[], None],
-        regions: RemoteRegions,
-        entries: list[BoardEntry],
+        self, copy: Callable[[], None], regions: RemoteRegions, entries: list[BoardEntry]
     ) -> bool:
-        """Copy with the peer's host memory (the ops, or a call that copies); False when the
-        kernel refused (use the link)."""
+        """Run ``copy`` with the peer's host memory; False when the kernel refused (use the
+        link)."""
         try:
-            if callable(ops):
-                ops()
-            else:
-                api.vm_copy_batch(self.pid, ops, write=kind is RequestKind.PUSH)
+            copy()
         except PermissionError as exc:
             self.enabled = False
             self._log.warning(
