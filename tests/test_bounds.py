@@ -170,6 +170,16 @@ REFUSED: list[tuple[str, Case, LLMStatusCode]] = [
         INVALID,
     ),
     ("drop flag on a pull by index", lambda e: (row_access(drop_key=True), 512), INVALID),
+    (
+        "own rows named outside any communication domain",
+        lambda e: (row_access(deliver=np.array([[0x1000, TENSORS * ROW_BYTES]], np.uint64)), 0),
+        INVALID,
+    ),
+    (
+        "own rows named with a payload too",
+        lambda e: (row_access(deliver=np.array([[0x1000, 16]], np.uint64)), 16),
+        INVALID,
+    ),
 ]
 
 

@@ -46,6 +46,10 @@ u32 = st.integers(0, 2**32 - 1)
 
 # -- decoders ------------------------------------------------------------------------------------
 
+address_rows = st.lists(
+    st.tuples(st.integers(0, 2**63), st.integers(0, MAX_PAYLOAD)), max_size=4
+).map(lambda r: np.array(r, dtype=np.uint64).reshape(-1, 2))
+
 accesses = st.builds(
     Access,
     target=st.sampled_from(Target),
@@ -59,9 +63,8 @@ accesses = st.builds(
     tail_bytes=st.integers(0, MAX_PAYLOAD),
     drop_key=st.booleans(),
     blocks=st.lists(u64, max_size=8).map(lambda b: np.array(b, dtype=np.uint64)),
-    rows=st.lists(st.tuples(st.integers(0, 2**63), st.integers(0, MAX_PAYLOAD)), max_size=4).map(
-        lambda r: np.array(r, dtype=np.uint64).reshape(-1, 2)
-    ),
+    rows=address_rows,
+    deliver=address_rows,
 )
 
 
@@ -97,6 +100,7 @@ def test_arbitrary_access_bodies_only_raise_wire_error(body: bytes) -> None:
     with contextlib.suppress(WireError):
         access = decode_access(body)
         assert len(access.blocks) <= MAX_ROWS and len(access.rows) <= MAX_ROWS
+        assert len(access.deliver) <= MAX_ROWS
         assert access.seg_bytes <= MAX_PAYLOAD and access.tail_bytes <= MAX_PAYLOAD
 
 
@@ -111,6 +115,7 @@ def test_mutated_access_bodies_decode_or_raise_wire_error(access: Access, data: 
     with contextlib.suppress(WireError):
         decoded = decode_access(bytes(body[:cut]))
         assert decoded.nbytes >= 0  # every size computation over it stays exact
+        assert int(decoded.deliver[:, 1].sum()) >= 0
 
 
 @FUZZ

@@ -676,12 +676,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-async def test_rank_table_link(make_pair: PairFactory) -> None:
-    from aio_datadist import RegisterMemStatus
-
-    pair = await make_pair(link=False)
+def rank_table(pair: Pair) -> str:
+    """A rank table of two ranks on 127.0.0.1, with free endpoints on the pair's transport."""
     ports = [free_port(), free_port()] if pair.transport == "tcp" else [next(_ports), next(_ports)]
-    table = json.dumps(
+    return json.dumps(
         {
             "version": "1.0",
             "server_count": "1",
@@ -702,6 +700,29 @@ async def test_rank_table_link(make_pair: PairFactory) -> None:
             ],
         }
     )
+
+
+async def link_domain(pair: Pair, table: str) -> tuple[Any, Any]:
+    """``link`` of the prompt (rank 0) and the decoder (rank 1) together; both outcomes
+    (a comm id, or the exception raised)."""
+    dd = pair.decoder
+
+    async def decoder_link() -> Any:
+        if dd.kind == "sync":
+            return await asyncio.to_thread(dd.dd.link, "comm", {1: 0, 2: 1}, table)
+        return await dd.dd.link("comm", {1: 0, 2: 1}, table)
+
+    got = await asyncio.gather(
+        pair.prompt.link("comm", {1: 0, 2: 1}, table), decoder_link(), return_exceptions=True
+    )
+    return got[0], got[1]
+
+
+async def test_rank_table_link(make_pair: PairFactory) -> None:
+    from aio_datadist import RegisterMemStatus
+
+    pair = await make_pair(link=False)
+    table = rank_table(pair)
     dd = pair.decoder
     with pytest.raises(LLMException):
         await dd.call(dd.dd.link, "", {1: 0, 2: 1}, table)
@@ -711,15 +732,7 @@ async def test_rank_table_link(make_pair: PairFactory) -> None:
     src = await pair.prompt.cache_manager.allocate_cache(batch_desc(rows=1), [key])
     for view in src.as_numpy():
         view[...] = 9.0
-    prompt_link = asyncio.ensure_future(pair.prompt.link("comm", {1: 0, 2: 1}, table))
-    comm_id = await dd.call(
-        lambda: (
-            asyncio.to_thread(dd.dd.link, "comm", {1: 0, 2: 1}, table)
-            if dd.kind == "sync"
-            else dd.dd.link("comm", {1: 0, 2: 1}, table)
-        )
-    )
-    p_comm = await prompt_link
+    p_comm, comm_id = await link_domain(pair, table)
     assert comm_id == 1 and p_comm == 1
     assert await dd.call(dd.dd.query_register_mem_status, comm_id) is RegisterMemStatus.OK
     dst = await dd.cm.allocate_cache(batch_desc(rows=1))

@@ -11,6 +11,10 @@ Segment layout, in payload order:
 * with ``blocks``: for each tensor of ``[tensor_start, tensor_start + tensor_count)``, for each
   block ``b``, ``seg_bytes`` at block ``b`` (the last block of each tensor ``tail_bytes``);
 * otherwise one segment per tensor: ``seg_bytes`` at ``row * row_bytes + offset``.
+
+Between members of a rank-table domain with a device communicator, an access may carry the
+requester's own rows (``deliver``): the serving side then moves the bytes to or from them
+through the communicator itself, and no payload crosses the link.
 """
 
 from __future__ import annotations
@@ -62,6 +66,9 @@ class Access:
     drop_key: bool = False
     blocks: U64s = field(default_factory=lambda: _EMPTY)
     rows: U64s = field(default_factory=lambda: _EMPTY_ROWS)
+    #: The requester's ``(addr, len)`` rows the serving side fills (pull) or reads (push)
+    #: through the domain's communicator; empty when the payload crosses the link.
+    deliver: U64s = field(default_factory=lambda: _EMPTY_ROWS)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +88,9 @@ class Access:
 
 _FIXED = struct.Struct("<BBQQQIIQQQ")
 _COUNTS = struct.Struct("<II")
+_COUNT = struct.Struct("<I")
+#: Flag bits of an access.
+_DROP_KEY, _DELIVER = 1, 2
 #: Up to this many blocks, ``struct`` packs a block list faster than numpy.
 _PACKED_BLOCKS = 64
 
@@ -89,9 +99,10 @@ def encode_access(access: Access) -> bytes:
     """The request body of ``access``."""
     blocks = np.ascontiguousarray(access.blocks, dtype="<u8")
     rows = np.ascontiguousarray(access.rows, dtype="<u8").reshape(-1)
+    deliver = len(access.deliver)
     fixed = _FIXED.pack(
         access.target,
-        int(access.drop_key),
+        (_DROP_KEY if access.drop_key else 0) | (_DELIVER if deliver else 0),
         access.ident,
         access.model_id,
         access.row,
@@ -102,7 +113,11 @@ def encode_access(access: Access) -> bytes:
         access.tail_bytes,
     )
     counts = _COUNTS.pack(len(blocks), len(rows) // 2)
-    return b"".join((fixed, counts, blocks.tobytes(), rows.tobytes()))
+    parts = [fixed, counts, blocks.tobytes(), rows.tobytes()]
+    if deliver:
+        parts.append(_COUNT.pack(deliver))
+        parts.append(np.ascontiguousarray(access.deliver, dtype="<u8").tobytes())
+    return b"".join(parts)
 
 
 def encode_blocks_access(
@@ -135,29 +150,30 @@ def decode_access(body: bytes | bytearray | memoryview) -> Access:
     n_blocks, n_rows = struct.unpack_from("<II", view, _FIXED.size)
     if n_blocks > MAX_ROWS or n_rows > MAX_ROWS:
         raise WireError(f"access names {n_blocks} blocks and {n_rows} rows (limit {MAX_ROWS})")
+    if fields[1] > _DROP_KEY | _DELIVER:
+        raise WireError(f"bad access flags {fields[1]}")
     expected = head + 8 * n_blocks + 16 * n_rows
+    n_deliver = 0
+    if fields[1] & _DELIVER:
+        if len(view) < expected + _COUNT.size:
+            raise WireError(f"access body of {len(view)} bytes lacks its delivery count")
+        (n_deliver,) = _COUNT.unpack_from(view, expected)
+        if not 0 < n_deliver <= MAX_ROWS:
+            raise WireError(f"access names {n_deliver} delivery rows (1 to {MAX_ROWS})")
+        expected += _COUNT.size + 16 * n_deliver
     if len(view) != expected:
         raise WireError(f"access body has {len(view)} bytes, its counts need {expected}")
     try:
         target = Target(fields[0])
     except ValueError:
         raise WireError(f"unknown access target {fields[0]}") from None
-    if fields[1] > 1:
-        raise WireError(f"bad access flags {fields[1]}")
     if fields[8] > MAX_PAYLOAD or fields[9] > MAX_PAYLOAD:
         raise WireError(f"access segments of {fields[8]}/{fields[9]} bytes exceed {MAX_PAYLOAD}")
     blocks = np.frombuffer(view, dtype="<u8", count=n_blocks, offset=head).astype(np.uint64)
-    rows = (
-        np.frombuffer(view, dtype="<u8", count=2 * n_rows, offset=head + 8 * n_blocks)
-        .astype(np.uint64)
-        .reshape(n_rows, 2)
-    )
-    # Bounded rows keep every sum over them exact in uint64 (2**20 rows of 2**40 bytes at
-    # most), and no row wraps around the address space.
-    if n_rows and (
-        bool((rows[:, 1] > MAX_PAYLOAD).any()) or bool((rows[:, 0] + rows[:, 1] < rows[:, 0]).any())
-    ):
-        raise WireError("an access row is longer than a payload or wraps around the address space")
+    rows = _rows(view, n_rows, head + 8 * n_blocks)
+    deliver = _EMPTY_ROWS
+    if n_deliver:
+        deliver = _rows(view, n_deliver, head + 8 * n_blocks + 16 * n_rows + _COUNT.size)
     return Access(
         target,
         ident=fields[2],
@@ -168,7 +184,24 @@ def decode_access(body: bytes | bytearray | memoryview) -> Access:
         offset=fields[7],
         seg_bytes=fields[8],
         tail_bytes=fields[9],
-        drop_key=bool(fields[1]),
+        drop_key=bool(fields[1] & _DROP_KEY),
         blocks=blocks,
         rows=rows,
+        deliver=deliver,
     )
+
+
+def _rows(view: memoryview, n: int, offset: int) -> U64s:
+    """``n`` ``(addr, len)`` rows at ``offset``, each no longer than a payload and none
+    wrapping around the address space (which keeps every sum over them exact in uint64:
+    2**20 rows of 2**40 bytes at most).
+
+    :raises WireError: a row breaks those bounds.
+    """
+    rows = np.frombuffer(view, dtype="<u8", count=2 * n, offset=offset).astype(np.uint64)
+    rows = rows.reshape(n, 2)
+    if n and (
+        bool((rows[:, 1] > MAX_PAYLOAD).any()) or bool((rows[:, 0] + rows[:, 1] < rows[:, 0]).any())
+    ):
+        raise WireError("an access row is longer than a payload or wraps around the address space")
+    return rows

@@ -11,23 +11,37 @@ Every member of a communication domain calls ``link`` with the same rank table a
 Each member listens on its own endpoint while ``link`` runs, connects to every member of a
 lower rank (retrying until the peer listens) and accepts every member of a higher rank. The
 resulting links are ordinary links: ``pull_*``/``push_*`` reach the members by cluster id.
+
+Where the engine's runtime has a collective library (HCCL on Ascend, with its rank-table
+and one-sided calls), ``link`` also joins the domain's communicator as this rank: it binds
+the engine's pools and every remote-accessible registered cache to it (which is why memory
+must be registered before ``link``, and why ``remote_accessible=True`` is refused after
+it) and prepares it with every member. Device rows of transfers between the members then
+move through the communicator (:mod:`aio_datadist._engine.domain`). ``unlink`` unbinds the
+memory and destroys the communicator. A library that refuses fails ``link`` with
+``LLM_LINK_FAILED`` and leaves no link of the domain behind.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.domain import CommRoute, CommRoutes
 from aio_datadist._engine.links import LinkTable
+from aio_datadist._log import get_logger
+from aio_datadist._runtime.base import Communicator
 from aio_datadist._transport.base import Channel, Hello, LinkRefused, RequestHandler
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import LLMClusterInfo
-from aio_datadist.enums import RegisterMemStatus
-from aio_datadist.status import LinkFailedError, LLMStatusCode, ParamInvalidError
+from aio_datadist.enums import Placement, RegisterMemStatus
+from aio_datadist.status import LinkFailedError, LLMException, LLMStatusCode, ParamInvalidError
 
 __all__ = ("DEFAULT_COMM_BASE_PORT", "CommDomains", "check_link_args", "rank_endpoints")
 
@@ -82,6 +96,7 @@ def rank_endpoints(rank_table: str, base_port: int) -> dict[int, tuple[str, int]
 class _Domain:
     name: str
     members: list[int]
+    communicator: Communicator | None = None
 
 
 class _CommAcceptor:
@@ -90,6 +105,8 @@ class _CommAcceptor:
     def __init__(self, links: LinkTable, members: set[int]) -> None:
         self._links = links
         self._members = members
+        #: Members linked so far (accepted here, or connected to by this side).
+        self.linked: set[int] = set()
 
     @property
     def handler(self) -> RequestHandler:
@@ -101,14 +118,26 @@ class _CommAcceptor:
                 LLMStatusCode.LLM_LINK_FAILED,
                 f"cluster {peer.cluster_id} is not a member of this communication domain",
             )
-        return self._links.accept(peer, channel)
+        accepted = self._links.accept(peer, channel)
+        self.linked.add(peer.cluster_id)
+        return accepted
 
 
 class CommDomains:
     """The communication domains of one engine; comm ids start at 1."""
 
-    def __init__(self, links: LinkTable, base_port: int, total_time_s: int) -> None:
+    def __init__(
+        self,
+        links: LinkTable,
+        caches: CacheService,
+        routes: CommRoutes,
+        base_port: int,
+        total_time_s: int,
+    ) -> None:
         self._links = links
+        self._caches = caches
+        self._routes = routes
+        self._log = get_logger("comm", cluster_id=links.local.cluster_id)
         self._base_port = base_port
         env = os.environ.get("HCCL_CONNECT_TIMEOUT", "")
         default = int(env) if env.isdigit() else DEFAULT_CONNECT_TIMEOUT_S
@@ -121,7 +150,8 @@ class CommDomains:
         """Link with every other member; returns the comm id.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` (this cluster not a member, rank not in
-            the table), ``LLM_LINK_FAILED`` (members did not all link in time).
+            the table), ``LLM_LINK_FAILED`` (members did not all link in time, or the
+            runtime's collective library refused the domain).
         """
         me = self._links.local.cluster_id
         if me not in cluster_rank_info:
@@ -133,29 +163,108 @@ class CommDomains:
         my_rank = cluster_rank_info[me]
         others = {c: r for c, r in cluster_rank_info.items() if c != me}
         deadline = time.monotonic() + self._total_time
-        listener = self._links.transport.listen(
-            *endpoints[my_rank], _CommAcceptor(self._links, set(others))
-        )
+        acceptor = _CommAcceptor(self._links, set(others))
+        listener = self._links.transport.listen(*endpoints[my_rank], acceptor)
         try:
+            try:
+                for cluster_id, rank in others.items():
+                    if rank < my_rank:
+                        self._connect(cluster_id, endpoints[rank], deadline)
+                        acceptor.linked.add(cluster_id)
+                self._await_members(comm_name, others, acceptor.linked, deadline)
+            finally:
+                listener.close()
+            communicator = self._join(comm_name, rank_table, my_rank, deadline)
+        except LLMException as exc:
+            for cluster_id in others:
+                self._links.drop(cluster_id, timeout=3.0)
+            if exc.status_code == LLMStatusCode.LLM_LINK_FAILED:
+                raise
+            raise LinkFailedError(
+                f"communication domain {comm_name!r}: {exc}",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            ) from None
+        if communicator is not None:
             for cluster_id, rank in others.items():
-                if rank < my_rank:
-                    self._connect(cluster_id, endpoints[rank], deadline)
-            while any(self._links.get(c) is None for c in others):
-                if time.monotonic() > deadline:
-                    missing = [c for c in others if self._links.get(c) is None]
-                    raise LinkFailedError(
-                        f"communication domain {comm_name!r}: clusters {missing} did not link "
-                        f"within {self._total_time} s",
-                        status_code=LLMStatusCode.LLM_LINK_FAILED,
-                    )
-                time.sleep(0.005)
-        finally:
-            listener.close()
+                self._routes[cluster_id] = CommRoute(communicator, rank)
         with self._lock:
             comm_id = self._next_id
             self._next_id += 1
-            self._domains[comm_id] = _Domain(comm_name, list(others))
+            self._domains[comm_id] = _Domain(comm_name, list(others), communicator)
         return comm_id
+
+    def _await_members(
+        self, comm_name: str, others: dict[int, int], linked: set[int], deadline: float
+    ) -> None:
+        """Wait until every other member is linked; fail early when one linked and left
+        (it gave up on the domain)."""
+        while True:
+            missing = [c for c in others if self._links.get(c) is None]
+            if not missing:
+                return
+            left = [c for c in missing if c in linked]
+            if left:
+                raise LinkFailedError(
+                    f"communication domain {comm_name!r}: clusters {left} linked and left "
+                    "while the domain was being set up",
+                    status_code=LLMStatusCode.LLM_LINK_FAILED,
+                )
+            if time.monotonic() > deadline:
+                raise LinkFailedError(
+                    f"communication domain {comm_name!r}: clusters {missing} did not link "
+                    f"within {self._total_time} s",
+                    status_code=LLMStatusCode.LLM_LINK_FAILED,
+                )
+            time.sleep(0.005)
+
+    def _join(
+        self, comm_name: str, rank_table: str, rank: int, deadline: float
+    ) -> Communicator | None:
+        """This rank's communicator of the domain with the engine's memory bound and
+        prepared; None when the runtime has none."""
+        fd, path = tempfile.mkstemp(prefix="aio-datadist-rank-table-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(rank_table)
+            communicator = self._caches.runtime.open_communicator(path, rank)
+        finally:
+            os.unlink(path)
+        if communicator is None:
+            return None
+        try:
+            for addr, nbytes, on_device in self._bindable():
+                communicator.bind(addr, nbytes, on_device=on_device)
+            communicator.prepare(max(1, int(deadline - time.monotonic())))
+        except BaseException:
+            try:
+                communicator.close()
+            except LLMException as exc:
+                self._log.warning("comm.close_failed", comm_name=comm_name, reason=str(exc))
+            raise
+        self._log.info("comm.joined", comm_name=comm_name, rank=rank)
+        return communicator
+
+    def _bindable(self) -> list[tuple[int, int, bool]]:
+        """``(addr, nbytes, on_device)`` of the memory members may reach: the pools, and
+        the remote-accessible caches registered outside them (overlapping ranges merged)."""
+        caches = self._caches
+        spans = [
+            (pool.arena.addr, pool.arena.nbytes, placement is Placement.DEVICE)
+            for placement, pool in caches.pools.items()
+        ]
+        with caches.registry.lock:
+            for entry in caches.registry.entries():
+                if entry.pool is None and entry.remote_accessible and not entry.released:
+                    device = entry.placement is Placement.DEVICE
+                    spans.extend((a, entry.tensor_bytes, device) for a in entry.addrs if a)
+        merged: list[tuple[int, int, bool]] = []
+        for addr, nbytes, device in sorted(spans):
+            if merged and merged[-1][2] == device and addr <= merged[-1][0] + merged[-1][1]:
+                low, size, _ = merged[-1]
+                merged[-1] = (low, max(size, addr + nbytes - low), device)
+            elif nbytes > 0:
+                merged.append((addr, nbytes, device))
+        return merged
 
     def _connect(self, cluster_id: int, endpoint: tuple[str, int], deadline: float) -> None:
         info = LLMClusterInfo()
@@ -184,12 +293,39 @@ class CommDomains:
         return domain
 
     def unlink(self, comm_id: Any) -> None:
-        """Unlink every member of the domain (both ends)."""
+        """Unlink every member of the domain (both ends) and leave its communicator.
+
+        :raises LLMException: the collective library failed to release the communicator
+            (the links are gone all the same).
+        """
         domain = self._domain(comm_id)
         with self._lock:
             self._domains.pop(comm_id, None)
+        try:
+            self._leave(domain)
+        finally:
+            for cluster_id in domain.members:
+                self._links.drop(cluster_id, timeout=3.0)
+
+    def _leave(self, domain: _Domain) -> None:
+        communicator = domain.communicator
+        if communicator is None:
+            return
         for cluster_id in domain.members:
-            self._links.drop(cluster_id, timeout=3.0)
+            route = self._routes.get(cluster_id)
+            if route is not None and route.communicator is communicator:
+                del self._routes[cluster_id]
+        communicator.close()
+
+    def close(self) -> None:
+        """Leave every domain's communicator (the engine finalizes; links close apart)."""
+        with self._lock:
+            domains, self._domains = list(self._domains.values()), {}
+        for domain in domains:
+            try:
+                self._leave(domain)
+            except LLMException as exc:
+                self._log.warning("comm.close_failed", comm_name=domain.name, reason=str(exc))
 
     def status(self, comm_id: Any) -> RegisterMemStatus:
         """``OK`` while every member is linked, ``FAILED`` once a member's link broke."""

@@ -11,6 +11,7 @@ import structlog
 
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
+from aio_datadist._engine.domain import CommRoutes
 from aio_datadist._engine.links import LinkTable, check_clusters
 from aio_datadist._engine.regions import BoardEntry, RegionBoard
 from aio_datadist._engine.registry import CacheEntry
@@ -181,12 +182,13 @@ class Engine:
             host_key = local_host_key()
             if board is not None and host_key is not None:
                 presence = HostPresence(host_key[0], host_key[1], os.getpid(), board.fd)
+            routes: CommRoutes = {}
             links = LinkTable(
                 Hello(self.cluster_id, self.role, presence=presence),
                 make_transport(
                     settings.transport, settings.link_secret, busy_poll_us=settings.busy_poll_us
                 ),
-                Server(caches),
+                Server(caches, routes),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
                 staging=caches.staging,
             )
@@ -204,12 +206,15 @@ class Engine:
                         status_code=LLMStatusCode.LLM_FAILED,
                     ) from None
             self.caches, self.links, self._board = caches, links, board
-            self.comms = CommDomains(links, settings.comm_base_port, settings.link_total_time_s)
+            self.comms = CommDomains(
+                links, caches, routes, settings.comm_base_port, settings.link_total_time_s
+            )
             self.transfers = TransferService(
                 caches,
                 links,
                 timeout_ms=settings.sync_kv_timeout_ms,
                 remote_cache_accessible=settings.remote_cache_accessible,
+                routes=routes,
             )
             self.settings = settings
         log.info(
@@ -327,7 +332,9 @@ class Engine:
             caches, self.caches, self.settings = self.caches, None, None
             links, self.links, self.transfers = self.links, None, None
             board, self._board = self._board, None
-            self.comms = None
+            comms, self.comms = self.comms, None
+        if comms is not None:
+            comms.close()  # communicators first: they hold the memory bound
         if links is not None:
             links.close()
         if caches is not None:

@@ -8,6 +8,9 @@ expects. A violation refuses that request (``LLM_PARAM_INVALID`` or
 cache released meanwhile keeps its memory until the transfer ends. Device memory under an
 accelerator runtime is served through pinned host buffers (:mod:`aio_datadist._memory.staging`):
 read out before a pull's bytes leave, and written to the device before a push is answered.
+A request from a member of a rank-table domain that names its own rows
+(:mod:`aio_datadist._engine.domain`) is moved through the domain's communicator instead,
+before it is answered.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from aio_datadist._engine.access import Access, Target, decode_access
 from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.domain import CommRoutes, deliver
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._log import get_logger
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
@@ -100,6 +104,13 @@ def access_rows(
     return rows
 
 
+_NO_ROWS: Iov = np.empty((0, 2), dtype=np.uint64)
+
+
+def _nothing(ok: bool) -> None:
+    """``Served.done`` of an answer whose bytes already moved."""
+
+
 def _check_size(access: Access, nbytes: int) -> None:
     total = access.nbytes
     if total != nbytes:
@@ -114,8 +125,9 @@ class Server:
     path leaves (anything else, and every refusal) comes to :meth:`serve`.
     """
 
-    def __init__(self, caches: CacheService) -> None:
+    def __init__(self, caches: CacheService, routes: CommRoutes | None = None) -> None:
         self._caches = caches
+        self._routes: CommRoutes = {} if routes is None else routes
         self._log = get_logger("serve")
         self.serve_table = ServeTable()
         caches.registry.add_listener(self._publish)
@@ -162,6 +174,11 @@ class Server:
         registry = caches.registry
         commit: Callable[[], None] | None = None
         on_device: Mask | bool
+        delivered = len(access.deliver) > 0
+        if delivered:
+            if nbytes:
+                raise _invalid("a request that names the requester's rows carries no payload")
+            nbytes = int(access.deliver[:, 1].sum())
         with registry.lock:
             if access.target is Target.ADDRESSES:
                 entries, iov, on_device = self._address_rows(access)
@@ -176,6 +193,8 @@ class Server:
             if access.drop_key and not entries[0].registered:
                 commit = self._dropper(("req", access.ident, access.model_id), entries[0])
             registry.pin(entries)
+        if delivered:
+            return self._deliver(peer, kind, access, iov, entries, commit)
         staged: Staged | None = None
         streamed: Streamed | None = None
         mask = None if on_device is True or on_device is False else on_device
@@ -200,6 +219,30 @@ class Server:
                 registry.unpin(entries)
 
         return Served(iov, nbytes, done, commit, streamed)
+
+    def _deliver(
+        self,
+        peer: Hello,
+        kind: RequestKind,
+        access: Access,
+        iov: Iov,
+        entries: list[CacheEntry],
+        commit: Callable[[], None] | None,
+    ) -> Served:
+        """Move the pinned rows ``iov`` to or from the requester's own rows through the
+        domain's communicator; the answer then carries no payload."""
+        registry = self._caches.registry
+        try:
+            route = self._routes.get(peer.cluster_id)
+            if route is None:
+                raise _invalid(
+                    f"cluster {peer.cluster_id} named its own memory but shares no "
+                    "communication domain with this engine"
+                )
+            deliver(route, kind, iov, access.deliver)
+        finally:
+            registry.unpin(entries)
+        return Served(_NO_ROWS, 0, _nothing, commit)
 
     def _resolve(self, access: Access) -> tuple[CacheEntry, int]:
         """The cache a request names and its batch row; a cache registered with

@@ -12,10 +12,15 @@ Calls between two blocks caches by ``BlocksCacheKey`` are checked (``check_*_blo
 a compact :class:`BlocksCall` instead, which runs on a direct route without building steps
 (:meth:`TransferService.start_blocks`) and becomes a plan only where that route does not
 take it (:meth:`TransferService.plan_blocks`).
+
+Device rows of a request to a member of this engine's rank-table domain go through the
+domain's communicator when that runtime has one (:mod:`aio_datadist._engine.domain`): the
+request names them and the serving side moves the bytes; nothing is staged here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +33,7 @@ import numpy as np
 
 from aio_datadist._engine.access import Access, Target, encode_access, encode_blocks_access
 from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.domain import CommRoute, CommRoutes
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.onesided import PeerMemory
 from aio_datadist._engine.registry import CacheEntry
@@ -56,6 +62,7 @@ __all__ = (
     "wait_blocking",
 )
 
+_NO_ROWS: Iov = np.empty((0, 2), dtype=np.uint64)
 #: Extra time a waiter gives a transport past the deadline before reporting a timeout itself.
 GRACE_S = 5.0
 _PULL_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
@@ -122,8 +129,11 @@ class Step:
     commit: bool = False
     #: The one-sided route to a same-host peer, when the step may take it.
     peer: PeerMemory | None = None
-    #: True when ``local`` is device memory, staged through host buffers on every route.
+    #: True when ``local`` is device memory, staged through host buffers on every route
+    #: but a domain's communicator.
     device: bool = False
+    #: The domain's communicator, when it moves this request's bytes.
+    route: CommRoute | None = None
 
     @property
     def nbytes(self) -> int:
@@ -140,6 +150,8 @@ class Step:
     def in_caller(self) -> bool:
         """True when starting the step moves its payload (or stages it) in the calling
         thread."""
+        if self.route is not None:
+            return False  # a request without payload: the serving side moves the bytes
         if self.peer is not None or self.device:
             return True
         return (
@@ -299,9 +311,12 @@ class TransferService:
         *,
         timeout_ms: int,
         remote_cache_accessible: bool,
+        routes: CommRoutes | None = None,
     ) -> None:
         self.caches = caches
         self.links = links
+        #: Routes through rank-table domains' communicators, by member cluster id.
+        self.routes: CommRoutes = {} if routes is None else routes
         self.timeout_ms = timeout_ms
         self.remote_cache_accessible = remote_cache_accessible
 
@@ -330,7 +345,14 @@ class TransferService:
         if peer is not None and not peer.serves(access.target):
             peer = None
         device = entry is not None and self.caches.on_device(entry)
-        return Step(link.channel, kind, access, local, commit=commit, peer=peer, device=device)
+        route = self.routes.get(cluster_id) if device and self.routes else None
+        if route is not None and route.takes(local):
+            peer = None
+        else:
+            route = None
+        return Step(
+            link.channel, kind, access, local, commit=commit, peer=peer, device=device, route=route
+        )
 
     def _plan(self, steps: list[Step], entries: list[CacheEntry]) -> TransferPlan:
         """Pin ``entries`` (registry lock held) for a plan of ``steps``."""
@@ -352,6 +374,8 @@ class TransferService:
             step.kind, step.access, step.local, local_on_device=step.device
         ):
             return DONE
+        if step.route is not None:
+            return self._send_delivered(plan, step)
         if not step.device:
             return self._send(plan, step, step.local)
         staging = self.caches.staging
@@ -374,6 +398,15 @@ class TransferService:
         if step.kind is RequestKind.PULL:
             return step.channel.pull(body, local, step.nbytes, plan.deadline_ns, commit=step.commit)
         return step.channel.push(body, local, step.nbytes, plan.deadline_ns)
+
+    @staticmethod
+    def _send_delivered(plan: TransferPlan, step: Step) -> Future[None]:
+        """Send ``step``'s request naming its own rows: the serving side moves the bytes
+        through the domain's communicator, and the answer carries none."""
+        body = encode_access(dataclasses.replace(step.access, deliver=step.local))
+        if step.kind is RequestKind.PULL:
+            return step.channel.pull(body, _NO_ROWS, 0, plan.deadline_ns, commit=step.commit)
+        return step.channel.push(body, _NO_ROWS, 0, plan.deadline_ns)
 
     def run(self, plan: TransferPlan) -> None:
         """Run every step in this thread and wait for all (the blocking face)."""

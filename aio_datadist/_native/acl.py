@@ -180,6 +180,11 @@ class AclDevice:
         self._ptr: Any = ffi.gc(out[0], lib.dd_acl_destroy)
         self.device_id = device_id
 
+    @property
+    def handle(self) -> Any:
+        """The native runtime object, for other native calls on this device (HCCL)."""
+        return self._ptr
+
     def malloc(self, nbytes: int) -> int:
         """Allocate ``nbytes`` of device memory (``aclrtMalloc``, huge pages first).
 

@@ -434,6 +434,29 @@ static int queueable(dd_acl_rt *rt, int kind, uint64_t dst, uint64_t src, uint64
     }
 }
 
+/* The runtime's stream, created on first use; rt->batch held. */
+static int ensure_stream(dd_acl_rt *rt) {
+    if (rt->stream)
+        return DD_OK;
+    aclError r = rt->fn.create_stream(&rt->stream);
+    if (r == DD_ACL_SUCCESS)
+        return DD_OK;
+    rt->stream = NULL;
+    return fail(&rt->fn, "aclrtCreateStream", r);
+}
+
+/* Wait for the stream, even after a failure (rc): nothing issued may outlive the call.
+ * Returns rc, or the wait's failure when rc was DD_OK; rt->batch held. */
+static int wait_stream(dd_acl_rt *rt, int rc) {
+    aclError r = rt->fn.synchronize_stream(rt->stream);
+    if (r != DD_ACL_SUCCESS) {
+        int rc2 = fail(&rt->fn, "aclrtSynchronizeStream", r);
+        if (rc == DD_OK)
+            rc = rc2;
+    }
+    return rc;
+}
+
 int dd_acl_copy_batch(dd_acl_rt *rt, const uint64_t *ops, size_t n, int kind,
                       uint64_t *async_rows) {
     clear_error();
@@ -475,14 +498,9 @@ int dd_acl_copy_batch(dd_acl_rt *rt, const uint64_t *ops, size_t n, int kind,
         const void *s = (const void *)(uintptr_t)src;
         aclError r;
         if (queueable(rt, kind, dst, src, len)) {
-            if (!rt->stream) {
-                r = rt->fn.create_stream(&rt->stream);
-                if (r != DD_ACL_SUCCESS) {
-                    rt->stream = NULL;
-                    rc = fail(&rt->fn, "aclrtCreateStream", r);
-                    break;
-                }
-            }
+            rc = ensure_stream(rt);
+            if (rc != DD_OK)
+                break;
             r = rt->fn.memcpy_async(d, (size_t)len, s, (size_t)len, (aclrtMemcpyKind)kind,
                                     rt->stream);
             if (r != DD_ACL_SUCCESS) {
@@ -498,18 +516,25 @@ int dd_acl_copy_batch(dd_acl_rt *rt, const uint64_t *ops, size_t n, int kind,
             }
         }
     }
-    if (queued) {
-        /* Wait even after a failure: no queued copy may outlive the call. */
-        aclError r = rt->fn.synchronize_stream(rt->stream);
-        if (r != DD_ACL_SUCCESS) {
-            int rc2 = fail(&rt->fn, "aclrtSynchronizeStream", r);
-            if (rc == DD_OK)
-                rc = rc2;
-        }
-    }
+    if (queued)
+        rc = wait_stream(rt, rc);
     pthread_mutex_unlock(&rt->batch);
     if (async_rows)
         *async_rows = queued;
+    return rc;
+}
+
+int dd_acl_on_stream(dd_acl_rt *rt, int (*issue)(aclrtStream stream, void *arg), void *arg) {
+    clear_error();
+    if (!rt || !issue)
+        return DD_EINVAL;
+    pthread_mutex_lock(&rt->batch);
+    int rc = rt->closing ? DD_ECLOSED : bind(rt);
+    if (rc == DD_OK)
+        rc = ensure_stream(rt);
+    if (rc == DD_OK)
+        rc = wait_stream(rt, issue(rt->stream, arg));
+    pthread_mutex_unlock(&rt->batch);
     return rc;
 }
 

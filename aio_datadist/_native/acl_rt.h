@@ -116,6 +116,22 @@ int dd_hccl_comm_init_cluster_info(const char *rank_table_path, uint32_t rank, u
 int dd_hccl_comm_destroy(uint64_t comm);
 int32_t dd_hccl_last_error(void);
 
+/* One-sided transfers in a communicator (HcclRegisterGlobalMem, HcclCommBindMem,
+ * HcclCommPrepare, HcclBatchPut / HcclBatchGet and their inverses), resolved when present:
+ * dd_hccl_has_one_sided says whether all of them are. dd_hccl_bind_mem registers
+ * [addr, addr + nbytes) (device memory when on_device, else host) and binds it to comm,
+ * giving the registration's handle; dd_hccl_unbind_mem undoes both. dd_hccl_batch moves n
+ * rows of (local address, remote address, bytes) between this rank and remote_rank on rt's
+ * stream and waits for them: a get reads the remote rows into the local ones, a put writes
+ * the local rows to the remote ones. */
+int dd_hccl_has_one_sided(void);
+int dd_hccl_bind_mem(uint64_t comm, int on_device, uint64_t addr, uint64_t nbytes,
+                     uint64_t *handle);
+int dd_hccl_unbind_mem(uint64_t comm, uint64_t handle);
+int dd_hccl_prepare(uint64_t comm, int32_t timeout_s);
+int dd_hccl_batch(dd_acl_rt *rt, uint64_t comm, uint32_t remote_rank, const uint64_t *rows,
+                  size_t n, int get);
+
 /* cdef-end */
 
 /* ---- ACL types and prototypes (acl_base.h / acl_rt.h), resolved with dlsym ---- */
@@ -198,6 +214,43 @@ typedef HcclResult (*dd_HcclCommInitRootInfo_fn)(uint32_t nRanks, const HcclRoot
 typedef HcclResult (*dd_HcclCommInitClusterInfo_fn)(const char *clusterInfo, uint32_t rank,
                                                     HcclComm *comm);
 typedef HcclResult (*dd_HcclCommDestroy_fn)(HcclComm comm);
+
+/* One-sided memory and transfers (hccl_mem.h / hccl_one_sided.h). */
+enum { HCCL_MEM_TYPE_DEVICE = 0, HCCL_MEM_TYPE_HOST = 1 };
+enum { HCCL_DATA_TYPE_INT8 = 0 };
+enum { HCCL_TOPO_FULLMESH = 0 };
+
+typedef struct {
+    int32_t type;
+    void *addr;
+    uint64_t size;
+} CommMem;
+
+typedef struct {
+    void *localAddr;
+    void *remoteAddr;
+    uint64_t count;
+    int32_t dataType;
+} HcclOneSideOpDesc;
+
+typedef struct {
+    int32_t topoType;
+    uint64_t rsvd0, rsvd1, rsvd2;
+} HcclPrepareConfig;
+
+typedef HcclResult (*dd_HcclRegisterGlobalMem_fn)(CommMem *mem, void **memHandle);
+typedef HcclResult (*dd_HcclDeregisterGlobalMem_fn)(void *memHandle);
+typedef HcclResult (*dd_HcclCommBindMem_fn)(HcclComm comm, void *memHandle);
+typedef HcclResult (*dd_HcclCommUnbindMem_fn)(HcclComm comm, void *memHandle);
+typedef HcclResult (*dd_HcclCommPrepare_fn)(HcclComm comm, HcclPrepareConfig *config,
+                                            int32_t timeout);
+typedef HcclResult (*dd_HcclBatchOp_fn)(HcclComm comm, uint32_t remoteRank,
+                                        HcclOneSideOpDesc *desc, uint32_t descNum,
+                                        aclrtStream stream);
+
+/* Internal to the native layer: run issue(stream, arg) on rt's stream with its context
+ * current, under its batch lock, then wait for the stream (also after a failed issue). */
+int dd_acl_on_stream(dd_acl_rt *rt, int (*issue)(aclrtStream stream, void *arg), void *arg);
 
 #ifdef __cplusplus
 }

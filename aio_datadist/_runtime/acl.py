@@ -16,7 +16,7 @@ import numpy.typing as npt
 from aio_datadist._log import get_logger
 from aio_datadist._native import acl
 from aio_datadist._runtime.base import CopyKind, DeviceRuntime, RuntimeUnavailable
-from aio_datadist._runtime.hccl import HcclPresence, probe
+from aio_datadist._runtime.hccl import HcclCommunicator, HcclPresence, probe
 
 __all__ = ("ASCENDCL_ENV", "AclRuntime", "open_runtime")
 
@@ -63,6 +63,13 @@ class AclRuntime(DeviceRuntime):
 
     def synchronize(self) -> None:
         self._device.synchronize()
+
+    def open_communicator(self, rank_table_path: str, rank: int) -> HcclCommunicator | None:
+        """This rank's HCCL communicator of the rank table; None without libhccl's rank-table
+        and one-sided calls."""
+        if not self.hccl.domains:
+            return None
+        return HcclCommunicator(self._device, rank_table_path, rank)
 
     def close(self) -> None:
         """Destroy the stream; the device is reset now, or when the last allocation is freed."""

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("CopyKind", "DeviceRuntime", "RuntimeUnavailable", "StageRing")
+__all__ = ("Communicator", "CopyKind", "DeviceRuntime", "RuntimeUnavailable", "StageRing")
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -54,6 +54,33 @@ class StageRing(Protocol):
     def __iter__(self) -> StageRing: ...
 
     def __next__(self) -> tuple[int, int]: ...
+
+
+class Communicator(Protocol):
+    """This rank of a device communication domain (``DeviceRuntime.open_communicator``).
+
+    Memory is bound before :meth:`prepare`; afterwards the ranks move bytes between their
+    bound memory one-sided, the peer's threads doing nothing.
+    """
+
+    rank: int
+    """This rank in the domain."""
+
+    def bind(self, addr: int, nbytes: int, *, on_device: bool) -> None:
+        """Offer ``[addr, addr + nbytes)`` (device or host memory) to the other ranks."""
+
+    def prepare(self, timeout_s: int) -> None:
+        """Exchange the bound memory with every rank (all ranks call it together)."""
+
+    def covers(self, rows: npt.NDArray[np.uint64]) -> bool:
+        """True when every ``(addr, nbytes)`` row lies inside memory bound here."""
+
+    def transfer(self, rank: int, rows: npt.NDArray[np.uint64], *, get: bool) -> None:
+        """Move ``(local addr, remote addr, nbytes)`` rows with ``rank``: read its memory
+        into ours (``get``) or write ours to its memory; done on return."""
+
+    def close(self) -> None:
+        """Unbind the memory and leave the domain; idempotent."""
 
 
 class DeviceRuntime(ABC):
@@ -126,6 +153,15 @@ class DeviceRuntime(ABC):
 
     def close_shared(self, addr: int) -> None:  # noqa: B027 - optional, pairs open_shared
         """Drop a mapping from :meth:`open_shared` (``addr`` is what it returned)."""
+
+    def open_communicator(self, rank_table_path: str, rank: int) -> Communicator | None:
+        """Join, as ``rank``, the device communication domain a rank-table file describes
+        (a rank-table ``link``); None when this runtime has no collective library for it
+        (the domain's links then carry every byte).
+
+        :raises LLMException: the library refused (``LLM_PARAM_INVALID``, ``LLM_FAILED``).
+        """
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook, nothing to release by default
         """Release runtime resources (streams, contexts); the runtime is unusable afterwards."""
