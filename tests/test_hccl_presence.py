@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from aio_datadist import LLMException, LLMStatusCode
@@ -84,7 +85,44 @@ def test_acl_runtime_reports_hccl(
     monkeypatch.setenv("AIO_DATADIST_ASCENDCL", str(fake_acl))
     rt = open_runtime(0)
     try:
-        assert rt.features == {"acl", "hccl"} and rt.hccl.available
+        assert rt.features == {"acl", "hccl"} and rt.hccl.available and rt.hccl.domains
     finally:
         rt.close()
     FakeAcl(fake_acl, tmp_path / "unused.log").assert_released()
+
+
+def test_one_sided_calls_check_their_arguments_before_hccl(
+    fake_hccl: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for var in FAKE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AIO_DATADIST_ASCENDCL", str(build("fake_ascendcl.c", "libascendcl.so")))
+    rt = open_runtime(0)
+    table = tmp_path / "rank_table.json"
+    table.write_text("{}")
+    comm = rt.open_communicator(str(table), 0)
+    assert comm is not None and comm.rank == 0
+    try:
+        buf = np.zeros(4096, np.uint8)
+        comm.bind(buf.ctypes.data, buf.nbytes, on_device=False)
+        assert comm.covers(np.array([[buf.ctypes.data + 8, 4088]], np.uint64))
+        assert not comm.covers(np.array([[buf.ctypes.data + 8, 4089]], np.uint64))
+        assert not comm.covers(np.array([[buf.ctypes.data - 1, 1]], np.uint64))
+        comm.prepare(5)
+        for rows in ([[0, buf.ctypes.data, 8]], [[buf.ctypes.data, 1 << 20, 0]]):
+            with pytest.raises(LLMException) as exc:  # null address, empty row
+                comm.transfer(1, np.array(rows, np.uint64), get=True)
+            assert exc.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+        with pytest.raises(ValueError):
+            comm.transfer(1, np.zeros((1, 2), np.uint64), get=True)
+        with pytest.raises(LLMException) as exc:  # HCCL_E_NOT_FOUND: no rank 1 in the domain
+            comm.transfer(1, np.array([[buf.ctypes.data, 1 << 20, 8]], np.uint64), get=False)
+        assert exc.value.status_code == LLMStatusCode.LLM_FAILED
+        assert "HcclBatchPut" in str(exc.value) and "HcclResult 6" in str(exc.value)
+    finally:
+        comm.close()
+        comm.close()  # idempotent
+        rt.close()
+    names = [line.split()[0] for line in fake_hccl.read_text().splitlines()]
+    assert names.count("HcclBatchGet") == 0 and names.count("HcclBatchPut") == 1
+    assert names[-3:] == ["HcclCommUnbindMem", "HcclDeregisterGlobalMem", "HcclCommDestroy"]
