@@ -123,6 +123,9 @@ def test_one_sided_calls_check_their_arguments_before_hccl(
         comm.close()
         comm.close()  # idempotent
         rt.close()
+    with pytest.raises(LLMException) as exc:  # the domain was unlinked
+        comm.transfer(1, np.array([[buf.ctypes.data, 1 << 20, 8]], np.uint64), get=True)
+    assert exc.value.status_code == LLMStatusCode.LLM_LINK_FAILED
     names = [line.split()[0] for line in fake_hccl.read_text().splitlines()]
     assert names.count("HcclBatchGet") == 0 and names.count("HcclBatchPut") == 1
     assert names[-3:] == ["HcclCommUnbindMem", "HcclDeregisterGlobalMem", "HcclCommDestroy"]

@@ -15,10 +15,12 @@ import numpy as np
 import numpy.typing as npt
 
 from aio_datadist._native import acl, hccl
+from aio_datadist.status import LinkFailedError, LLMStatusCode
 
 __all__ = ("HCCL_ENV", "HcclCommunicator", "HcclPresence", "probe")
 
 HCCL_ENV = "AIO_DATADIST_HCCL"
+_NONE: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,10 @@ class HcclCommunicator:
         self.rank = rank
         self._comm = hccl.comm_init_cluster_info(rank_table_path, rank)
         self._handles: list[int] = []
-        self._starts = np.empty(0, dtype=np.uint64)
-        self._ends = np.empty(0, dtype=np.uint64)
-        self._lock = threading.Lock()
+        #: Bound ranges as (starts, ends), sorted by start; replaced whole.
+        self._spans = (_NONE, _NONE)
+        self._lock = threading.Condition()
+        self._in_flight = 0  # transfers running; close waits for them
 
     def bind(self, addr: int, nbytes: int, *, on_device: bool) -> None:
         """Register ``[addr, addr + nbytes)`` and bind it to the communicator."""
@@ -80,9 +83,10 @@ class HcclCommunicator:
             if not self._comm:
                 raise RuntimeError("the communicator is closed")
             self._handles.append(hccl.bind_mem(self._comm, addr, nbytes, on_device=on_device))
-            order = np.argsort(np.append(self._starts, np.uint64(addr)), kind="stable")
-            self._starts = np.append(self._starts, np.uint64(addr))[order]
-            self._ends = np.append(self._ends, np.uint64(addr + nbytes))[order]
+            starts = np.append(self._spans[0], np.uint64(addr))
+            ends = np.append(self._spans[1], np.uint64(addr + nbytes))
+            order = np.argsort(starts, kind="stable")
+            self._spans = (starts[order], ends[order])
 
     def prepare(self, timeout_s: int) -> None:
         """``HcclCommPrepare``: exchange the bound memory with every rank."""
@@ -90,7 +94,7 @@ class HcclCommunicator:
 
     def covers(self, rows: npt.NDArray[np.uint64]) -> bool:
         """True when every ``(addr, nbytes)`` row lies inside one bound range."""
-        starts, ends = self._starts, self._ends
+        starts, ends = self._spans
         if not len(rows) or not len(starts):
             return False
         idx = np.searchsorted(starts, rows[:, 0], side="right").astype(np.int64) - 1
@@ -100,18 +104,38 @@ class HcclCommunicator:
 
     def transfer(self, rank: int, rows: npt.NDArray[np.uint64], *, get: bool) -> None:
         """``HcclBatchGet`` (``get``) or ``HcclBatchPut`` of ``(local, remote, nbytes)`` rows
-        with ``rank``, waited for on the device's stream."""
-        hccl.batch(self._device, self._comm, rank, np.ascontiguousarray(rows), get=get)
+        with ``rank``, waited for on the device's stream.
+
+        :raises LLMException: ``LLM_LINK_FAILED`` once the communicator is closed (the domain
+            was unlinked), else as :func:`aio_datadist._native.hccl.batch`.
+        """
+        with self._lock:
+            comm = self._comm
+            if not comm:
+                raise LinkFailedError(
+                    "the communication domain was unlinked",
+                    status_code=LLMStatusCode.LLM_LINK_FAILED,
+                )
+            self._in_flight += 1
+        try:
+            hccl.batch(self._device, comm, rank, np.ascontiguousarray(rows), get=get)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._lock.notify_all()
 
     def close(self) -> None:
-        """Unbind and deregister the memory, then ``HcclCommDestroy``; idempotent.
+        """Unbind and deregister the memory, then ``HcclCommDestroy``, once no transfer
+        runs any more; idempotent.
 
         Every step runs even when an earlier one failed; the first failure is raised.
         """
         with self._lock:
             comm, self._comm = self._comm, 0
             handles, self._handles = self._handles, []
-            self._starts = self._ends = np.empty(0, dtype=np.uint64)
+            self._spans = (_NONE, _NONE)
+            self._lock.wait_for(lambda: self._in_flight == 0)
         if not comm:
             return
         first: Exception | None = None
