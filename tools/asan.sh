@@ -43,6 +43,7 @@ status=0
     tests/test_samehost.py tests/test_wire.py tests/test_transport_tcp.py \
     tests/test_bounds.py tests/test_fuzz.py tests/test_runtime_cuda.py \
     tests/test_runtime_acl.py tests/test_staging.py tests/test_device_transfers.py \
+    tests/test_hccl_presence.py tests/test_hccl_domains.py \
     tests/test_cross_process.py \
     --deselect tests/test_runtime_cuda.py::test_ptx_header_is_current "$@" || status=$?
 # (that test runs nvcc, which does not survive the preloaded sanitizer runtime)
