@@ -307,3 +307,27 @@ async def test_finalize_leaves_the_communicator(hccl: FakeHccl, make_pair: PairF
     await pair.prompt.finalize()
     assert hccl.live() == (0, 0, 0)
     assert hccl.count("HcclCommDestroy") == 2
+
+
+async def test_a_failed_domain_keeps_the_links_made_before_it(
+    hccl: FakeHccl, make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pair: Pair = await make_pair(link=True)  # linked with link_clusters first
+    monkeypatch.setenv("FAKE_HCCL_FAIL", "HcclCommPrepare")
+    outcomes = await link_domain(pair, rank_table(pair))
+    assert all(isinstance(o, LLMException) for o in outcomes), outcomes
+    monkeypatch.delenv("FAKE_HCCL_FAIL")
+    assert pair.decoder.dd._engine.links.get(1) is not None
+    assert pair.prompt._engine.links.get(2) is not None
+    dcm = pair.decoder.cm
+    src = await pair.prompt.cache_manager.allocate_blocks_cache(
+        blocks_desc(2), BlocksCacheKey(1, 0)
+    )
+    dst = await dcm.allocate_blocks_cache(blocks_desc(2))
+    sent = write(pair.prompt, src, seed=8)
+    await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [3], [4])  # over the link, staged
+    for s, d in zip(sent, read(pair.decoder, dst), strict=True):
+        np.testing.assert_array_equal(d[4], s[3])
+    assert hccl.count("HcclBatchPut") == 0
+    await pair.prompt.cache_manager.deallocate_blocks_cache(src)
+    await dcm.deallocate_blocks_cache(dst)

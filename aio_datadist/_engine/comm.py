@@ -19,7 +19,7 @@ must be registered before ``link``, and why ``remote_accessible=True`` is refuse
 it) and prepares it with every member. Device rows of transfers between the members then
 move through the communicator (:mod:`aio_datadist._engine.domain`). ``unlink`` unbinds the
 memory and destroys the communicator. A library that refuses fails ``link`` with
-``LLM_LINK_FAILED`` and leaves no link of the domain behind.
+``LLM_LINK_FAILED`` and drops the links it made.
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ class CommDomains:
         my_rank = cluster_rank_info[me]
         others = {c: r for c, r in cluster_rank_info.items() if c != me}
         deadline = time.monotonic() + self._total_time
+        already = {c for c in others if self._links.get(c) is not None}
         acceptor = _CommAcceptor(self._links, set(others))
         listener = self._links.transport.listen(*endpoints[my_rank], acceptor)
         try:
@@ -176,7 +177,7 @@ class CommDomains:
                 listener.close()
             communicator = self._join(comm_name, rank_table, my_rank, deadline)
         except LLMException as exc:
-            for cluster_id in others:
+            for cluster_id in others.keys() - already:  # links made before stay
                 self._links.drop(cluster_id, timeout=3.0)
             if exc.status_code == LLMStatusCode.LLM_LINK_FAILED:
                 raise
