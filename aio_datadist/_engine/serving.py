@@ -21,7 +21,7 @@ import numpy as np
 
 from aio_datadist._engine.access import Access, Target, decode_access
 from aio_datadist._engine.caches import CacheService
-from aio_datadist._engine.domain import CommRoutes, deliver
+from aio_datadist._engine.domain import NO_ROWS, CommRoutes, deliver
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._log import get_logger
 from aio_datadist._memory.rows import SMALL_ROWS, small_rows
@@ -102,9 +102,6 @@ def access_rows(
     rows[:, 0] = bases + np.uint64(row * block_bytes + access.offset)
     rows[:, 1] = access.seg_bytes
     return rows
-
-
-_NO_ROWS: Iov = np.empty((0, 2), dtype=np.uint64)
 
 
 def _nothing(ok: bool) -> None:
@@ -242,7 +239,7 @@ class Server:
             deliver(route, kind, iov, access.deliver)
         finally:
             registry.unpin(entries)
-        return Served(_NO_ROWS, 0, _nothing, commit)
+        return Served(NO_ROWS, 0, _nothing, commit)
 
     def _resolve(self, access: Access) -> tuple[CacheEntry, int]:
         """The cache a request names and its batch row; a cache registered with

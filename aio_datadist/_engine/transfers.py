@@ -33,7 +33,7 @@ import numpy as np
 
 from aio_datadist._engine.access import Access, Target, encode_access, encode_blocks_access
 from aio_datadist._engine.caches import CacheService
-from aio_datadist._engine.domain import CommRoute, CommRoutes
+from aio_datadist._engine.domain import NO_ROWS, CommRoute, CommRoutes
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.onesided import PeerMemory
 from aio_datadist._engine.registry import CacheEntry
@@ -62,7 +62,6 @@ __all__ = (
     "wait_blocking",
 )
 
-_NO_ROWS: Iov = np.empty((0, 2), dtype=np.uint64)
 #: Extra time a waiter gives a transport past the deadline before reporting a timeout itself.
 GRACE_S = 5.0
 _PULL_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
@@ -405,8 +404,8 @@ class TransferService:
         through the domain's communicator, and the answer carries none."""
         body = encode_access(dataclasses.replace(step.access, deliver=step.local))
         if step.kind is RequestKind.PULL:
-            return step.channel.pull(body, _NO_ROWS, 0, plan.deadline_ns, commit=step.commit)
-        return step.channel.push(body, _NO_ROWS, 0, plan.deadline_ns)
+            return step.channel.pull(body, NO_ROWS, 0, plan.deadline_ns, commit=step.commit)
+        return step.channel.push(body, NO_ROWS, 0, plan.deadline_ns)
 
     def run(self, plan: TransferPlan) -> None:
         """Run every step in this thread and wait for all (the blocking face)."""
