@@ -601,6 +601,46 @@ def test_take_answer_takes_only_its_own_answer(tcp: tuple[socket.socket, socket.
     assert api.sock_take_answer(fd, PUSH_ACK, 9, make_iov([]), 0, spin_ns=10**9) is True
 
 
+@pytest.mark.parametrize("spin_ns", [10**9, 10**6], ids=["payload-within-spin", "after-spin"])
+def test_take_answer_waits_for_a_payload_arriving_in_pieces(
+    tcp: tuple[socket.socket, socket.socket], spin_ns: int
+) -> None:
+    """The payload's rest is busy-polled for while the spin lasts, then waited for until
+    the deadline: either way the answer is taken whole."""
+    a, b = tcp
+    dst = np.zeros(1000, np.uint8)
+    payload = random_bytes(1000, 7)
+
+    def send_in_pieces() -> None:
+        a.sendall(answer_header(PULL_DATA, 4, 1000) + payload[:300].tobytes())
+        time.sleep(0.01)
+        a.sendall(payload[300:700].tobytes())
+        time.sleep(0.01)
+        a.sendall(payload[700:].tobytes())
+
+    sender = threading.Thread(target=send_in_pieces)
+    sender.start()
+    try:
+        deadline = api.monotonic_ns() + 10**10
+        took = api.sock_take_answer(
+            b.fileno(),
+            PULL_DATA,
+            4,
+            make_iov([(addr(dst), 1000)]),
+            1000,
+            spin_ns=spin_ns,
+            deadline_ns=deadline,
+        )
+    finally:
+        sender.join()
+    # With a 1 ms spin the header may come after it: then the general reader takes it.
+    if took:
+        np.testing.assert_array_equal(dst, payload)
+        assert peek(b) == b""
+    else:
+        assert spin_ns == 10**6 and not dst.any()
+
+
 def test_take_answer_deadline_mid_payload(tcp: tuple[socket.socket, socket.socket]) -> None:
     a, b = tcp
     dst = np.zeros(1000, np.uint8)

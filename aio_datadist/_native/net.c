@@ -169,8 +169,12 @@ static int validate(int fd, const uint64_t *iov, size_t n)
     return DD_OK;
 }
 
+static int spin_ready(int fd, short events, int64_t spin_end);
+
+/* Move the rows through fd by the deadline. While the clock is before spin_end, a socket
+ * that has nothing (or no room) is busy-polled instead of slept on. */
 static int transfer(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done,
-                    int sending)
+                    int sending, int64_t spin_end)
 {
     uint64_t moved = 0;
     if (done != NULL)
@@ -220,7 +224,11 @@ static int transfer(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, 
         if (e == EINTR)
             continue;
         if (e == EAGAIN || e == EWOULDBLOCK) {
-            rc = wait_ready(fd, sending ? POLLOUT : POLLIN, deadline_ns);
+            short events = sending ? POLLOUT : POLLIN;
+            int spun = spin_end > 0 ? spin_ready(fd, events, spin_end) : 0;
+            if (spun > 0)
+                continue;
+            rc = spun < 0 ? DD_ESYS : wait_ready(fd, events, deadline_ns);
             if (rc != DD_OK)
                 break;
             continue;
@@ -241,24 +249,24 @@ static int transfer(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, 
 
 int dd_sock_sendv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done)
 {
-    return transfer(fd, iov, n, deadline_ns, done, 1);
+    return transfer(fd, iov, n, deadline_ns, done, 1, 0);
 }
 
 int dd_sock_recvv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done)
 {
-    return transfer(fd, iov, n, deadline_ns, done, 0);
+    return transfer(fd, iov, n, deadline_ns, done, 0, 0);
 }
 
 int dd_sock_send(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done)
 {
     const uint64_t row[2] = {addr, len};
-    return transfer(fd, row, 1, deadline_ns, done, 1);
+    return transfer(fd, row, 1, deadline_ns, done, 1, 0);
 }
 
 int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done)
 {
     const uint64_t row[2] = {addr, len};
-    return transfer(fd, row, 1, deadline_ns, done, 0);
+    return transfer(fd, row, 1, deadline_ns, done, 0, 0);
 }
 
 /* A short pause between polls, leaving the core's other hardware thread its share. */
@@ -275,11 +283,13 @@ void dd_cpu_relax(void)
     }
 }
 
-/* One poll() that never sleeps: 1 readable (or error/hangup pending), 0 not, -1 failed. */
-static int readable_now(int fd)
+/* One poll() that never sleeps: 1 ready (or error/hangup pending), 0 not, -1 failed. poll()
+ * reads the socket's state without taking its lock, so polling in a loop never holds up the
+ * kernel delivering bytes to the socket, as recv(MSG_PEEK) in a loop would. */
+static int ready_now(int fd, short events)
 {
     for (;;) {
-        struct pollfd p = {.fd = fd, .events = POLLIN, .revents = 0};
+        struct pollfd p = {.fd = fd, .events = events, .revents = 0};
         int r = poll(&p, 1, 0);
         if (r > 0) {
             if (p.revents & POLLNVAL) {
@@ -295,6 +305,20 @@ static int readable_now(int fd)
     }
 }
 
+/* Busy-poll fd until it is ready for `events` (1), the clock reaches spin_end (0) or the
+ * poll fails (-1). */
+static int spin_ready(int fd, short events, int64_t spin_end)
+{
+    for (;;) {
+        int r = ready_now(fd, events);
+        if (r != 0)
+            return r;
+        if (dd_monotonic_ns() >= spin_end)
+            return 0;
+        dd_cpu_relax();
+    }
+}
+
 int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns)
 {
     if (fd < 0 || spin_ns < 0)
@@ -305,14 +329,9 @@ int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns)
         spin_end = deadline_ns;
     /* Busy polling: a thread that expects bytes within microseconds skips the sleep and
      * the wake-up, which cost more than the wait itself on a virtual CPU. */
-    for (;;) {
-        int r = readable_now(fd);
-        if (r != 0)
-            return r > 0 ? DD_OK : DD_ESYS;
-        if (dd_monotonic_ns() >= spin_end)
-            break;
-        dd_cpu_relax();
-    }
+    int r = spin_ready(fd, POLLIN, spin_end);
+    if (r != 0)
+        return r > 0 ? DD_OK : DD_ESYS;
     if (deadline_ns > 0 && dd_monotonic_ns() >= deadline_ns)
         return DD_ETIMEDOUT;
     return wait_ready(fd, POLLIN, deadline_ns);
@@ -342,7 +361,10 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
     if (deadline_ns > 0 && deadline_ns < spin_end)
         spin_end = deadline_ns;
     unsigned char h[FRAME_HEADER];
+    /* Poll until bytes are there, then look at them. */
     for (;;) {
+        if (spin_ready(fd, POLLIN, spin_end) <= 0)
+            return DD_ANSWER_ELSEWHERE;
         ssize_t r = recv(fd, h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
         if (r == (ssize_t)sizeof h)
             break;
@@ -351,9 +373,6 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
         /* EOF, an error or a header still arriving: the general reader deals with it. */
         if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || r > 0)
             return DD_ANSWER_ELSEWHERE;
-        if (dd_monotonic_ns() >= spin_end)
-            return DD_ANSWER_ELSEWHERE;
-        dd_cpu_relax();
     }
     uint16_t version, got_kind;
     uint32_t body_len, flags;
@@ -381,7 +400,9 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
             errno = EPROTO; /* the kernel showed 40 bytes, then gave fewer */
         return DD_ESYS;
     }
-    return transfer(fd, iov, n, deadline_ns, done, 0);
+    /* The payload follows the header within microseconds: keep polling for it rather than
+     * sleep on it, until the busy-poll time runs out. */
+    return transfer(fd, iov, n, deadline_ns, done, 0, spin_end);
 }
 
 int dd_sock_tune(int fd, int nodelay, int sndbuf, int rcvbuf)
