@@ -68,7 +68,7 @@ def _send_raw(listener: socket.socket, mem: list[np.ndarray]) -> None:
             return
         with conn:
             for m in mem:
-                conn.sendall(memoryview(m).cast("B"))
+                conn.sendall(m.data.cast("B"))
 
 
 def serve(port: int, route: str) -> None:
@@ -89,7 +89,7 @@ def serve(port: int, route: str) -> None:
 def _recv_raw(raw_port: int, mem: list[np.ndarray]) -> None:
     with socket.create_connection(("127.0.0.1", raw_port)) as conn:
         for m in mem:
-            view, got = memoryview(m).cast("B"), 0
+            view, got = m.data.cast("B"), 0
             while got < len(view):
                 n = conn.recv_into(view[got:])
                 if n == 0:
