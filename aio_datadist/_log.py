@@ -25,9 +25,15 @@ def _render(
     _logger: Any, _method: str, event: MutableMapping[str, Any]
 ) -> tuple[tuple[str], dict[str, Any]]:
     name = str(event.pop("event", ""))
+    # Handed to stdlib as is, so that handlers print the traceback (True, an exception or
+    # an exc_info tuple) instead of its repr among the fields.
+    exc_info = event.pop("exc_info", None)
     fields = " ".join(f"{k}={v}" for k, v in event.items())
     message = f"{name} {fields}" if fields else name
-    return (message,), {"extra": {"fields": dict(event)}}
+    kwargs: dict[str, Any] = {"extra": {"fields": dict(event)}}
+    if exc_info:
+        kwargs["exc_info"] = exc_info
+    return (message,), kwargs
 
 
 def get_logger(name: str, **context: Any) -> structlog.stdlib.BoundLogger:

@@ -365,7 +365,15 @@ class AsyncCacheManager(_LoopBound):
     ) -> CacheTask:
         """As ``CacheManager.push_blocks``, returning an awaitable ``CacheTask`` at once.
 
-        Bad arguments raise here; transfer failures become the task's status.
+        Arguments as the blocking call. Bad arguments raise here, exactly as there
+        (``TypeError``, ``ValueError``, ``LLMException``); failures after that (no link,
+        timeout, a refusal by the peer) never raise from this call but end the task, which
+        may already be done when returned.
+
+        :returns: a ``CacheTask`` with one result. ``await task`` returns ``LLM_SUCCESS`` or
+            raises what the blocking ``push_blocks`` raises (with ``.results``);
+            ``await task.wait_results()`` gives ``[status]`` and never raises.
+        :raises RuntimeError: called outside the engine's event loop.
         """
         self._check_loop()
         call = self._transfers.check_push_blocks(
@@ -381,7 +389,7 @@ class AsyncCacheManager(_LoopBound):
         try:
             started = self._start_blocks(call)
         except LLMException as exc:  # failed in the caller (the peer gone, say)
-            task._set_result(0, exc.status_code)
+            task._set_result(0, exc.status_code, exc)
             task._finish()
             return task
         if started is not None:
@@ -395,7 +403,12 @@ class AsyncCacheManager(_LoopBound):
             else:
                 self._spawn(self._settle_request(task, channel, future, deadline_ns))
             return task
-        plan = self._transfers.plan_blocks(call)
+        try:
+            plan = self._transfers.plan_blocks(call)
+        except LLMException as exc:  # no link: what the blocking call raises
+            task._set_result(0, exc.status_code, exc)
+            task._finish()
+            return task
         step = plan.steps[0]
         if step.in_caller and step.nbytes > INLINE_BYTES:
             self._spawn(self._settle(task, plan, None))
@@ -419,7 +432,7 @@ class AsyncCacheManager(_LoopBound):
             await _await_request(channel, future, deadline_ns)
             task._set_result(0, LLMStatusCode.LLM_SUCCESS)
         except LLMException as exc:
-            task._set_result(0, exc.status_code)
+            task._set_result(0, exc.status_code, exc)
         finally:
             task._finish()
 
@@ -437,7 +450,7 @@ class AsyncCacheManager(_LoopBound):
                 await _wait(future, plan.deadline_ns)
                 task._set_result(0, LLMStatusCode.LLM_SUCCESS)
             except LLMException as exc:
-                task._set_result(0, exc.status_code)
+                task._set_result(0, exc.status_code, exc)
         finally:
             unwatch()
             task._finish()
@@ -453,8 +466,17 @@ class AsyncCacheManager(_LoopBound):
     ) -> CacheTask:
         """As ``CacheManager.transfer_cache_async``, driven on this event loop.
 
-        An ``async def`` ``synchronize_layer`` is awaited here; a plain one runs on a worker
-        thread. ``task.cancel()`` stops before the next layer.
+        Arguments as the blocking call and checked here, before returning (what the blocking
+        call raises for them is raised here). An ``async def`` ``synchronize_layer`` is
+        awaited on this loop; a plain one runs on a worker thread. Layer ``k`` moves while
+        layer ``k+1`` is awaited.
+
+        :returns: a ``CacheTask`` with one result per config. ``await task`` returns
+            ``LLM_SUCCESS`` or raises the first failed config's ``LLMException`` (with
+            ``.results``; a synchroniser that raised is its ``__cause__``, and is logged once
+            at WARNING); ``await task.wait_results()`` never raises; ``task.cancel()`` stops
+            before the next layer, and awaiting the task then raises ``CancelledError``.
+        :raises RuntimeError: called outside the engine's event loop.
         """
         self._check_loop()
         job = plan_layer_job(
@@ -471,8 +493,15 @@ class AsyncCacheManager(_LoopBound):
         self._spawn(self._drive(job, task))
         return task
 
-    async def _synchronize(self, job: LayerJob, layer: int, cancelled: asyncio.Event) -> bool:
-        """Wait for the model to finish ``layer``; False when it failed or was cancelled."""
+    async def _synchronize(
+        self, job: LayerJob, layer: int, indices: list[int], cancelled: asyncio.Event
+    ) -> bool:
+        """Wait for the model to finish ``layer``; True to send it.
+
+        False when the task was cancelled meanwhile, or when the synchroniser refused or
+        raised; the job records that for the configs ``indices`` (an exception is kept as
+        the cause of their failure and logged).
+        """
         sync = job.synchronizer.synchronize_layer
         if job.is_async:
             waiter: asyncio.Future[Any] = asyncio.ensure_future(sync(layer, None))
@@ -489,9 +518,14 @@ class AsyncCacheManager(_LoopBound):
             waiter.cancel()
             return False
         try:
-            return bool(waiter.result())
-        except Exception:  # a raising synchroniser fails the task like False
+            answer = waiter.result()
+            ready = bool(answer)
+        except Exception as exc:
+            job.synchronizer_failed(layer, indices, exc)
             return False
+        if not ready:
+            job.synchronizer_refused(layer, indices, answer)
+        return ready
 
     async def _drive(self, job: LayerJob, task: CacheTask) -> None:
         cancelled = asyncio.Event()
@@ -504,9 +538,7 @@ class AsyncCacheManager(_LoopBound):
                     continue
                 if cancelled.is_set() or job.stopped:
                     break
-                if not await self._synchronize(job, layer, cancelled):
-                    if not cancelled.is_set():
-                        job.fail(indices, LLMStatusCode.LLM_PARAM_INVALID)
+                if not await self._synchronize(job, layer, indices, cancelled):
                     break
                 for i, step in job.steps(layer, indices):
                     job.track(task, i, layer, await self._start(job.plan, step))
@@ -527,13 +559,13 @@ def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
 
 
 def _record(task: CacheTask, index: int, future: Future[None]) -> None:
+    """Record a completed request's outcome, its exception included, as config ``index``."""
     exc = future.exception()
     if exc is None:
         task._set_result(index, LLMStatusCode.LLM_SUCCESS)
     else:
-        task._set_result(
-            index, exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
-        )
+        status = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
+        task._set_result(index, status, exc)
 
 
 class AsyncLLMDataDist(_LoopBound):

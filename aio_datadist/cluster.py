@@ -7,19 +7,21 @@ IPv4 addresses are kept as the reference keeps them: a dotted string is converte
 
 from __future__ import annotations
 
+import re
 import socket
 from typing import Any
 
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.enums import LLMRole
 
-__all__ = ("LLMClusterInfo", "ip_str_to_int", "ip_int_to_str")
+__all__ = ("LLMClusterInfo", "ip_int_to_str", "ip_str_cause", "ip_str_to_int")
 
 
 def ip_str_to_int(ip: str | int) -> int:
     """Convert a dotted IPv4 string to the reference's little-endian uint32; ints pass through.
 
-    Raises ``RuntimeError("Can not parse ip str:<ip>")`` when ``inet_aton`` rejects the string.
+    Raises ``RuntimeError("Can not parse ip str:<ip>: <cause>")`` when ``inet_aton`` rejects
+    the string; the cause says that host names are not accepted (see :func:`ip_str_cause`).
     """
     if isinstance(ip, str):
         try:
@@ -27,9 +29,30 @@ def ip_str_to_int(ip: str | int) -> int:
         except (OSError, ValueError):
             # ValueError covers embedded NULs and non-ASCII text, which inet_aton refuses
             # differently from a malformed address.
-            raise RuntimeError(f"Can not parse ip str:{ip}") from None
+            raise RuntimeError(f"Can not parse ip str:{ip}: {ip_str_cause(ip)}") from None
         return int.from_bytes(packed, byteorder="little")
     return ip
+
+
+# Letters, digits, '-' and '.', with a letter somewhere: what a host name looks like.
+_HOST_NAME = re.compile(r"(?=.*[A-Za-z])[A-Za-z0-9-]+(\.[A-Za-z0-9-]+)*\.?")
+
+
+def ip_str_cause(ip: str) -> str:
+    """Why ``ip`` is refused where an IPv4 address is needed, in words for an error message.
+
+    Host names are never resolved: the reference takes addresses only, and a name that
+    resolved differently on the two ends would link the wrong peer.
+    """
+    if _HOST_NAME.fullmatch(ip):
+        return (
+            f"{ip!r} is a host name, and a host name such as 'localhost' is not accepted; "
+            "pass a dotted IPv4 address such as 127.0.0.1"
+        )
+    return (
+        f"{ip!r} is not a dotted IPv4 address (a host name such as 'localhost' is not "
+        "accepted either); pass one such as 127.0.0.1"
+    )
 
 
 def ip_int_to_str(ip: int) -> str:
@@ -106,7 +129,8 @@ class LLMClusterInfo:
         """Add a local host address: ``ip`` dotted IPv4 or uint32 int, ``port`` uint16.
 
         Raises ``TypeError`` for wrong types, ``ValueError`` for a port outside uint16 or an int
-        ip outside uint32, ``RuntimeError`` for an unparsable ip string.
+        ip outside uint32, ``RuntimeError("Can not parse ip str:...")`` for an ip string that
+        is not an IPv4 address (a host name such as ``"localhost"`` included).
         """
         self._local_ip_info_list.append((_check_ip_port(ip, port), port))
 

@@ -21,7 +21,7 @@ from aio_datadist._transport.auth import (
     secret_from_environment,
 )
 from aio_datadist._validate import check_int, check_type, param_invalid
-from aio_datadist.cluster import ip_str_to_int
+from aio_datadist.cluster import ip_str_cause, ip_str_to_int
 from aio_datadist.enums import LLMRole
 
 __all__ = (
@@ -373,7 +373,11 @@ class LLMConfig:
 
     @property
     def listen_ip_info(self) -> str:
-        """Host ``"ip:port"`` to listen on; makes this endpoint a server. "" when not set."""
+        """Host ``"ip:port"`` to listen on; makes this endpoint a server. "" when not set.
+
+        Any str is stored; ``init`` (and ``switch_role``) then need an IPv4 address for the
+        ip and refuse a host name such as ``localhost`` with ``LLM_PARAM_INVALID``.
+        """
         return self._listen_ip_info
 
     @listen_ip_info.setter
@@ -678,9 +682,12 @@ LlmConfig = LLMConfig
 def parse_listen_ip_info(value: str) -> tuple[str, int]:
     """Split a listen address ``"ip:port"`` into ``(ip, port)``.
 
+    The ip must be an IPv4 address, as ``LLMClusterInfo.append_*_ip_info`` takes it: a host
+    name such as ``localhost`` is refused here, in the same words.
+
     Raises ``TypeError`` for a non-str, ``LLMException(LLM_PARAM_INVALID)`` when the value is
-    not two ``:``-separated parts or the ip is empty, ``ValueError`` when the port is not a
-    decimal integer in uint16.
+    not two ``:``-separated parts, the ip is empty or not an IPv4 address, ``ValueError`` when
+    the port is not a decimal integer in uint16.
     """
     check_type("listen_ip_info", value, str)
     parts = value.split(":")
@@ -689,6 +696,10 @@ def parse_listen_ip_info(value: str) -> tuple[str, int]:
     ip, port_text = parts
     if not ip:
         param_invalid(f'llm.listenIpInfo "{value}" is invalid, the ip is empty')
+    try:
+        ip_str_to_int(ip)
+    except RuntimeError:
+        param_invalid(f'llm.listenIpInfo "{value}" is invalid: {ip_str_cause(ip)}')
     if not (port_text.isascii() and port_text.isdigit()):
         raise ValueError(f'llm.listenIpInfo "{value}" is invalid, port must be a decimal integer')
     port = int(port_text)
@@ -772,7 +783,8 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     ``LLMRole``; ``ValueError`` for a bad listen port; ``LLMException(LLM_PARAM_INVALID)`` for
     a bad ``ge.flowGraphMemMaxSize``, ``llm.LocalCommRes`` or ``llm.TransferBackend`` outside
     CacheManager mode, ``llm.TransferBackend`` without remote cache access or
-    ``llm.listenIpInfo``, a malformed ``llm.listenIpInfo`` or an unknown ``aio.Transport``.
+    ``llm.listenIpInfo``, a malformed ``llm.listenIpInfo`` (a host name instead of an IPv4
+    address included) or an unknown ``aio.Transport``.
     """
     check_type("options", options, dict)
     check_type("role", role, LLMRole)

@@ -82,6 +82,9 @@ class LLMException(RuntimeError):
     """
 
     code: ClassVar[LLMStatusCode | None] = None
+    #: Every config's status (as ``CacheTask.get_results()`` gives) on the exception that
+    #: awaiting a failed ``CacheTask`` raises; None elsewhere.
+    results: list[LLMStatusCode | None] | None = None
 
     def __init_subclass__(cls, code: LLMStatusCode | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

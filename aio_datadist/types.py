@@ -32,6 +32,7 @@ __all__ = (
     "MemInfo",
     "TransferConfig",
     "TransferWithCacheKeyConfig",
+    "check_blocks_key_range",
     "is_valid_id",
 )
 
@@ -96,7 +97,9 @@ class CacheDesc:
     ``LLMException(LLM_PARAM_INVALID)`` when ``batch_dim_index`` is not in ``[0, len(shape))``,
     ``seq_len_dim_index`` is neither -1 nor in that range, or the shape has more than 32
     dimensions (checked here, at construction, rather than later when the size is needed).
-    The shape is copied into a list.
+    A negative dimension is accepted here, as the reference accepts it; ``size`` (and so
+    every allocate/register call) refuses it, naming the dimension. The shape is copied into
+    a list.
     """
 
     __slots__ = (
@@ -209,13 +212,17 @@ class CacheDesc:
         """Bytes of ONE tensor: product(shape) x element size.
 
         Computed from the current shape on every access. Raises
-        ``LLMException(LLM_PARAM_INVALID)`` when a dimension is negative (unresolved) or the
-        size does not fit in int64.
+        ``LLMException(LLM_PARAM_INVALID)`` when a dimension is negative (unresolved; the
+        message names the first such dimension and its index) or the size does not fit in
+        int64.
         """
-        if any(dim < 0 for dim in self._shape):
-            param_invalid(
-                f"Failed to calc tensor size, shape = {self._shape}, data_type = {self._data_type}"
-            )
+        for i, dim in enumerate(self._shape):
+            if dim < 0:
+                param_invalid(
+                    f"Failed to calc tensor size, shape = {self._shape}, "
+                    f"data_type = {self._data_type}: dimension {i} is {dim}, and a cache "
+                    "dimension must not be negative"
+                )
         size = math.prod(self._shape) * element_size(self._data_type)
         if size > _INT64_MAX:
             param_invalid(
@@ -374,6 +381,11 @@ class BlocksCacheKey(_KeyValue):
     is required; both values must be ``int`` (a type check only, as in the reference).
     Raises ``LLMException(LLM_PARAM_INVALID)`` for too many, missing, unknown or duplicated
     arguments and ``TypeError`` for non-ints. Compares and hashes by ``(cluster_id, model_id)``.
+
+    Values outside uint64 construct, as in the reference, but every call that takes the key
+    (``pull_blocks``, ``push_blocks``, ``allocate_blocks_cache``, ``register_blocks_cache``,
+    ``transfer_cache_async``) refuses it first with ``ValueError`` (see
+    :func:`check_blocks_key_range`).
     """
 
     __slots__ = ("_cluster_id", "_cluster_id_key", "_model_id")
@@ -415,6 +427,22 @@ class BlocksCacheKey(_KeyValue):
         return (
             f"BlocksCacheKey({self._cluster_id_key}={self._cluster_id}, model_id={self._model_id})"
         )
+
+
+def check_blocks_key_range(name: str, key: BlocksCacheKey) -> None:
+    """Refuse a ``BlocksCacheKey`` whose ``cluster_id`` or ``model_id`` is outside uint64.
+
+    The key constructs with any int (as the reference's does); the calls that use it take
+    uint64 values, so they check here before anything else.
+
+    :raises ValueError: naming ``name``, the key and the field.
+    """
+    for field, value in (("cluster_id", key.cluster_id), ("model_id", key.model_id)):
+        if not 0 <= value <= INVALID_ID:
+            raise ValueError(
+                f"{name} {key!r}: BlocksCacheKey {field} {value} is outside uint64 "
+                f"range [0, {INVALID_ID}]"
+            )
 
 
 class MemInfo:

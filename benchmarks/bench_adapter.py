@@ -217,15 +217,9 @@ class AioDataDistAdapter:
         )
 
     async def _all(self, op: str, key: BlocksCacheKey, calls: list[Any]) -> None:
-        results = await asyncio.gather(*(self._await(self._one(op, key, *c)) for c in calls))
-        bad = [r for r in results if r != LLMStatusCode.LLM_SUCCESS]
-        if bad:
-            raise RuntimeError(f"transfer failed: {bad[0]}")
-
-    @staticmethod
-    async def _await(result: Any) -> Any:
-        status = await result
-        return LLMStatusCode.LLM_SUCCESS if status is None else status
+        # A failed call raises its LLMException: pull_blocks itself, push_blocks's task
+        # when awaited.
+        await asyncio.gather(*(self._one(op, key, *c) for c in calls))
 
 
 VARIANTS = {

@@ -132,11 +132,10 @@ async def main() -> None:
             for i in range(4)
         ]
         await asyncio.gather(*pulls)
-        status = await task
+        await task  # LLM_SUCCESS, or raises the first failed config's LLMException
         elapsed = time.perf_counter() - started
         stop.set()
         await ping
-        assert status == LLMStatusCode.LLM_SUCCESS, status
         assert all((d == t).all() for t, d in enumerate(d_mem)), "byte mismatch"
         moved = 2 * sum(a.nbytes for a in p_mem)
         await decoder.unlink_clusters([info], 5000)

@@ -216,11 +216,8 @@ async def loop_lag() -> AsyncIterator[list[float]]:
 
 
 async def push_blocks(face: Face, *args: Any, **kwargs: Any) -> None:
-    """Run push_blocks through either face; a failed async task raises like the blocking call."""
-    result = face.cm.push_blocks(*args, **kwargs)
-    if isinstance(result, llm_datadist.CacheTask):
-        status = await result
-        if status != llm_datadist.LLMStatusCode.LLM_SUCCESS:
-            raise llm_datadist.LLMException(f"push_blocks: {status}", status_code=status)
-    else:
-        await result
+    """Run push_blocks through either face: the blocking call raises its failure, and the
+    async face's ``CacheTask`` raises the same when awaited."""
+    result = await face.cm.push_blocks(*args, **kwargs)
+    # None from the blocking call, LLM_SUCCESS from the awaited task.
+    assert result in (None, llm_datadist.LLMStatusCode.LLM_SUCCESS)

@@ -254,6 +254,41 @@ async def test_blocks_cache_key_rules(face: Face) -> None:
     await face.cm.deallocate_blocks_cache(c)
 
 
+async def test_a_blocks_cache_key_outside_uint64_is_refused_first(face: Face) -> None:
+    desc = CacheDesc(2, [8, 128], DataType.DT_INT8)
+    buf = [np.zeros(8 * 128, np.int8) for _ in range(2)]
+    addrs = [int(b.ctypes.data) for b in buf]
+    for key, field in (
+        (BlocksCacheKey(-1, 0), "cluster_id -1"),
+        (BlocksCacheKey(1, -2), "model_id -2"),
+    ):
+        with pytest.raises(ValueError) as exc:
+            await face.cm.allocate_blocks_cache(desc, key)
+        assert f"blocks_cache_key {key!r}: BlocksCacheKey {field} is outside uint64" in str(
+            exc.value
+        )
+        with pytest.raises(ValueError) as exc:
+            await face.cm.register_blocks_cache(desc, addrs, key)
+        assert f"BlocksCacheKey {field} is outside uint64" in str(exc.value)
+    assert not any(face.pool_used().values())  # refused before anything was allocated
+
+
+async def test_a_negative_dimension_is_refused_by_allocate_and_register(face: Face) -> None:
+    desc = CacheDesc(2, [8, -1], DataType.DT_INT8)  # accepted until its size is needed
+    blocks = CacheDesc(2, [-4, 128], DataType.DT_INT8)
+    calls = [
+        (face.cm.allocate_cache, (desc,), "dimension 1 is -1"),
+        (face.cm.allocate_blocks_cache, (blocks,), "dimension 0 is -4"),
+        (face.cm.register_cache, (desc, [4096, 8192]), "dimension 1 is -1"),
+        (face.cm.register_blocks_cache, (blocks, [4096, 8192]), "dimension 0 is -4"),
+    ]
+    for call, args, named in calls:
+        with pytest.raises(LLMException) as exc:
+            await call(*args)
+        assert code_of(exc) == LLMStatusCode.LLM_PARAM_INVALID
+        assert named in str(exc.value), call
+
+
 # -- copy_cache --------------------------------------------------------------------------
 async def test_copy_cache_rows_byte_for_byte(face: Face) -> None:
     src = await face.cm.allocate_cache(CacheDesc(2, [3, 1000], DataType.DT_FLOAT))

@@ -73,6 +73,24 @@ def test_bad_ip_string(ip: str) -> None:
         LLMClusterInfo().append_local_ip_info(ip, 1)
 
 
+@pytest.mark.parametrize("ip", ["localhost", "prompt-0.cluster.local"])
+def test_a_host_name_is_refused_with_the_cause(ip: str) -> None:
+    with pytest.raises(RuntimeError) as exc_info:
+        LLMClusterInfo().append_remote_ip_info(ip, 1)
+    message = str(exc_info.value)
+    assert message.startswith(f"Can not parse ip str:{ip}: ")
+    assert f"{ip!r} is a host name" in message
+    assert "pass a dotted IPv4 address such as 127.0.0.1" in message
+
+
+def test_a_malformed_ip_names_what_is_accepted() -> None:
+    with pytest.raises(RuntimeError) as exc_info:
+        LLMClusterInfo().append_local_ip_info("300.1.1.1", 1)
+    message = str(exc_info.value)
+    assert message.startswith("Can not parse ip str:300.1.1.1: ")
+    assert "not a dotted IPv4 address" in message and "127.0.0.1" in message
+
+
 @pytest.mark.parametrize("port", [-1, 65536])
 def test_port_out_of_uint16(port: int) -> None:
     info = LLMClusterInfo()

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from aio_datadist import LLMDataDist
+from aio_datadist import LLMClusterInfo, LLMDataDist
 from aio_datadist.config import (
     MAX_BUSY_POLL_US,
     OPTION_BUSY_POLL_US,
@@ -22,6 +22,7 @@ from aio_datadist.config import (
 )
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
+from tests.conftest import make_options, pool_cfg
 
 PARAM_INVALID = LLMStatusCode.LLM_PARAM_INVALID
 MEM = {"llm.MemoryUtilization": "0.95"}
@@ -493,6 +494,37 @@ def test_parse_listen_ip_info_bad_form(value: str) -> None:
 def test_parse_listen_ip_info_bad_port(value: str) -> None:
     with pytest.raises(ValueError):
         parse_listen_ip_info(value)
+
+
+@pytest.mark.parametrize("value", ["localhost:26000", "prompt-0:26000", "300.1.1.1:26000"])
+def test_parse_listen_ip_info_refuses_what_is_not_an_ipv4_address(value: str) -> None:
+    with pytest.raises(LLMException) as exc_info:
+        parse_listen_ip_info(value)
+    assert_param_invalid(exc_info)
+    ip = value.split(":")[0]
+    cause = str(exc_info.value).split(": ", 1)[1]
+    # The same words as LLMClusterInfo uses for the same string.
+    with pytest.raises(RuntimeError) as cluster:
+        LLMClusterInfo().append_remote_ip_info(ip, 1)
+    assert str(cluster.value) == f"Can not parse ip str:{ip}: {cause}"
+    assert "127.0.0.1" in cause
+
+
+def test_init_refuses_a_host_name_to_listen_on() -> None:
+    dd = LLMDataDist(LLMRole.PROMPT, 7)
+    options = make_options(device_pool=pool_cfg(), listen="localhost:26000")
+    with pytest.raises(LLMException) as exc_info:
+        dd.init(options)
+    assert_param_invalid(exc_info)
+    assert "'localhost' is a host name" in str(exc_info.value)
+    dd.init(make_options(device_pool=pool_cfg()))
+    try:
+        with pytest.raises(LLMException) as switched:
+            dd.switch_role(LLMRole.PROMPT, {"llm.listenIpInfo": "localhost:26000"})
+        assert_param_invalid(switched)
+        assert "'localhost' is a host name" in str(switched.value)
+    finally:
+        dd.finalize()
 
 
 def test_parse_listen_ip_info_type() -> None:

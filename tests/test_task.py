@@ -7,10 +7,12 @@ import threading
 
 import pytest
 
-from aio_datadist import CacheTask, LayerSynchronizer, LLMStatusCode
+from aio_datadist import CacheTask, LayerSynchronizer, LLMException, LLMStatusCode
+from aio_datadist.status import KvCacheNotExistError, LLMFailedError, LLMTimeoutError
 from aio_datadist.synchronizer import is_async_synchronizer
 
 S, F, T = LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_FAILED, LLMStatusCode.LLM_TIMEOUT
+KV = LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
 
 
 def finish_later(
@@ -96,9 +98,67 @@ async def test_cancel_runs_callbacks_and_reports_status() -> None:
     assert seen == ["cancel", "late"]
     task._set_result(0, F)
     task._finish()
-    assert await task == F  # never raises CancelledError
-    assert await task.wait_results() == [F, None]
+    for _ in range(2):  # as awaiting a cancelled asyncio.Task, every time
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+    assert await task.wait_results() == [F, None]  # never raises
+    assert task.synchronize(0) == F
     assert not task.cancel()
+
+
+async def test_await_raises_the_first_failure_with_every_result() -> None:
+    task = CacheTask(4)
+    error = KvCacheNotExistError("cache 7 does not exist", status_code=KV)
+    task._set_result(0, S)
+    task._set_result(1, KV, error)
+    task._set_result(2, F)
+    task._set_result(1, KV)  # a later report without the exception keeps it
+    task._finish()
+    with pytest.raises(KvCacheNotExistError) as info:
+        await task
+    assert info.value is error and info.value.results == [S, KV, F, None]
+    depth = len(_frames(info.value))
+    with pytest.raises(KvCacheNotExistError) as again:  # repeatable, the traceback stays put
+        await task
+    assert again.value is error and len(_frames(again.value)) == depth
+    assert await task.wait_results() == [S, KV, F, None]
+    assert task.synchronize() == KV and task.get_results() == [S, KV, F, None]
+
+
+async def test_await_builds_the_exception_when_only_a_status_is_known() -> None:
+    task = CacheTask(2)
+    task._set_result(0, T, LLMFailedError("stale", status_code=F))  # code differs: not used
+    task._finish()
+    with pytest.raises(LLMTimeoutError) as info:
+        await task
+    assert info.value.status_code == T and info.value.results == [T, None]
+    assert "transfer config 0" in str(info.value)
+    foreign = CacheTask(1)
+    cause = OSError("socket closed")
+    foreign._set_result(0, F, cause)
+    foreign._finish()
+    with pytest.raises(LLMException) as other:
+        await foreign
+    assert other.value.status_code == F and other.value.__cause__ is cause
+    assert "OSError: socket closed" in str(other.value)
+
+
+async def test_await_of_a_successful_task_is_success() -> None:
+    task = CacheTask(2)
+    task._set_result(0, S)
+    task._finish()
+    assert await task == S  # a config never attempted counts as success
+    assert list(await asyncio.gather(task, task)) == [S, S]
+
+
+def _frames(exc: BaseException) -> list[object]:
+    frames: list[object] = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return frames
 
 
 def test_a_config_unfinished_at_cancel_never_reports_success() -> None:

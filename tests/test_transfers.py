@@ -11,6 +11,7 @@ import asyncio
 import importlib.util
 import itertools
 import json
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +40,7 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
 )
 from aio_datadist._transport.tcp import TcpChannel
+from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
 
 S = LLMStatusCode
@@ -564,7 +566,9 @@ async def test_async_synchroniser_overlap_and_cancel(make_pair: PairFactory) -> 
     await wait_until(lambda: bool(p_arrays[0].any()))
     assert not task.done()
     assert task.cancel()
-    assert await task == S.LLM_FAILED
+    with pytest.raises(asyncio.CancelledError):  # the task's own cancel, not this coroutine's
+        await task
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
     assert await task.wait_results() == [S.LLM_FAILED]
     np.testing.assert_array_equal(p_arrays[1], d_arrays[1])
     assert not any(p.any() for p in p_arrays[2:])  # nothing after the cancelled layer
@@ -582,6 +586,149 @@ async def test_async_synchroniser_overlap_and_cancel(make_pair: PairFactory) -> 
     for p, d in zip(p_arrays, d_arrays, strict=True):
         np.testing.assert_array_equal(p, d)
     await cm.unregister_cache(d_cache.cache_id)
+
+
+async def test_a_failed_push_blocks_task_raises_what_the_blocking_call_raises(
+    make_pair: PairFactory,
+) -> None:
+    pair = await make_pair(remote_accessible=True)
+    desc = CacheDesc(2, [8, 64], DataType.DT_FLOAT, Placement.DEVICE)
+    p_arrays = [np.zeros((8, 64), np.float32) for _ in range(2)]
+    pair.keep.append(p_arrays)
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in p_arrays], BlocksCacheKey(1, 0)
+    )
+    d_cache = await pair.decoder.cm.allocate_blocks_cache(desc)
+    failures = [
+        (BlocksCacheKey(1, 0), [9], ParamInvalidError),  # refused by the peer: 8 blocks
+        (BlocksCacheKey(5, 0), [0], NotYetLinkError),  # refused here: no link
+    ]
+    for key, dst_blocks, error in failures:
+        assert error.code is not None
+        call = pair.decoder.cm.push_blocks(key, d_cache, [0], dst_blocks)
+        if pair.decoder.kind == "async":
+            assert isinstance(call, CacheTask)
+            assert await call.wait_results() == [error.code]  # never raises
+        with pytest.raises(error) as info:
+            await call  # the blocking call, or the task
+        assert info.value.status_code == error.code
+        assert "transfer config" not in str(info.value)  # the failure's own message
+        if isinstance(call, CacheTask):
+            assert info.value.results == [error.code]
+            with pytest.raises(error) as again:
+                await call
+            assert again.value is info.value
+            assert call.synchronize(0) == error.code
+    await push_blocks(pair.decoder, BlocksCacheKey(1, 0), d_cache, [1], [2])
+    await pair.decoder.cm.deallocate_blocks_cache(d_cache)
+
+
+class Raising(LayerSynchronizer):
+    """A plain synchroniser that raises ``error`` for ``layer``."""
+
+    def __init__(self, layer: int, error: Exception) -> None:
+        self.layer, self.error = layer, error
+
+    def synchronize_layer(self, layer_index: int, timeout_in_millis: int | None) -> bool:
+        if layer_index == self.layer:
+            raise self.error
+        return True
+
+
+class AsyncRaising(Raising):
+    """The same as an ``async def``."""
+
+    async def synchronize_layer(  # type: ignore[override]
+        self, layer_index: int, timeout_in_millis: int | None
+    ) -> bool:
+        return super().synchronize_layer(layer_index, timeout_in_millis)
+
+
+async def test_an_exception_in_the_synchroniser_is_kept_and_logged_once(
+    make_pair: PairFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    pair = await make_pair(remote_accessible=True)
+    layers = 3
+    desc = CacheDesc(2 * layers, [2, 64], DataType.DT_FLOAT, Placement.DEVICE)
+    p_arrays = [np.zeros((2, 64), np.float32) for _ in range(2 * layers)]
+    d_arrays = pair.arrays(2 * layers, 2, 64, seed=8)
+    pair.keep.append(p_arrays)
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in p_arrays], BlocksCacheKey(1, 0)
+    )
+    d_cache = await pair.decoder.cm.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in d_arrays], BlocksCacheKey(2, 0)
+    )
+    config = [TransferWithCacheKeyConfig(BlocksCacheKey(1, 0), range(0, layers), range(0, layers))]
+    kinds = [Raising] + ([AsyncRaising] if pair.decoder.kind == "async" else [])
+    caplog.set_level(logging.WARNING, logger="aio_datadist")
+    cm = pair.decoder.dd.cache_manager
+    for kind in kinds:
+        for p in p_arrays:
+            p[...] = 0
+        boom = ValueError("boom")
+        caplog.clear()
+        task = cm.transfer_cache_async(d_cache, kind(1, boom), config, [0], [0])
+        if pair.decoder.kind == "sync":
+            assert await asyncio.to_thread(task.synchronize, 10_000) == S.LLM_PARAM_INVALID
+        else:
+            with pytest.raises(ParamInvalidError) as info:
+                await task
+            assert str(info.value) == "synchronize_layer(1) raised ValueError: boom"
+            assert info.value.__cause__ is boom
+            assert info.value.results == [S.LLM_PARAM_INVALID]
+        assert task.get_results(0) == [S.LLM_PARAM_INVALID]
+        warnings = [
+            r
+            for r in caplog.records
+            if r.name.startswith("aio_datadist") and r.levelno >= logging.WARNING
+        ]
+        assert len(warnings) == 1, [r.getMessage() for r in warnings]
+        assert warnings[0].levelno == logging.WARNING
+        assert warnings[0].getMessage().startswith("task.synchronizer_failed layer=1")
+        assert warnings[0].exc_info is not None and warnings[0].exc_info[1] is boom
+        np.testing.assert_array_equal(p_arrays[0][0], d_arrays[0][0])  # layer 0 went
+        assert not any(p.any() for p in p_arrays[2:])  # nothing from layer 1 on
+
+    # returning False fails the task too, without a log line
+    caplog.clear()
+    task = cm.transfer_cache_async(d_cache, Recorder(fail_at=0), config, [0], [0])
+    if pair.decoder.kind == "async":
+        with pytest.raises(ParamInvalidError, match=r"synchronize_layer\(0\) returned False"):
+            await task
+    assert await results(pair.decoder, task) == [S.LLM_PARAM_INVALID]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    await pair.decoder.cm.unregister_cache(d_cache.cache_id)
+
+
+async def test_a_blocks_cache_key_outside_uint64_is_refused_before_any_link_lookup(
+    make_pair: PairFactory,
+) -> None:
+    pair = await make_pair(remote_accessible=True)
+    desc = CacheDesc(2, [4, 64], DataType.DT_FLOAT, Placement.DEVICE)
+    d_cache = await pair.decoder.cm.allocate_blocks_cache(desc)
+    cm = pair.decoder.dd.cache_manager
+    for key, named in (
+        (BlocksCacheKey(-1, 0), "cluster_id -1"),
+        (BlocksCacheKey(1, 2**64), f"model_id {2**64}"),
+    ):
+        refused = f"{key!r}: BlocksCacheKey {named} is outside uint64"
+        with pytest.raises(ValueError) as info:
+            await pair.decoder.cm.pull_blocks(key, d_cache, [0], [0])
+        assert str(info.value).startswith(f"src_cache_key {refused}")
+        with pytest.raises(ValueError) as info:
+            await push_blocks(pair.decoder, key, d_cache, [0], [0])
+        assert str(info.value).startswith(f"dst_cache_key {refused}")
+        with pytest.raises(ValueError) as info:
+            cm.transfer_cache_async(
+                d_cache,
+                Recorder(),
+                [TransferWithCacheKeyConfig(key, range(0, 1), range(0, 1))],
+                [0],
+                [0],
+            )
+        assert str(info.value).startswith(f"transfer_configs[0].cache_key {refused}")
+    await pair.decoder.cm.deallocate_blocks_cache(d_cache)
 
 
 # -- links through the faces --------------------------------------------------------------

@@ -23,6 +23,7 @@ from aio_datadist.types import (
     MemInfo,
     TransferConfig,
     TransferWithCacheKeyConfig,
+    check_blocks_key_range,
     is_valid_id,
 )
 
@@ -130,6 +131,16 @@ def test_cache_desc_negative_dim_has_no_size() -> None:
         _ = desc.size
     desc.update_dim(1, 10)
     assert desc.size == 160
+
+
+def test_cache_desc_size_names_the_negative_dimension() -> None:
+    desc = CacheDesc(2, [4, 8, -3], DataType.DT_FLOAT)  # accepted, as in the reference
+    with pytest.raises(LLMException) as exc_info:
+        _ = desc.size
+    assert exc_info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    message = str(exc_info.value)
+    assert message.startswith("Failed to calc tensor size")
+    assert "dimension 2 is -3" in message
 
 
 def test_cache_desc_size_overflow() -> None:
@@ -342,6 +353,26 @@ def test_blocks_cache_key() -> None:
     assert BlocksCacheKey(prompt_cluster_id=4).cluster_id == 4
     # Type check only: the reference does not range-check these ints.
     assert BlocksCacheKey(-1, 2**70).model_id == 2**70
+    assert BlocksCacheKey(-1, 0).cluster_id == -1
+
+
+@pytest.mark.parametrize(
+    "key, field",
+    [
+        (BlocksCacheKey(-1, 0), "cluster_id -1"),
+        (BlocksCacheKey(2**64, 0), f"cluster_id {2**64}"),
+        (BlocksCacheKey(1, -5), "model_id -5"),
+    ],
+)
+def test_blocks_cache_key_range_is_checked_where_it_is_used(
+    key: BlocksCacheKey, field: str
+) -> None:
+    with pytest.raises(ValueError) as exc_info:
+        check_blocks_key_range("src_cache_key", key)
+    message = str(exc_info.value)
+    assert message.startswith(f"src_cache_key {key!r}: ")
+    assert f"BlocksCacheKey {field} is outside uint64" in message
+    check_blocks_key_range("src_cache_key", BlocksCacheKey(2**64 - 1, 2**64 - 1))
 
 
 def test_blocks_cache_key_repr_eq_hash() -> None:

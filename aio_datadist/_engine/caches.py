@@ -29,7 +29,13 @@ from aio_datadist.status import (
     LLMStatusCode,
     ParamInvalidError,
 )
-from aio_datadist.types import BlocksCacheKey, CacheDesc, CacheKey, MemInfo
+from aio_datadist.types import (
+    BlocksCacheKey,
+    CacheDesc,
+    CacheKey,
+    MemInfo,
+    check_blocks_key_range,
+)
 
 __all__ = ("CacheService", "key_identity")
 
@@ -168,8 +174,16 @@ class CacheService:
             rows.append((identity, row))
         return rows
 
-    def _check_blocks_key(self, key: Any) -> None:
+    @staticmethod
+    def _check_blocks_key_arg(key: Any) -> None:
+        """Type and uint64 range of a ``blocks_cache_key`` argument, checked before any other
+        work of the call."""
         check_type("blocks_cache_key", key, BlocksCacheKey, allow_none=True)
+        if key is not None:
+            check_blocks_key_range("blocks_cache_key", key)
+
+    def _check_blocks_key(self, key: Any) -> None:
+        self._check_blocks_key_arg(key)
         if key is not None and self.registry.blocks_key_bound(key.model_id):
             raise _invalid(f"blocks cache key {key} is already bound to a live cache")
 
@@ -227,6 +241,8 @@ class CacheService:
         call: str,
     ) -> Cache:
         check_type("cache_desc", desc, CacheDesc)
+        if is_blocks:
+            self._check_blocks_key_arg(blocks_key)
         self.check_open()
         tensor_bytes = self._tensor_bytes(desc)
         pool = self._pool_for(desc, call)
@@ -319,6 +335,8 @@ class CacheService:
         check_type("cache_desc", desc, CacheDesc)
         check_int_list("addrs", addrs, "uint64", containers=(list,))
         check_type("remote_accessible", remote_accessible, bool, allow_none=True)
+        if is_blocks:
+            self._check_blocks_key_arg(blocks_key)
         self.check_open()
         tensor_bytes = self._tensor_bytes(desc)
         if not addrs:

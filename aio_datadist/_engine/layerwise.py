@@ -6,6 +6,10 @@ the async face from a task on its event loop; both call the synchroniser for a l
 that layer's requests without waiting for them, and go on with the next layer, so layer k
 moves while the model finishes layer k+1. Cancellation and failures stop the job at a layer
 edge; a request already sent completes.
+
+No failure is reduced to a bare code: each config keeps the exception behind its status (the
+transfer's, or the synchroniser's wrapped in ``LLM_PARAM_INVALID``), which ``await task``
+raises; an exception raised by the synchroniser is also logged once at WARNING.
 """
 
 from __future__ import annotations
@@ -28,19 +32,32 @@ from aio_datadist._engine.transfers import (
     local_rows,
     wait_blocking,
 )
+from aio_datadist._log import get_logger
 from aio_datadist._native import api
 from aio_datadist._transport.base import RequestKind
 from aio_datadist._validate import check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
 from aio_datadist.enums import Placement
-from aio_datadist.status import LLMException, LLMStatusCode, ParamInvalidError
+from aio_datadist.status import (
+    LLMException,
+    LLMFailedError,
+    LLMStatusCode,
+    LLMTimeoutError,
+    ParamInvalidError,
+)
 from aio_datadist.synchronizer import LayerSynchronizer, is_async_synchronizer
 from aio_datadist.task import CacheTask
-from aio_datadist.types import BlocksCacheKey, TransferConfig, TransferWithCacheKeyConfig
+from aio_datadist.types import (
+    BlocksCacheKey,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
+    check_blocks_key_range,
+)
 
 __all__ = ("LayerJob", "plan_layer_job", "run_blocking")
 
 _S = LLMStatusCode
+_log = get_logger("layerwise")
 
 
 def _invalid(message: str) -> ParamInvalidError:
@@ -58,6 +75,8 @@ class _Config:
     submitted_last: bool = False
     outstanding: int = 0  # requests started and not yet completed
     failure: LLMStatusCode | None = None
+    #: The exception behind ``failure``, for ``await task`` to raise.
+    error: BaseException | None = None
 
     @property
     def finished(self) -> bool:
@@ -99,15 +118,44 @@ class LayerJob:
         """Indices of the configs that transfer ``layer``."""
         return [i for i, c in enumerate(self.configs) if layer in c.src]
 
-    def fail(self, indices: Sequence[int], status: LLMStatusCode) -> None:
-        """Record ``status`` for configs and stop the job."""
+    def fail(
+        self, indices: Sequence[int], status: LLMStatusCode, error: BaseException | None = None
+    ) -> None:
+        """Record ``status`` (and the exception behind it) for configs and stop the job; a
+        config keeps its first failure."""
         with self._lock:
             for i in indices:
                 cfg = self.configs[i]
                 cfg.started = True
                 if cfg.failure is None:
                     cfg.failure = status
+                    cfg.error = error
             self.stopped = True
+
+    def synchronizer_failed(self, layer: int, indices: Sequence[int], exc: Exception) -> None:
+        """``synchronize_layer(layer)`` raised ``exc``: fail the configs of ``layer`` with
+        ``LLM_PARAM_INVALID`` chained to it, and log it once at WARNING."""
+        error = ParamInvalidError(
+            f"synchronize_layer({layer}) raised {type(exc).__name__}: {exc}",
+            status_code=_S.LLM_PARAM_INVALID,
+        )
+        error.__cause__ = exc
+        _log.warning(
+            "task.synchronizer_failed",
+            layer=layer,
+            error=f"{type(exc).__name__}: {exc}",
+            exc_info=exc,
+        )
+        self.fail(indices, _S.LLM_PARAM_INVALID, error)
+
+    def synchronizer_refused(self, layer: int, indices: Sequence[int], result: object) -> None:
+        """``synchronize_layer(layer)`` returned ``result``, not true: fail the configs of
+        ``layer`` with ``LLM_PARAM_INVALID``."""
+        error = ParamInvalidError(
+            f"synchronize_layer({layer}) returned {result!r}: the layer was not sent",
+            status_code=_S.LLM_PARAM_INVALID,
+        )
+        self.fail(indices, _S.LLM_PARAM_INVALID, error)
 
     def steps(self, layer: int, indices: Sequence[int]) -> list[tuple[int, Step]]:
         """The requests of ``layer`` for the configs ``indices``; failures stop the job."""
@@ -117,7 +165,7 @@ class LayerJob:
             try:
                 out.append((i, self._step(self.configs[i], layer)))
             except LLMException as exc:
-                self.fail([i], exc.status_code)
+                self.fail([i], exc.status_code, exc)
                 break
         return out
 
@@ -139,7 +187,7 @@ class LayerJob:
             exc = fut.exception()
             if exc is not None:
                 status = exc.status_code if isinstance(exc, LLMException) else _S.LLM_FAILED
-                self.fail([index], status)
+                self.fail([index], status, exc)
             with self._lock:
                 cfg.outstanding -= 1
                 finished = cfg.finished
@@ -162,16 +210,32 @@ class LayerJob:
         """
         with self._lock:
             outcomes = [
-                (cfg.failure, cfg.started, cfg.submitted_last, cfg.outstanding)
+                (cfg.failure, cfg.error, cfg.started, cfg.submitted_last, cfg.outstanding)
                 for cfg in self.configs
             ]
-        for i, (failure, started, submitted_last, outstanding) in enumerate(outcomes):
+        for i, (failure, error, started, submitted_last, outstanding) in enumerate(outcomes):
             if failure is not None:
-                task._set_result(i, failure)
+                task._set_result(i, failure, error)
             elif outstanding:
-                task._set_result(i, _S.LLM_TIMEOUT)
+                task._set_result(
+                    i,
+                    _S.LLM_TIMEOUT,
+                    LLMTimeoutError(
+                        f"transfer config {i}: a request did not complete within sync_kv_timeout",
+                        status_code=_S.LLM_TIMEOUT,
+                    ),
+                )
+            elif submitted_last:
+                task._set_result(i, _S.LLM_SUCCESS)
             elif started:
-                task._set_result(i, _S.LLM_SUCCESS if submitted_last else _S.LLM_FAILED)
+                task._set_result(
+                    i,
+                    _S.LLM_FAILED,
+                    LLMFailedError(
+                        f"transfer config {i} stopped before its last layer",
+                        status_code=_S.LLM_FAILED,
+                    ),
+                )
         self.plan.seal()
         task._finish()
 
@@ -276,6 +340,10 @@ def plan_layer_job(
                 f"({'with' if service.remote_cache_accessible else 'without'} "
                 "enable_remote_cache_accessible)"
             )
+        if isinstance(config, TransferWithCacheKeyConfig) and isinstance(
+            config.cache_key, BlocksCacheKey
+        ):
+            check_blocks_key_range(f"transfer_configs[{i}].cache_key", config.cache_key)
     if src_blocks and not dst_blocks:
         raise _invalid("a PA source needs dst_block_indices (PA to non-PA is not supported)")
     if src_blocks and len(src_blocks) != len(dst_blocks):
@@ -351,11 +419,13 @@ def run_blocking(job: LayerJob, task: CacheTask) -> None:
             if task._cancelled or job.stopped:
                 break
             try:
-                ok = bool(job.synchronizer.synchronize_layer(layer, None))
-            except Exception:  # a raising synchroniser fails the task like False
-                ok = False
-            if not ok:
-                job.fail(indices, _S.LLM_PARAM_INVALID)
+                answer = job.synchronizer.synchronize_layer(layer, None)
+                ready = bool(answer)
+            except Exception as exc:
+                job.synchronizer_failed(layer, indices, exc)
+                break
+            if not ready:
+                job.synchronizer_refused(layer, indices, answer)
                 break
             if task._cancelled:
                 break

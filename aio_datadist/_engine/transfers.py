@@ -50,7 +50,12 @@ from aio_datadist.status import (
     NotYetLinkError,
     ParamInvalidError,
 )
-from aio_datadist.types import BlocksCacheKey, CacheKey, CacheKeyByIdAndIndex
+from aio_datadist.types import (
+    BlocksCacheKey,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    check_blocks_key_range,
+)
 
 __all__ = (
     "GRACE_S",
@@ -556,6 +561,8 @@ class TransferService:
         """Check ``pull_blocks``: a :class:`BlocksCall` between blocks caches, else the plan
         of a remote row pulled into local blocks."""
         check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
+        if isinstance(src_cache_key, BlocksCacheKey):
+            check_blocks_key_range("src_cache_key", src_cache_key)
         check_type("dst_cache", dst_cache, Cache)
         src_blocks = () if src_blocks is None else src_blocks
         check_int_list("src_blocks", src_blocks, "uint64")
@@ -658,6 +665,8 @@ class TransferService:
     ) -> BlocksCall:
         """Check ``push_blocks``: local blocks into the remote blocks cache of
         ``dst_cache_key``."""
+        if isinstance(dst_cache_key, BlocksCacheKey):  # refused before anything else
+            check_blocks_key_range("dst_cache_key", dst_cache_key)
         self._require_remote_access("push_blocks")
         check_type("dst_cache_key", dst_cache_key, BlocksCacheKey)
         check_type("src_cache", src_cache, Cache)
