@@ -16,7 +16,7 @@ from aio_datadist._native import features as _native_features
 from aio_datadist._version import __version__
 from aio_datadist.aio import AsyncCacheManager, AsyncLLMDataDist
 from aio_datadist.cache import Cache
-from aio_datadist.cluster import LLMClusterInfo
+from aio_datadist.cluster import LinkResults, LLMClusterInfo
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.data_type import DataType
 from aio_datadist.enums import LLMRole, MemType, Memtype, Placement, RegisterMemStatus
@@ -69,6 +69,7 @@ __all__ = [
     "MemType",
     "AsyncLLMDataDist",
     "AsyncCacheManager",
+    "LinkResults",
     "enable_logging",
     "features",
     "__version__",

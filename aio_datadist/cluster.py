@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 import socket
+from collections.abc import Iterable
 from typing import Any
 
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.enums import LLMRole
+from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("LLMClusterInfo", "ip_int_to_str", "ip_str_cause", "ip_str_to_int")
+__all__ = ("LLMClusterInfo", "LinkResults", "ip_int_to_str", "ip_str_cause", "ip_str_to_int")
 
 
 def ip_str_to_int(ip: str | int) -> int:
@@ -156,3 +158,24 @@ def _show_ip(ip: int) -> str:
     except (TypeError, ValueError):
         # The lists are live; show whatever a caller may have put there rather than fail repr.
         return repr(ip)
+
+
+class LinkResults(list[LLMStatusCode]):
+    """The per-cluster statuses of ``link_clusters``/``unlink_clusters``, with their reasons.
+
+    It is the documented ``rets`` list (one ``LLMStatusCode`` per cluster, in input order;
+    it compares equal to a plain list of the same codes), and also carries ``errors``: for
+    each cluster None on success, else the ``LLMException`` (subclass by code, its
+    ``status_code`` the same code) whose message says why (connection refused, wrong
+    cluster id, authentication, ...), with the underlying error as ``__cause__`` where there
+    is one. The calls themselves never raise for these failures.
+    """
+
+    def __init__(self, outcomes: Iterable[LLMException | None] = ()) -> None:
+        errors = list(outcomes)
+        super().__init__(LLMStatusCode.LLM_SUCCESS if e is None else e.status_code for e in errors)
+        #: None for each cluster that succeeded, else why it failed.
+        self.errors: list[LLMException | None] = errors
+
+    def __repr__(self) -> str:
+        return f"LinkResults({list.__repr__(self)})"

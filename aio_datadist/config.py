@@ -54,6 +54,7 @@ __all__ = (
     "OPTION_SESSION_DEVICE_ID",
     "OPTION_SYNC_KV_TIMEOUT",
     "OPTION_TRANSFER_BACKEND",
+    "TRANSFER_BACKEND_HIXL",
     "OPTION_TRANSPORT",
     "OPTION_COMM_BASE_PORT",
     "OPTION_SAME_HOST",
@@ -91,6 +92,9 @@ OPTION_LOCAL_COMM_RES = "llm.LocalCommRes"
 OPTION_LINK_TOTAL_TIME = "llm.LinkTotalTime"
 OPTION_LINK_RETRY_COUNT = "llm.LinkRetryCount"
 OPTION_TRANSFER_BACKEND = "llm.TransferBackend"
+#: The documented ``llm.TransferBackend`` value: the reference's HIXL engine, whose links
+#: are one-directional (see ``_engine.links``).
+TRANSFER_BACKEND_HIXL = "hixl"
 OPTION_GLOBAL_RESOURCE_CONFIG = "llm.GlobalResourceConfig"
 OPTION_ENABLE_SWITCH_ROLE = "llm.EnableSwitchRole"
 OPTION_DEPLOY_RES_PATH = "llm.deployResPath"
@@ -806,6 +810,12 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
             f"{OPTION_ENABLE_CACHE_MANAGER} is not configured."
         )
     if OPTION_TRANSFER_BACKEND in options:
+        backend = options[OPTION_TRANSFER_BACKEND]
+        if backend and backend.lower() != TRANSFER_BACKEND_HIXL:
+            param_invalid(
+                f"{OPTION_TRANSFER_BACKEND}={backend!r} is not supported; the documented "
+                f"value is {TRANSFER_BACKEND_HIXL!r}"
+            )
         if not cache_manager_mode:
             param_invalid(
                 f"{OPTION_TRANSFER_BACKEND} is not supported when "

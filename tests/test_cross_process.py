@@ -319,11 +319,52 @@ async def test_peer_killed_mid_transfer(decoder: Any, peer_factory: Any) -> None
         else:
             await pull_all()
     killer.cancel()
-    assert info.value.status_code in (S.LLM_LINK_FAILED, S.LLM_NOT_YET_LINK)
+    assert info.value.status_code == S.LLM_LINK_FAILED
     assert time.monotonic() - start < 10
     assert face.pool_used()[Placement.DEVICE] == used  # nothing pinned or leaked
     await face.cm.deallocate_blocks_cache(cache)
     assert face.pool_used()[Placement.DEVICE] == 0
+
+
+async def test_a_killed_peer_reads_as_a_failed_link_until_unlinked(
+    decoder: Any, peer_factory: Any
+) -> None:
+    peer = peer_factory(4, 4096)
+    face = await decoder()
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(4, 4096))
+    await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])
+    peer.signal(signal.SIGKILL)
+    peer.proc.wait(10)
+    table = face.dd._engine.link_table()
+    for _ in range(500):  # until this side has seen the connection close
+        if table.get(1) is None:
+            break
+        await asyncio.sleep(0.01)
+    for _ in range(3):  # every call says so, with who closed the link and when
+        with pytest.raises(LLMException) as info:
+            await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])
+        assert info.value.status_code == S.LLM_LINK_FAILED, info.value
+        message = str(info.value)
+        assert "cluster 1 (127.0.0.1:" in message and " failed at 20" in message
+        assert "closed without an unlink" in message or "reset" in message, message
+    assert len(table) == 0  # not a link: switch_role may go on
+    # A forced unlink clears it; then the cluster is simply not linked.
+    ret, rets = await face.call(face.dd.unlink_clusters, [peer.info()], 1000, True)
+    assert (ret, rets, rets.errors) == (S.LLM_SUCCESS, [S.LLM_SUCCESS], [None])
+    with pytest.raises(LLMException) as info:
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [0], [0])
+    assert info.value.status_code == S.LLM_NOT_YET_LINK
+    # A new peer under the same cluster id links and serves again, without an unlink.
+    again = peer_factory(4, 4096)
+    await link(face, again)
+    again.signal(signal.SIGKILL)
+    again.proc.wait(10)
+    third = peer_factory(4, 4096)
+    await link(face, third)  # relinking over a failed link needs no unlink
+    await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [2], [1])
+    np.testing.assert_array_equal(cache.as_numpy()[0][1], pattern(0, 4, 4096)[2])
+    await face.cm.deallocate_blocks_cache(cache)
 
 
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)

@@ -69,9 +69,16 @@ def test_forced_unlink_is_local_only(tables: dict[int, LinkTable]) -> None:
     prompt, decoder = tables[1], tables[2]
     decoder.link_clusters([info(1, 26001)], 1000)
     assert decoder.unlink_clusters([info(1)], 1000, force=True) == (S, [S])
-    assert decoder.get(1) is None and prompt.get(2) is not None
+    assert decoder.get(1) is None and decoder.broken(1) is None
+    # The prompt's end closed with it: a broken link, until the prompt unlinks too.
+    broken = prompt.broken(2)
+    assert prompt.get(2) is None and broken is not None and "force=True" in broken.reason
+    with pytest.raises(LLMException) as failed:
+        prompt.route(2)
+    assert failed.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+    assert "cluster 2" in str(failed.value) and "force=True" in str(failed.value)
     assert prompt.unlink_clusters([info(2)], 1000, force=True) == (S, [S])
-    assert prompt.get(2) is None
+    assert prompt.get(2) is None and prompt.broken(2) is None
     # A forced unlink of a link that is already gone succeeds; a graceful one reports it.
     assert prompt.unlink_clusters([info(2)], 1000, force=True) == (S, [S])
     code = LLMStatusCode.LLM_NOT_YET_LINK

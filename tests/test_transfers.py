@@ -776,6 +776,13 @@ async def test_peer_finalize_breaks_the_link(make_pair: PairFactory) -> None:
     cache = await pair.decoder.cm.allocate_cache(batch_desc())
     await pair.prompt.finalize()
     await wait_until(lambda: pair.decoder.dd._engine.link_table().get(1) is None)
+    # A closed peer reads as a failed link, saying who closed it, until unlinked.
+    error = await expect_status(
+        S.LLM_LINK_FAILED, pair.decoder.cm.pull_cache(CacheKey(1, req_id=1), cache)
+    )
+    assert "cluster 1" in str(error) and "the peer closed the link" in str(error)
+    ret, _ = await pair.decoder.call(pair.decoder.dd.unlink_clusters, [pair.info], 1000, True)
+    assert ret == S.LLM_SUCCESS
     await expect_status(
         S.LLM_NOT_YET_LINK, pair.decoder.cm.pull_cache(CacheKey(1, req_id=1), cache)
     )

@@ -8,9 +8,14 @@ Every member of a communication domain calls ``link`` with the same rank table a
 * the port is the device entry's ``port`` when given, else ``aio.CommBasePort`` (default
   27000) plus the rank.
 
-Each member listens on its own endpoint while ``link`` runs, connects to every member of a
-lower rank (retrying until the peer listens) and accepts every member of a higher rank. The
-resulting links are ordinary links: ``pull_*``/``push_*`` reach the members by cluster id.
+Each member connects to every member of a lower rank (retrying until the peer listens) and,
+while ``link`` runs, accepts every member of a higher rank on its own endpoint. Endpoints are
+shared: on a host without accelerators every device ip is the host's and every domain numbers
+its ranks from 0, so many domains of one host meet at the same few endpoints, linking at the
+same moment. A link names its domain in its handshake and the endpoint hands it to that
+domain's member, in this process or another (``_transport.rendezvous``); no configuration is
+needed. The resulting links are ordinary links: ``pull_*``/``push_*`` reach the members by
+cluster id.
 
 Where the engine's runtime has a collective library (HCCL on Ascend, with its rank-table
 and one-sided calls), ``link`` also joins the domain's communicator as this rank: it binds
@@ -39,7 +44,6 @@ from aio_datadist._log import get_logger
 from aio_datadist._runtime.base import Communicator
 from aio_datadist._transport.base import Channel, Hello, LinkRefused, RequestHandler
 from aio_datadist._validate import check_int, check_type, param_invalid
-from aio_datadist.cluster import LLMClusterInfo
 from aio_datadist.enums import Placement, RegisterMemStatus
 from aio_datadist.status import LinkFailedError, LLMException, LLMStatusCode, ParamInvalidError
 
@@ -165,16 +169,29 @@ class CommDomains:
         deadline = time.monotonic() + self._total_time
         already = {c for c in others if self._links.get(c) is not None}
         acceptor = _CommAcceptor(self._links, set(others))
-        listener = self._links.transport.listen(*endpoints[my_rank], acceptor)
         try:
+            listener = None
+            if any(rank > my_rank for rank in others.values()):
+                host, port = endpoints[my_rank]
+                try:
+                    listener = self._links.transport.listen_shared(
+                        host, port, (comm_name, me), acceptor, self._total_time
+                    )
+                except LinkRefused as exc:
+                    raise LinkFailedError(
+                        f"communication domain {comm_name!r}: rank {my_rank} cannot listen "
+                        f"on {host}:{port}: {exc}",
+                        status_code=LLMStatusCode.LLM_LINK_FAILED,
+                    ) from exc
             try:
                 for cluster_id, rank in others.items():
                     if rank < my_rank:
-                        self._connect(cluster_id, endpoints[rank], deadline)
+                        self._connect(comm_name, cluster_id, endpoints[rank], deadline)
                         acceptor.linked.add(cluster_id)
                 self._await_members(comm_name, others, acceptor.linked, deadline)
             finally:
-                listener.close()
+                if listener is not None:
+                    listener.close()
             communicator = self._join(comm_name, rank_table, my_rank, deadline)
         except LLMException as exc:
             for cluster_id in others.keys() - already:  # links made before stay
@@ -267,21 +284,20 @@ class CommDomains:
                 merged.append((addr, nbytes, device))
         return merged
 
-    def _connect(self, cluster_id: int, endpoint: tuple[str, int], deadline: float) -> None:
-        info = LLMClusterInfo()
-        info.remote_cluster_id = cluster_id
-        info.append_remote_ip_info(*endpoint)
+    def _connect(
+        self, comm_name: str, cluster_id: int, endpoint: tuple[str, int], deadline: float
+    ) -> None:
+        """Link to the member ``cluster_id`` at its endpoint, retrying until it listens."""
         while True:
-            remaining = deadline - time.monotonic()
-            status = self._links.link_clusters([info], max(1, int(remaining * 1000)))[0]
-            if status in (LLMStatusCode.LLM_SUCCESS, LLMStatusCode.LLM_ALREADY_LINK):
+            remaining = max(0.001, deadline - time.monotonic())
+            error = self._links.link_member(cluster_id, endpoint, remaining, comm_name)
+            if error is None:
                 return
             if time.monotonic() > deadline:
                 raise LinkFailedError(
-                    f"cannot link to cluster {cluster_id} at {endpoint[0]}:{endpoint[1]} "
-                    f"({status})",
+                    f"cannot link to cluster {cluster_id} at {endpoint[0]}:{endpoint[1]}: {error}",
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
-                )
+                ) from error
             time.sleep(0.02)
 
     def _domain(self, comm_id: Any) -> _Domain:

@@ -45,7 +45,9 @@ from aio_datadist.config import (
     OPTION_SAME_HOST,
     OPTION_SESSION_DEVICE_ID,
     OPTION_SYNC_KV_TIMEOUT,
+    OPTION_TRANSFER_BACKEND,
     OPTION_TRANSPORT,
+    TRANSFER_BACKEND_HIXL,
     parse_listen_ip_info,
     parse_mem_pool_cfg,
     prepare_init_options,
@@ -54,6 +56,7 @@ from aio_datadist.config import (
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import (
     ExistLinkError,
+    FeatureNotEnabledError,
     LLMException,
     LLMFailedError,
     LLMStatusCode,
@@ -102,6 +105,8 @@ class EngineSettings:
         self.link_total_time_s = _int_option(options, OPTION_LINK_TOTAL_TIME, 0)
         self.link_retry_count = _int_option(options, OPTION_LINK_RETRY_COUNT, 1)
         self.local_comm_res = options.get(OPTION_LOCAL_COMM_RES)
+        #: The reference's HIXL engine: one-directional links, no rank-table domains.
+        self.hixl = options.get(OPTION_TRANSFER_BACKEND, "").lower() == TRANSFER_BACKEND_HIXL
         ip, port = options.get(OPTION_LISTEN_IP), options.get(OPTION_LISTEN_PORT)
         self.listen: tuple[str, int] | None = None if ip is None else (ip, int(port or 0))
 
@@ -191,6 +196,7 @@ class Engine:
                 Server(caches, routes),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
                 staging=caches.staging,
+                directional=settings.hixl,
             )
             links.retry_count = max(1, settings.link_retry_count)
             if settings.listen is not None:
@@ -275,7 +281,10 @@ class Engine:
     def switch_role(self, role: Any, switch_options: Any) -> None:
         """``switch_role``: change role, and listen on ``llm.listenIpInfo`` or stop listening.
 
-        :raises LLMException: ``LLM_EXIST_LINK`` while any link exists.
+        With the hixl backend the endpoint keeps listening on its init address.
+
+        :raises LLMException: ``LLM_EXIST_LINK`` while any link exists;
+            ``LLM_FEATURE_NOT_ENABLED`` for another listen address with the hixl backend.
         """
         check_type("role", role, LLMRole)
         check_type("switch_options", switch_options, dict, allow_none=True)
@@ -288,7 +297,16 @@ class Engine:
                 f"cannot switch role while {len(links)} link(s) exist: unlink them first",
                 status_code=LLMStatusCode.LLM_EXIST_LINK,
             )
-        if address is None:
+        settings = self.settings
+        if settings is not None and settings.hixl:
+            # Every hixl endpoint stays a server on its init address.
+            if address is not None and address != settings.listen:
+                raise FeatureNotEnabledError(
+                    f"the hixl backend cannot change its listen address ({listen!r}) with "
+                    "switch_role",
+                    status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                )
+        elif address is None:
             links.stop_listening()
         else:
             try:
@@ -302,29 +320,44 @@ class Engine:
         links.local = dataclasses.replace(links.local, role=role)
         self._log.info("engine.role_switched", new_role=role.name, listen=listen)
 
-    def comm_domains(self) -> CommDomains:
-        """The communication domains of the initialised engine (RuntimeError before init)."""
-        comms, caches = self.comms, self.caches
-        if comms is None or caches is None:
+    def comm_domains(self, call: str) -> CommDomains:
+        """The communication domains of the initialised engine, for ``call``.
+
+        :raises RuntimeError: not initialised.
+        :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` with the hixl backend, which has
+            no rank-table domains (as the reference's).
+        """
+        comms, caches, settings = self.comms, self.caches, self.settings
+        if comms is None or caches is None or settings is None:
             raise RuntimeError("llm datadist is not initialized")
+        if settings.hixl:
+            raise FeatureNotEnabledError(
+                f"{call} is not supported with transfer_backend='hixl': link with "
+                "link_clusters instead",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
         return comms
 
     def link(self, comm_name: Any, cluster_rank_info: Any, rank_table: Any) -> int:
         """``link``: a two-sided link with every member of a rank table's domain."""
-        comms = self.comm_domains()
+        self.link_table()
         check_link_args(comm_name, cluster_rank_info, rank_table)
-        comm_id = comms.link(comm_name, cluster_rank_info, rank_table)
+        comm_id = self.comm_domains("link").link(comm_name, cluster_rank_info, rank_table)
         if self.caches is not None:
             self.caches.two_sided_linked = True
         return comm_id
 
     def unlink(self, comm_id: Any) -> None:
         """``unlink``: drop the links of a communication domain."""
-        self.comm_domains().unlink(comm_id)
+        self.link_table()
+        check_int("comm_id", comm_id, "uint64")
+        self.comm_domains("unlink").unlink(comm_id)
 
     def query_register_mem_status(self, comm_id: Any) -> RegisterMemStatus:
         """``query_register_mem_status``: ``OK`` once (and while) the domain is linked."""
-        return self.comm_domains().status(comm_id)
+        self.link_table()
+        check_int("comm_id", comm_id, "uint64")
+        return self.comm_domains("query_register_mem_status").status(comm_id)
 
     def finalize(self) -> None:
         """Release every link, cache, pool and runtime resource; a no-op when not initialised."""

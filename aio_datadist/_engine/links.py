@@ -1,9 +1,24 @@
 """Links: the table of peers an engine is linked to, and the documented link/unlink rules.
 
-``link_clusters``/``unlink_clusters`` report per-cluster status codes instead of raising for
-link failures; argument errors still raise (``TypeError``/``ValueError``/``LLMException``).
-A link is usable in both directions whoever made it; the side with a listen address is the
-server. Graceful unlink (``force=False``) removes both ends; forced unlink only this end.
+``link_clusters``/``unlink_clusters`` report per-cluster status codes (with their reasons,
+:class:`~aio_datadist.cluster.LinkResults`) instead of raising for link failures; argument
+errors still raise (``TypeError``/``ValueError``/``LLMException``).
+
+The table holds, per remote cluster, the link this side made and the link the peer made
+(each live or broken). Two rules decide what may coexist:
+
+* **one link per pair** (the default backend): a link is usable in both directions whoever
+  made it, so a cluster linked either way answers ``LLM_ALREADY_LINK`` to a second
+  ``link_clusters``. Graceful unlink (``force=False``) removes both ends, forced unlink
+  only this end.
+* **directional** (``transfer_backend="hixl"``, the reference's HIXL engine): each side's
+  ``link_clusters`` makes its own link, so two endpoints may link to each other at once;
+  ``unlink_clusters`` drops only this side's link, by ``remote_cluster_id`` alone.
+
+A link that closes without this side asking (the peer unlinked, finalized, died, or the
+connection broke) stays in the table as a :class:`BrokenLink`: transfers to that cluster
+fail with ``LLM_LINK_FAILED`` saying who closed it and when, until the caller unlinks or
+links again. It is not a link: it never blocks a new one, and ``switch_role`` ignores it.
 """
 
 from __future__ import annotations
@@ -13,6 +28,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from datetime import datetime
 from typing import Any
 
 import structlog
@@ -28,15 +44,37 @@ from aio_datadist._transport.base import (
     Transport,
 )
 from aio_datadist._validate import check_int, check_type, param_invalid
-from aio_datadist.cluster import LLMClusterInfo, ip_int_to_str
-from aio_datadist.status import LLMStatusCode
+from aio_datadist.cluster import LinkResults, LLMClusterInfo, ip_int_to_str
+from aio_datadist.status import (
+    LinkFailedError,
+    LLMException,
+    LLMStatusCode,
+    NotYetLinkError,
+    lookup,
+)
 
-__all__ = ("MAX_CLUSTERS_PER_CALL", "Link", "LinkTable", "check_clusters", "overall_status")
+__all__ = (
+    "MAX_CLUSTERS_PER_CALL",
+    "BrokenLink",
+    "Link",
+    "LinkTable",
+    "check_clusters",
+    "overall_status",
+)
+
+_S = LLMStatusCode
 
 #: Most clusters one link_clusters/unlink_clusters call may name.
 MAX_CLUSTERS_PER_CALL = 16
 #: Pause before another attempt at an address that refused (``link_retry_count`` > 1).
 _RETRY_PAUSE_S = 0.05
+#: How long a new link from a peer waits for that peer's previous link to be seen closed.
+#: A peer links again only once its own end of the old link is gone, so the old one here is
+#: stale: its close is in flight (a forced unlink just closed the socket). Past this, the
+#: old link is live and the new one is refused with ``LLM_ALREADY_LINK``.
+STALE_LINK_GRACE_S = 1.0
+#: Most broken links remembered; the oldest go first.
+MAX_BROKEN_LINKS = 4096
 
 
 @dataclass(eq=False)
@@ -49,10 +87,52 @@ class Link:
     #: One-sided access to the peer's caches when it runs on this host.
     peer_memory: PeerMemory | None = None
 
+    @property
+    def live(self) -> bool:
+        """True while the link's channel is open."""
+        return not self.channel.closed
 
-def _close_peer_memory(link: Link) -> None:
-    if link.peer_memory is not None:
-        link.peer_memory.close()
+    def broken(self) -> BrokenLink:
+        """What this link leaves behind once its channel closed."""
+        reason = self.channel.close_reason or "the link closed"
+        return BrokenLink(self.remote.cluster_id, self.initiator, self.channel.remote, reason)
+
+
+@dataclass(frozen=True)
+class BrokenLink:
+    """What stays of a link that closed without this side asking: who closed it, and when."""
+
+    cluster_id: int
+    #: True for the link this side had made.
+    initiator: bool
+    #: The peer's address as the link knew it ("" when none).
+    address: str
+    #: Why it closed, as its transport saw it.
+    reason: str
+    #: When it was seen closed (``time.time()``).
+    at: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.at:
+            object.__setattr__(self, "at", time.time())
+
+    def error(self) -> LinkFailedError:
+        """The ``LLM_LINK_FAILED`` error a transfer over this link meets."""
+        when = datetime.fromtimestamp(self.at).astimezone().isoformat(timespec="milliseconds")
+        where = f" ({self.address})" if self.address else ""
+        return LinkFailedError(
+            f"the link to cluster {self.cluster_id}{where} failed at {when}: {self.reason}; "
+            "unlink it (unlink_clusters) or link again",
+            status_code=_S.LLM_LINK_FAILED,
+        )
+
+
+_Entry = Link | BrokenLink
+
+
+def _close_peer_memory(entry: _Entry) -> None:
+    if isinstance(entry, Link) and entry.peer_memory is not None:
+        entry.peer_memory.close()
 
 
 def check_clusters(clusters: Any, timeout: Any, *, need_local_ip: bool) -> None:
@@ -81,24 +161,33 @@ def check_clusters(clusters: Any, timeout: Any, *, need_local_ip: bool) -> None:
 
 def overall_status(statuses: Sequence[LLMStatusCode]) -> LLMStatusCode:
     """``LLM_SUCCESS`` if every cluster succeeded, else the last failure in input order."""
-    failures = [s for s in statuses if s != LLMStatusCode.LLM_SUCCESS]
-    return failures[-1] if failures else LLMStatusCode.LLM_SUCCESS
+    failures = [s for s in statuses if s != _S.LLM_SUCCESS]
+    return failures[-1] if failures else _S.LLM_SUCCESS
 
 
-def _refuse_batch(
-    clusters: Sequence[LLMClusterInfo],
-) -> tuple[LLMStatusCode, list[LLMStatusCode]] | None:
+def _failure(status: LLMStatusCode, message: str) -> LLMException:
+    return lookup(status)(message, status_code=status)
+
+
+def _refuse_batch(clusters: Sequence[LLMClusterInfo]) -> tuple[LLMStatusCode, LinkResults] | None:
     """The result for a call naming no cluster or too many; None when the size is fine."""
     if not clusters:
-        return LLMStatusCode.LLM_PARAM_INVALID, []
+        return _S.LLM_PARAM_INVALID, LinkResults()
     if len(clusters) > MAX_CLUSTERS_PER_CALL:
-        code = LLMStatusCode.LLM_CLUSTER_NUM_EXCEED_LIMIT
-        return code, [code] * len(clusters)
+        error = _failure(
+            _S.LLM_CLUSTER_NUM_EXCEED_LIMIT,
+            f"{len(clusters)} clusters in one call; at most {MAX_CLUSTERS_PER_CALL}",
+        )
+        results = LinkResults([error] * len(clusters))
+        return error.status_code, results
     return None
 
 
 class LinkTable:
-    """The links of one engine, its listener, and the link/unlink procedures."""
+    """The links of one engine, its listener, and the link/unlink procedures.
+
+    ``directional`` selects the HIXL rules (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -108,13 +197,16 @@ class LinkTable:
         log: structlog.stdlib.BoundLogger,
         *,
         staging: Staging | None = None,
+        directional: bool = False,
     ) -> None:
         self.local = local
         #: How same-host routes reach device memory; None: this engine publishes no board.
         self.staging = staging
         self.transport = transport
+        self.directional = directional
         self._handler = handler
-        self._links: dict[int, Link] = {}
+        # By (remote cluster id, made by this side).
+        self._entries: dict[tuple[int, bool], _Entry] = {}
         self._lock = threading.Lock()
         self._listener: Listener | None = None
         self._log = log
@@ -123,7 +215,10 @@ class LinkTable:
 
     # -- listening ------------------------------------------------------------------------
     def listen(self, host: str, port: int) -> None:
-        """Become a server on ``host:port`` (replacing any earlier listener)."""
+        """Become a server on ``host:port`` (replacing any earlier listener).
+
+        :raises OSError: the address cannot be used.
+        """
         self.stop_listening()
         self._listener = self.transport.listen(host, port, self)
         self._log.info("link.listening", transport=self.transport.name, address=f"{host}:{port}")
@@ -140,15 +235,53 @@ class LinkTable:
         return None if self._listener is None else self._listener.address
 
     # -- lookup ---------------------------------------------------------------------------
+    def _live(self, cluster_id: int, *, own_only: bool = False) -> Link | None:
+        """The live link to ``cluster_id`` (this side's first); lock held."""
+        for own in (True,) if own_only else (True, False):
+            entry = self._entries.get((cluster_id, own))
+            if isinstance(entry, Link) and entry.live:
+                return entry
+        return None
+
     def get(self, cluster_id: int) -> Link | None:
-        """The live link to ``cluster_id``."""
+        """The live link to ``cluster_id`` (the one this side made first), or None."""
         with self._lock:
-            link = self._links.get(cluster_id)
-        return None if link is None or link.channel.closed else link
+            return self._live(cluster_id)
+
+    def broken(self, cluster_id: int) -> BrokenLink | None:
+        """What is left of a link to ``cluster_id`` that closed, when no live one exists."""
+        with self._lock:
+            if self._live(cluster_id) is not None:
+                return None
+            for own in (True, False):
+                entry = self._entries.get((cluster_id, own))
+                if entry is not None:
+                    return entry if isinstance(entry, BrokenLink) else entry.broken()
+        return None
+
+    def route(self, cluster_id: int) -> Link:
+        """The link transfers to ``cluster_id`` use.
+
+        :raises LLMException: ``LLM_LINK_FAILED`` naming who closed it and when, for a link
+            that closed without this side asking; ``LLM_NOT_YET_LINK`` when there is none.
+        """
+        link = self.get(cluster_id)
+        if link is not None:
+            return link
+        broken = self.broken(cluster_id)
+        if broken is not None:
+            raise broken.error()
+        raise NotYetLinkError(
+            f"cluster {cluster_id} is not linked: call link_clusters (or link) first",
+            status_code=_S.LLM_NOT_YET_LINK,
+        )
 
     def __len__(self) -> int:
+        """The number of clusters with a live link."""
         with self._lock:
-            return len(self._links)
+            return len(
+                {cid for (cid, _), e in self._entries.items() if isinstance(e, Link) and e.live}
+            )
 
     # -- serving side ---------------------------------------------------------------------
     @property
@@ -156,35 +289,61 @@ class LinkTable:
         """Serves the requests that arrive on this engine's channels."""
         return self._handler
 
+    def _blocks_accept(self, cluster_id: int) -> Link | None:
+        """The live link that keeps a new one from ``cluster_id`` out; lock held."""
+        if self.directional:
+            entry = self._entries.get((cluster_id, False))
+            return entry if isinstance(entry, Link) and entry.live else None
+        return self._live(cluster_id)
+
     def accept(self, peer: Hello, channel: Channel) -> Hello:
-        """Register a link a peer made to us (called by the transport during its handshake)."""
+        """Register a link a peer made to us (called by the transport during its handshake).
+
+        A live link that keeps it out is given :data:`STALE_LINK_GRACE_S` to be seen closed
+        (the peer drops its end before it links again).
+
+        :raises LinkRefused: the peer claims our cluster id or means another cluster
+            (``LLM_LINK_FAILED``), or a live link keeps it out (``LLM_ALREADY_LINK``).
+        """
         if peer.cluster_id == self.local.cluster_id:
-            raise LinkRefused(
-                LLMStatusCode.LLM_LINK_FAILED, f"peer has our own cluster id {peer.cluster_id}"
-            )
+            raise LinkRefused(_S.LLM_LINK_FAILED, f"peer has our own cluster id {peer.cluster_id}")
         if peer.to_cluster_id not in (None, self.local.cluster_id):
             raise LinkRefused(
-                LLMStatusCode.LLM_LINK_FAILED,
+                _S.LLM_LINK_FAILED,
                 f"this is cluster {self.local.cluster_id}, not {peer.to_cluster_id}",
             )
-        peer = replace(peer, to_cluster_id=None)
-        with self._lock:
-            existing = self._links.get(peer.cluster_id)
-            if existing is not None and not existing.channel.closed:
-                raise LinkRefused(
-                    LLMStatusCode.LLM_ALREADY_LINK, f"cluster {peer.cluster_id} is already linked"
-                )
-            link = Link(peer, channel, initiator=False)
-            self._links[peer.cluster_id] = link
+        peer = replace(peer, to_cluster_id=None, comm=None)
+        cluster_id = peer.cluster_id
+        link = Link(peer, channel, initiator=False)
+        deadline = time.monotonic() + STALE_LINK_GRACE_S
+        while True:
+            with self._lock:
+                if self._blocks_accept(cluster_id) is None:
+                    self._register(link)
+                    break
+            if time.monotonic() >= deadline:
+                raise LinkRefused(_S.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked")
+            time.sleep(0.002)
         self._attach_peer_memory(link)
         channel.on_close(self._forget)
         self._log.info(
-            "link.accepted",
-            remote_cluster_id=peer.cluster_id,
-            authenticated=channel.authenticated,
+            "link.accepted", remote_cluster_id=cluster_id, authenticated=channel.authenticated
         )
         self._note_unauthenticated(link)
         return self.local
+
+    def _register(self, link: Link) -> None:
+        """Enter ``link`` (lock held): it replaces its slot's old entry, and in a table of
+        one link per pair, what is left of a broken link of the pair either way."""
+        cluster_id = link.remote.cluster_id
+        old = self._entries.pop((cluster_id, link.initiator), None)
+        if old is not None:
+            _close_peer_memory(old)
+        if not self.directional:
+            other = (cluster_id, not link.initiator)
+            if isinstance(self._entries.get(other), BrokenLink):
+                del self._entries[other]
+        self._entries[(cluster_id, link.initiator)] = link
 
     def _note_unauthenticated(self, link: Link) -> None:
         if not link.channel.authenticated:
@@ -204,37 +363,114 @@ class LinkTable:
             )
 
     def _forget(self, channel: Channel) -> None:
+        """A channel closed without this side asking: its link becomes a broken link (or
+        just goes, where another live link to the same cluster stays, and for a peer's own
+        link in a directional table: that one is the peer's business)."""
         with self._lock:
-            for cluster_id, link in list(self._links.items()):
-                if link.channel is channel:
-                    del self._links[cluster_id]
-                    _close_peer_memory(link)
-                    self._log.info("link.closed", remote_cluster_id=cluster_id)
+            for key, entry in list(self._entries.items()):
+                if not isinstance(entry, Link) or entry.channel is not channel:
+                    continue
+                cluster_id = key[0]
+                _close_peer_memory(entry)
+                if self.directional and not entry.initiator:
+                    del self._entries[key]
+                elif not self.directional and self._live(cluster_id) is not None:
+                    del self._entries[key]
+                else:
+                    broken = entry.broken()
+                    self._entries[key] = broken
+                    self._trim_broken()
+                self._log.info(
+                    "link.closed",
+                    remote_cluster_id=cluster_id,
+                    initiator=entry.initiator,
+                    reason=channel.close_reason,
+                )
+
+    def _trim_broken(self) -> None:
+        broken = [(e.at, k) for k, e in self._entries.items() if isinstance(e, BrokenLink)]
+        for _, key in sorted(broken)[: max(0, len(broken) - MAX_BROKEN_LINKS)]:
+            del self._entries[key]
 
     # -- client side ----------------------------------------------------------------------
     def link_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout_ms: int
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Link to every cluster in parallel; arguments were checked by :func:`check_clusters`."""
+    ) -> tuple[LLMStatusCode, LinkResults]:
+        """Link to every cluster in parallel; arguments were checked by :func:`check_clusters`.
+
+        Never raises for a failed link: each cluster's status and reason is in the results.
+        """
         refused = _refuse_batch(clusters)
         if refused is not None:
             return refused
+        timeout = timeout_ms / 1000
         if len(clusters) == 1:
-            results = [self._link_one(clusters[0], timeout_ms / 1000)]
+            outcomes = [self._link_guarded(clusters[0], timeout)]
         else:
-            with ThreadPoolExecutor(min(len(clusters), MAX_CLUSTERS_PER_CALL)) as pool:
-                results = list(pool.map(lambda c: self._link_one(c, timeout_ms / 1000), clusters))
+            outcomes = self._in_parallel(clusters, timeout)
+        results = LinkResults(outcomes)
         return overall_status(results), results
 
-    def _link_one(self, info: LLMClusterInfo, timeout: float) -> LLMStatusCode:
+    def _in_parallel(
+        self, clusters: Sequence[LLMClusterInfo], timeout: float
+    ) -> list[LLMException | None]:
+        try:
+            with ThreadPoolExecutor(min(len(clusters), MAX_CLUSTERS_PER_CALL)) as pool:
+                return list(pool.map(lambda c: self._link_guarded(c, timeout), clusters))
+        except RuntimeError as exc:  # no thread to be had: link one after the other
+            self._log.warning("link.no_threads", reason=str(exc))
+            return [self._link_guarded(c, timeout) for c in clusters]
+
+    def _link_guarded(
+        self, info: LLMClusterInfo, timeout: float, comm: str | None = None
+    ) -> LLMException | None:
+        """:meth:`_link_one`, with any failure it did not foresee reported, never raised."""
+        try:
+            return self._link_one(info, timeout, comm)
+        except Exception as exc:
+            self._log.warning(
+                "link.failed", remote_cluster_id=info.remote_cluster_id, exc_info=True
+            )
+            error = _failure(
+                _S.LLM_LINK_FAILED, f"link to cluster {info.remote_cluster_id}: {exc!r}"
+            )
+            error.__cause__ = exc
+            return error
+
+    def link_member(
+        self, cluster_id: int, endpoint: tuple[str, int], timeout: float, comm: str
+    ) -> LLMException | None:
+        """Link to the member ``cluster_id`` of the communication domain ``comm`` at its rank
+        endpoint; None on success or when already linked, else why not."""
+        info = LLMClusterInfo()
+        info.remote_cluster_id = cluster_id
+        info.append_remote_ip_info(*endpoint)
+        error = self._link_guarded(info, timeout, comm)
+        if error is not None and error.status_code == _S.LLM_ALREADY_LINK:
+            return None
+        return error
+
+    def _link_one(
+        self, info: LLMClusterInfo, timeout: float, comm: str | None
+    ) -> LLMException | None:
         remote_id = info.remote_cluster_id
         assert remote_id is not None
-        if self.get(remote_id) is not None:
-            return LLMStatusCode.LLM_ALREADY_LINK
+        with self._lock:
+            if self._live(remote_id, own_only=self.directional) is not None:
+                return _failure(_S.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         if not info.remote_ip_info_list:
             self._log.warning("link.failed", remote_cluster_id=remote_id, reason="no remote ip")
-            return LLMStatusCode.LLM_PARAM_INVALID
-        status = LLMStatusCode.LLM_LINK_FAILED
+            return _failure(
+                _S.LLM_PARAM_INVALID,
+                f"cluster {remote_id} has no remote ip: call append_remote_ip_info",
+            )
+        if self.directional and len(info.remote_ip_info_list) != 1:
+            return _failure(
+                _S.LLM_PARAM_INVALID,
+                "the hixl backend links to exactly one remote ip:port per cluster, "
+                f"got {len(info.remote_ip_info_list)}",
+            )
+        error: LLMException = _failure(_S.LLM_LINK_FAILED, f"cannot link to cluster {remote_id}")
         deadline = time.monotonic() + timeout
         attempts = [
             (attempt, ip, port)
@@ -243,91 +479,133 @@ class LinkTable:
         ]
         for attempt, ip, port in attempts:
             host = ip_int_to_str(ip)
+            where = f"{host}:{port}"
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                return status
-            if attempt and status is LLMStatusCode.LLM_LINK_FAILED:
+                break
+            if attempt and error.status_code == _S.LLM_LINK_FAILED:
                 time.sleep(min(_RETRY_PAUSE_S, remaining))  # the server may be starting
             try:
-                hello = replace(self.local, to_cluster_id=remote_id)
+                hello = replace(self.local, to_cluster_id=remote_id, comm=comm)
                 channel = self.transport.connect(host, port, hello, self._handler, remaining)
             except LinkRefused as exc:
-                status = exc.status
+                error = _failure(exc.status, f"link to cluster {remote_id} at {where}: {exc}")
+                error.__cause__ = exc.__cause__
                 self._log.warning(
                     "link.failed",
                     remote_cluster_id=remote_id,
-                    address=f"{host}:{port}",
+                    address=where,
                     status=str(exc.status),
                     reason=str(exc),
                 )
                 continue
             if channel.peer.cluster_id != remote_id:
-                channel.close(notify_peer=True, timeout=timeout)
+                channel.close(notify_peer=True, timeout=max(0.0, deadline - time.monotonic()))
+                reason = f"the peer at {where} is cluster {channel.peer.cluster_id}"
                 self._log.warning(
-                    "link.failed",
-                    remote_cluster_id=remote_id,
-                    address=f"{host}:{port}",
-                    reason=f"the peer there is cluster {channel.peer.cluster_id}",
+                    "link.failed", remote_cluster_id=remote_id, address=where, reason=reason
                 )
-                status = LLMStatusCode.LLM_LINK_FAILED
+                error = _failure(_S.LLM_LINK_FAILED, f"link to cluster {remote_id}: {reason}")
                 continue
-            link = Link(channel.peer, channel, initiator=True)
-            with self._lock:
-                self._links[remote_id] = link
-            self._attach_peer_memory(link)
-            channel.on_close(self._forget)
-            self._log.info(
-                "link.established",
-                remote_cluster_id=remote_id,
-                address=f"{host}:{port}",
-                authenticated=channel.authenticated,
-            )
-            self._note_unauthenticated(link)
-            return LLMStatusCode.LLM_SUCCESS
-        return status
+            return self._established(Link(channel.peer, channel, initiator=True), where)
+        return error
+
+    def _established(self, link: Link, where: str) -> LLMException | None:
+        """Enter a link this side made (the handshake is done)."""
+        remote_id = link.remote.cluster_id
+        with self._lock:
+            duplicate = self._live(remote_id, own_only=True)
+            if duplicate is None:
+                self._register(link)
+        if duplicate is not None:  # another call of this side linked it meanwhile
+            link.channel.close(notify_peer=True, timeout=1.0)
+            return _failure(_S.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
+        self._attach_peer_memory(link)
+        link.channel.on_close(self._forget)
+        self._log.info(
+            "link.established",
+            remote_cluster_id=remote_id,
+            address=where,
+            authenticated=link.channel.authenticated,
+        )
+        self._note_unauthenticated(link)
+        return None
 
     def unlink_clusters(
         self, clusters: Sequence[LLMClusterInfo], timeout_ms: int, force: bool
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    ) -> tuple[LLMStatusCode, LinkResults]:
         """Unlink every cluster; arguments were checked by :func:`check_clusters`."""
         refused = _refuse_batch(clusters)
         if refused is not None:
             return refused
-        results = [self._unlink_one(info, timeout_ms / 1000, force) for info in clusters]
+        timeout = timeout_ms / 1000
+        results = LinkResults(self._unlink_one(info, timeout, force) for info in clusters)
         return overall_status(results), results
 
-    def _unlink_one(self, info: LLMClusterInfo, timeout: float, force: bool) -> LLMStatusCode:
+    def _take(self, cluster_id: int, *, own_only: bool) -> list[_Entry]:
+        """Remove the entries of ``cluster_id`` (only this side's link and broken links
+        where ``own_only``); their peer memory closed."""
+        with self._lock:
+            taken = []
+            for own in (True, False):
+                entry = self._entries.get((cluster_id, own))
+                if entry is None or (own_only and not own and isinstance(entry, Link)):
+                    continue
+                del self._entries[(cluster_id, own)]
+                taken.append(entry)
+        for entry in taken:
+            _close_peer_memory(entry)
+        return taken
+
+    def _unlink_one(self, info: LLMClusterInfo, timeout: float, force: bool) -> LLMException | None:
         remote_id = info.remote_cluster_id
         assert remote_id is not None
+        if self.directional:  # always local, by cluster id alone; the peer's link stays
+            for entry in self._take(remote_id, own_only=True):
+                if isinstance(entry, Link):
+                    entry.channel.close(notify_peer=True, timeout=timeout)
+                    self._log.info("link.unlinked", remote_cluster_id=remote_id, force=force)
+            return None
         if not force and len(info.remote_ip_info_list) != 1:
-            return LLMStatusCode.LLM_PARAM_INVALID
-        with self._lock:
-            link = self._links.pop(remote_id, None)
-        if link is None or link.channel.closed:
-            return LLMStatusCode.LLM_SUCCESS if force else LLMStatusCode.LLM_NOT_YET_LINK
-        _close_peer_memory(link)
-        told = link.channel.close(notify_peer=not force, timeout=timeout)
-        self._log.info("link.unlinked", remote_cluster_id=remote_id, force=force, peer_told=told)
+            return _failure(
+                _S.LLM_PARAM_INVALID,
+                "a graceful unlink (force=False) needs exactly one remote ip, got "
+                f"{len(info.remote_ip_info_list)}",
+            )
+        taken = self._take(remote_id, own_only=False)
+        live = [e for e in taken if isinstance(e, Link) and e.live]
+        if not taken and not force:
+            return _failure(_S.LLM_NOT_YET_LINK, f"cluster {remote_id} is not linked")
+        told = True
+        for link in live:
+            told = link.channel.close(notify_peer=not force, timeout=timeout) and told
+        if live:
+            self._log.info(
+                "link.unlinked", remote_cluster_id=remote_id, force=force, peer_told=told
+            )
         if not force and not told:
-            return LLMStatusCode.LLM_NOTIFY_PROMPT_UNLINK_FAILED
-        return LLMStatusCode.LLM_SUCCESS
+            return _failure(
+                _S.LLM_NOTIFY_PROMPT_UNLINK_FAILED,
+                f"cluster {remote_id} could not be told of the unlink: call unlink_clusters "
+                "on it to clean up",
+            )
+        return None
 
     def drop(self, cluster_id: int, timeout: float) -> bool:
-        """Remove the link to ``cluster_id`` at both ends; False when there was none."""
-        with self._lock:
-            link = self._links.pop(cluster_id, None)
-        if link is None:
-            return False
-        _close_peer_memory(link)
-        told = link.channel.close(notify_peer=True, timeout=timeout)
-        self._log.info("link.unlinked", remote_cluster_id=cluster_id, peer_told=told)
-        return True
+        """Remove every link to ``cluster_id`` at both ends; False when there was none."""
+        taken = self._take(cluster_id, own_only=False)
+        for entry in taken:
+            if isinstance(entry, Link):
+                told = entry.channel.close(notify_peer=True, timeout=timeout)
+                self._log.info("link.unlinked", remote_cluster_id=cluster_id, peer_told=told)
+        return bool(taken)
 
     def close(self, timeout: float = 1.0) -> None:
         """Stop listening and drop every link, telling peers (finalize)."""
         self.stop_listening()
         with self._lock:
-            links, self._links = list(self._links.values()), {}
-        for link in links:
-            _close_peer_memory(link)
-            link.channel.close(notify_peer=True, timeout=timeout)
+            entries, self._entries = list(self._entries.values()), {}
+        for entry in entries:
+            _close_peer_memory(entry)
+            if isinstance(entry, Link):
+                entry.channel.close(notify_peer=True, timeout=timeout)

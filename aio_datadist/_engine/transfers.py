@@ -47,7 +47,6 @@ from aio_datadist.status import (
     LLMException,
     LLMStatusCode,
     LLMTimeoutError,
-    NotYetLinkError,
     ParamInvalidError,
 )
 from aio_datadist.types import (
@@ -337,14 +336,10 @@ class TransferService:
     ) -> Step:
         """A request to ``cluster_id`` over its live link; ``entry`` holds the ``local`` rows.
 
-        :raises LLMException: ``LLM_NOT_YET_LINK`` when there is no link.
+        :raises LLMException: ``LLM_NOT_YET_LINK`` when there is no link, ``LLM_LINK_FAILED``
+            when it closed without this side asking (see ``LinkTable.route``).
         """
-        link = self.links.get(cluster_id)
-        if link is None:
-            raise NotYetLinkError(
-                f"cluster {cluster_id} is not linked: call link_clusters first",
-                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
-            )
+        link = self.links.route(cluster_id)
         peer = link.peer_memory
         if peer is not None and not peer.serves(access.target):
             peer = None

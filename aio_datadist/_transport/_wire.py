@@ -358,6 +358,9 @@ class HelloExtension(IntEnum):
     HOST_PRESENCE = 1
     #: The client's nonce: it has a link secret and starts authentication (``auth``).
     AUTH_NONCE = 2
+    #: The communication domain a client links for (UTF-8 name): a shared rank endpoint
+    #: routes the link by it (``rendezvous``).
+    COMM_NAME = 3
 
 
 _RECORD = struct.Struct("<HH")

@@ -81,6 +81,9 @@ class Hello:
     to_cluster_id: int | None = None
     #: The sender's process and region board, when it offers same-host one-sided access.
     presence: HostPresence | None = None
+    #: The communication domain a connecting side links for (rank-table ``link``): a rank
+    #: endpoint that several domains share hands the link to that domain's member.
+    comm: str | None = None
 
 
 class LinkRefused(Exception):
@@ -141,6 +144,8 @@ class Channel(ABC):
 
     #: The peer's handshake.
     peer: Hello
+    #: The peer's address as this side sees it, for messages ("" when there is none).
+    remote: str = ""
     #: True when both ends proved that they hold the same link secret (``auth``).
     authenticated: bool = False
     #: True when :meth:`pull` moves the payload in the calling thread before it returns
@@ -150,6 +155,11 @@ class Channel(ABC):
     push_in_caller: bool = False
     #: True when :meth:`pull` and :meth:`push` also take :class:`Segments` as the local side.
     streams: bool = False
+
+    @property
+    def close_reason(self) -> str | None:
+        """Why the channel closed, in words that name who closed it (None while open)."""
+        return None
 
     @abstractmethod
     def pull(
@@ -275,6 +285,21 @@ class Transport(ABC):
         A client that fails authentication is refused before ``acceptor`` sees it.
 
         :raises OSError: the address cannot be used (in use, not local).
+        """
+
+    @abstractmethod
+    def listen_shared(
+        self, host: str, port: int, route: tuple[str, int], acceptor: Acceptor, timeout: float
+    ) -> Listener:
+        """Listen on a rank endpoint that the communication domains of this host share.
+
+        Links whose HELLO names ``route`` (domain name, this side's cluster id) reach
+        ``acceptor``; the others reach the domain they name, in this process or another
+        (``rendezvous``). Closing the listener removes the route; the endpoint goes with
+        its last one. ``timeout`` bounds waiting for another process to hand it over.
+
+        :raises LinkRefused: ``LLM_LINK_FAILED``: the address is taken by something else,
+            or the route is taken.
         """
 
     @abstractmethod

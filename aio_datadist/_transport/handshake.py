@@ -29,6 +29,8 @@ def hello_to_wire(hello: Hello, *, auth_nonce: bytes | None = None) -> bytes:
     :raises WireError: a field does not fit.
     """
     extensions = encode_extensions(hello.presence)
+    if hello.comm is not None:
+        extensions += encode_extension_record(HelloExtension.COMM_NAME, hello.comm.encode())
     if auth_nonce is not None:
         extensions += encode_extension_record(HelloExtension.AUTH_NONCE, auth_nonce)
     return encode_hello(
@@ -50,5 +52,11 @@ def hello_from_wire(data: bytes | bytearray) -> tuple[Hello, bytes | None]:
     nonce = records.get(HelloExtension.AUTH_NONCE)
     if nonce is not None and len(nonce) != NONCE_BYTES:
         raise WireError(f"authentication nonce of {len(nonce)} bytes, not {NONCE_BYTES}")
-    hello = Hello(body.cluster_id, role, body.to_cluster_id, presence_from_records(records))
+    comm = records.get(HelloExtension.COMM_NAME)
+    try:
+        comm_name = None if comm is None else comm.decode()
+    except UnicodeDecodeError:
+        raise WireError("communication domain name in hello is not UTF-8") from None
+    presence = presence_from_records(records)
+    hello = Hello(body.cluster_id, role, body.to_cluster_id, presence, comm_name)
     return hello, nonce

@@ -46,8 +46,14 @@ CopyBatch = Callable[[npt.NDArray[np.uint64]], None]
 
 __all__ = ("LoopbackChannel", "LoopbackTransport")
 
+#: Why the other end of a closed channel closed (the same words as over TCP).
+_PEER_UNLINKED = "the peer closed the link (it unlinked or finalized)"
+_PEER_VANISHED = "the peer's end of the link closed without an unlink (it unlinked with force=True)"
+
 _lock = threading.Lock()
 _listeners: dict[tuple[str, int], LoopbackListener] = {}
+#: Shared rank endpoints: their listeners by route (domain name, cluster id).
+_shared: dict[tuple[str, int], dict[tuple[str, int], LoopbackListener]] = {}
 
 
 def _rows(payload: Payload) -> Iov:
@@ -69,12 +75,17 @@ class LoopbackChannel(Channel):
         self.other: LoopbackChannel | None = None
         self._copy = copy
         self._closed = False
+        self._reason: str | None = None
         self._callbacks: list[Callable[[Channel], None]] = []
         self._lock = threading.Lock()
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._reason
 
     def on_close(self, callback: Callable[[Channel], None]) -> None:
         with self._lock:
@@ -83,11 +94,12 @@ class LoopbackChannel(Channel):
                 return
         callback(self)
 
-    def _shut(self) -> list[Callable[[Channel], None]]:
+    def _shut(self, reason: str) -> list[Callable[[Channel], None]]:
         with self._lock:
             if self._closed:
                 return []
             self._closed = True
+            self._reason = reason
             callbacks, self._callbacks = self._callbacks, []
         return callbacks
 
@@ -131,11 +143,12 @@ class LoopbackChannel(Channel):
         return self._request(RequestKind.PUSH, body, _rows(src), nbytes, False)
 
     def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
-        self._shut()
+        self._shut("closed by this side")
         other = self.other
-        if not notify_peer or other is None:
+        if other is None:
             return True
-        for callback in other._shut():
+        # As over a socket, the other end sees the close either way; only its reason differs.
+        for callback in other._shut(_PEER_UNLINKED if notify_peer else _PEER_VANISHED):
             callback(other)
         return True
 
@@ -154,6 +167,12 @@ class LoopbackListener(Listener):
         with _lock:
             if _listeners.get(self.address) is self:
                 del _listeners[self.address]
+            routes = _shared.get(self.address, {})
+            for route, listener in list(routes.items()):
+                if listener is self:
+                    del routes[route]
+            if not routes:
+                _shared.pop(self.address, None)
 
 
 class LoopbackTransport(Transport):
@@ -172,9 +191,28 @@ class LoopbackTransport(Transport):
     def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
         address = (host, port)
         with _lock:
-            if address in _listeners:
+            if address in _listeners or address in _shared:
                 raise OSError(f"loopback address {host}:{port} is already in use")
             listener = _listeners[address] = LoopbackListener(address, acceptor, self.secret)
+        return listener
+
+    def listen_shared(
+        self, host: str, port: int, route: tuple[str, int], acceptor: Acceptor, timeout: float
+    ) -> Listener:
+        address = (host, port)
+        with _lock:
+            if address in _listeners:
+                raise LinkRefused(
+                    LLMStatusCode.LLM_LINK_FAILED, f"loopback address {host}:{port} is in use"
+                )
+            routes = _shared.setdefault(address, {})
+            if route in routes:
+                raise LinkRefused(
+                    LLMStatusCode.LLM_LINK_FAILED,
+                    f"domain {route[0]!r} already listens for cluster {route[1]} at "
+                    f"loopback {host}:{port}",
+                )
+            listener = routes[route] = LoopbackListener(address, acceptor, self.secret)
         return listener
 
     def connect(
@@ -182,14 +220,22 @@ class LoopbackTransport(Transport):
     ) -> Channel:
         with _lock:
             listener = _listeners.get((host, port))
+            routes = _shared.get((host, port))
+            if listener is None and routes is not None:
+                listener = routes.get((hello.comm or "", hello.to_cluster_id or 0))
         if listener is None:
-            raise LinkRefused(
-                LLMStatusCode.LLM_LINK_FAILED, f"nobody listens on loopback {host}:{port}"
+            reason = (
+                f"nothing at loopback {host}:{port} links cluster {hello.to_cluster_id} for "
+                f"domain {hello.comm!r}"
+                if routes is not None
+                else f"nobody listens on loopback {host}:{port}"
             )
+            raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, reason)
         authenticated = self._authenticate(hello, listener)
         client = LoopbackChannel(hello, handler, self._copy)  # peer filled in below
         server = LoopbackChannel(hello, listener.acceptor.handler, self._copy)
         client.other, server.other = server, client
+        client.remote = f"loopback {host}:{port}"
         client.authenticated = server.authenticated = authenticated
         client.peer = listener.acceptor.accept(hello, server)
         return client

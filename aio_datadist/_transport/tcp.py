@@ -120,6 +120,7 @@ from aio_datadist._transport.base import (
 )
 from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
+from aio_datadist._transport.rendezvous import Handoff, RouteKey, share
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("TcpChannel", "TcpListener", "TcpTransport")
@@ -160,6 +161,14 @@ _NO_BODY = (
     FrameKind.PONG,
 )
 _IO_ERRORS = (NetTimeout, PeerClosed, OSError)
+#: Why a link closed, as its channel tells: the peer unlinked (or finalized) and said so...
+_PEER_UNLINKED = "the peer closed the link (it unlinked or finalized)"
+#: ...or its end went away without a word: its process exited or was killed, or it dropped
+#: the link with a forced unlink.
+_PEER_VANISHED = (
+    "the peer's end of the connection closed without an unlink (its process exited or was "
+    "killed, or it unlinked with force=True)"
+)
 _ANSWERS = (FrameKind.PULL_DATA, FrameKind.PUSH_ACK, FrameKind.ERROR)
 _NONE: Iov = np.empty((0, 2), dtype=np.uint64)  # no payload rows
 _PUSH_KIND = struct.pack("<H", FrameKind.PUSH)  # a header's kind field (bytes 6-7)
@@ -498,6 +507,7 @@ class TcpChannel(Channel):
         self._commits: dict[int, _Commit] = {}
         self._callbacks: list[Callable[[Channel], None]] = []
         self._broken = False
+        self._reason: str | None = None  # why it broke, once it has
         self._closing = False  # no new requests
         self._local_close = False  # this end closes: its own on_close callbacks do not run
         self._peer_knows = False  # BYE exchanged (either way)
@@ -530,20 +540,37 @@ class TcpChannel(Channel):
         return f"<TcpChannel {self.remote} cluster={self.peer.cluster_id} {state}>"
 
     def start(self) -> None:
-        """Start the reader and sender threads (once the handshake is done)."""
-        self._reader = threading.Thread(
+        """Start the reader and sender threads (once the handshake is done).
+
+        :raises LinkRefused: ``LLM_LINK_FAILED`` when a thread cannot start; the channel
+            is then broken and its socket closed.
+        """
+        reader = threading.Thread(
             target=self._read_loop, name=f"aio-dd-tcp-read-{self.remote}", daemon=True
         )
-        self._sender = threading.Thread(
+        sender = threading.Thread(
             target=self._send_loop, name=f"aio-dd-tcp-send-{self.remote}", daemon=True
         )
-        self._sender.start()
-        self._reader.start()
+        try:
+            sender.start()
+            self._sender = sender
+            reader.start()
+        except RuntimeError as exc:  # out of threads: nothing of this link may stay
+            reason = f"cannot start the link's threads: {exc}"
+            self._break(reason)
+            self._join(after_s(1.0))
+            self._sock.close()  # the reader that would have closed it never ran
+            raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, reason) from exc
+        self._reader = reader
 
     # -- Channel contract --------------------------------------------------------------------
     @property
     def closed(self) -> bool:
         return self._closing or self._broken
+
+    @property
+    def close_reason(self) -> str | None:
+        return self._reason
 
     def on_close(self, callback: Callable[[Channel], None]) -> None:
         with self._lock:
@@ -844,9 +871,10 @@ class TcpChannel(Channel):
 
     # -- requests: bookkeeping ---------------------------------------------------------------
     def _link_failed(self) -> LLMException:
+        why = f": {self._reason}" if self._reason else ""
         return _error(
             LLMStatusCode.LLM_LINK_FAILED,
-            f"link to cluster {self.peer.cluster_id} at {self.remote} is closed",
+            f"link to cluster {self.peer.cluster_id} at {self.remote} is closed{why}",
         )
 
     def _register(self, req: _Request) -> bool:
@@ -923,6 +951,7 @@ class TcpChannel(Channel):
             if self._broken:
                 return
             self._broken = self._closing = True
+            self._reason = reason
             local = self._local_close
             callbacks, self._callbacks = ([] if local else self._callbacks), []
             pending, self._pending = self._pending, {}
@@ -1303,7 +1332,7 @@ class TcpChannel(Channel):
             self._served = header.kind not in _ANSWERS
             self._dispatch(header)
         except PeerClosed:
-            return "the peer closed the connection"
+            return _PEER_VANISHED
         except NetTimeout:
             return f"the peer stalled mid-frame for {self._stall_s} s"
         except WireError as exc:
@@ -1429,7 +1458,7 @@ class TcpChannel(Channel):
             self._closing = True
             self._peer_knows = True
         self._reader_send(
-            _Send(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break("the peer closed it"))
+            _Send(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break(_PEER_UNLINKED))
         )
 
     # -- serving the peer's requests ---------------------------------------------------------
@@ -1554,24 +1583,45 @@ class _ClientRefused(Exception):
     """The listener refused a client during authentication (and told it why)."""
 
 
+#: Where a listener sends a link, by its HELLO: to an engine of this process (its transport
+#: and acceptor), to another process (a shared endpoint's ``Handoff``), or nowhere (None).
+_Target = tuple["TcpTransport", Acceptor]
+_Router = Callable[[Hello], "_Target | Handoff | None"]
+
+
 class TcpListener(Listener):
-    """A listening TCP socket; every accepted connection is handshaken on its own thread."""
+    """A listening TCP socket; every accepted connection is handshaken on its own thread
+    with the engine its HELLO is routed to.
+
+    Without a socket it only finishes the handshakes of connections handed to it
+    (:meth:`take`), as a shared endpoint's member process does.
+    """
 
     def __init__(
-        self, transport: TcpTransport, sock: socket.socket, host: str, acceptor: Acceptor
+        self,
+        sock: socket.socket | None,
+        address: tuple[str, int],
+        router: _Router,
+        *,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
     ) -> None:
-        self.address = (host, int(sock.getsockname()[1]))
-        self._transport = transport
+        host, port = address
+        self.address = (host, int(sock.getsockname()[1]) if sock is not None else port)
         self._sock = sock
-        self._acceptor = acceptor
+        self._router = router
+        self._handshake_timeout = handshake_timeout
         self._lock = threading.Lock()
         self._closed = False
         self._handshaking: set[socket.socket] = set()
         self._log = get_logger("tcp", listen=f"{host}:{self.address[1]}")
-        self._thread = threading.Thread(
-            target=self._accept_loop, name=f"aio-dd-tcp-accept-{self.address[1]}", daemon=True
-        )
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if sock is not None:
+            self._thread = threading.Thread(
+                target=self._accept_loop,
+                name=f"aio-dd-tcp-accept-{self.address[1]}",
+                daemon=True,
+            )
+            self._thread.start()
 
     def close(self) -> None:
         with self._lock:
@@ -1581,14 +1631,16 @@ class TcpListener(Listener):
             for conn in self._handshaking:  # abort handshakes in progress
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(5.0)
-        self._sock.close()
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
+            if self._thread is not None and threading.current_thread() is not self._thread:
+                self._thread.join(5.0)
+            self._sock.close()
         self._log.info("tcp.listen_closed")
 
     def _accept_loop(self) -> None:
+        assert self._sock is not None
         while not self._closed:
             try:
                 conn, addr = self._sock.accept()
@@ -1599,23 +1651,33 @@ class TcpListener(Listener):
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     time.sleep(0.1)  # out of descriptors or memory: let some go first
                 continue
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                    return
-                self._handshaking.add(conn)
-            remote = f"{addr[0]}:{addr[1]}"
+            self.take(conn, f"{addr[0]}:{addr[1]}", None)
+
+    def take(self, conn: socket.socket, remote: str, hello: bytes | None) -> None:
+        """Handshake ``conn`` on a thread of its own; ``hello``: its HELLO body, when another
+        process read it already."""
+        with self._lock:
+            if self._closed:
+                conn.close()
+                return
+            self._handshaking.add(conn)
+        try:
             threading.Thread(
                 target=self._handshake,
-                args=(conn, remote),
+                args=(conn, remote, hello),
                 name=f"aio-dd-tcp-hello-{remote}",
                 daemon=True,
             ).start()
+        except RuntimeError as exc:  # no thread to be had: this connection goes
+            self._log.warning("tcp.handshake_failed", remote=remote, reason=str(exc))
+            with self._lock:
+                self._handshaking.discard(conn)
+            conn.close()
 
-    def _handshake(self, conn: socket.socket, remote: str) -> None:
+    def _handshake(self, conn: socket.socket, remote: str, hello: bytes | None) -> None:
         handed_over = False
         try:
-            handed_over = self._run_handshake(conn, remote)
+            handed_over = self._run_handshake(conn, remote, hello)
         except _IO_ERRORS as exc:
             self._log.info("tcp.handshake_failed", remote=remote, reason=str(exc))
         except Exception:
@@ -1638,14 +1700,20 @@ class TcpListener(Listener):
                 sock_recv_into(fd, scratch, deadline)
 
     def _authenticate(
-        self, conn: socket.socket, remote: str, hello: bytes, nonce: bytes | None, deadline: int
+        self,
+        transport: TcpTransport,
+        conn: socket.socket,
+        remote: str,
+        hello: bytes,
+        nonce: bytes | None,
+        deadline: int,
     ) -> Transcript | None:
         """Run the listener's half of authentication before the acceptor sees the client.
 
         Returns the transcript the server's proof is bound to, or None when neither end
         has a secret. Raises :class:`_ClientRefused` when the client was refused.
         """
-        secret = self._transport.secret
+        secret = transport.secret
         reason = refusal_reason(client_secret=nonce is not None, server_secret=secret is not None)
         if reason is None and secret is not None and nonce is not None:
             fd = conn.fileno()
@@ -1666,32 +1734,80 @@ class TcpListener(Listener):
         self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, reason)
         raise _ClientRefused
 
-    def _run_handshake(self, conn: socket.socket, remote: str) -> bool:
-        """Handshake one connection; True when a channel took the socket over."""
-        transport = self._transport
-        _tune(conn, transport.sndbuf, transport.rcvbuf)
+    def _read_hello(self, conn: socket.socket, remote: str, deadline: int) -> bytes | None:
+        """The client's HELLO body; None after refusing a connection that sent no HELLO."""
         fd = conn.fileno()
-        deadline = after_s(transport.handshake_timeout)
         raw = _recv_exact(fd, _HEADER_SIZE, deadline)
         try:
             h = decode_header(raw)
             if h.kind is not FrameKind.HELLO or h.payload_len or h.body_len > MAX_HELLO_BODY:
                 raise WireError(f"expected a HELLO frame, got {h.kind.name}")
-            hello = bytes(_recv_exact(fd, h.body_len, deadline))
-            peer, nonce = hello_from_wire(hello)
         except WireError as exc:
             self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
             if raw[:4] == MAGIC:  # one of ours, of another version: tell it why
                 self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}")
-            return False
+            return None
+        return bytes(_recv_exact(fd, h.body_len, deadline))
+
+    def _run_handshake(self, conn: socket.socket, remote: str, hello: bytes | None) -> bool:
+        """Handshake one connection; True when a channel (or another process) took the
+        socket over."""
+        deadline = after_s(self._handshake_timeout)
+        if hello is None:
+            hello = self._read_hello(conn, remote, deadline)
+            if hello is None:
+                return False
         try:
-            transcript = self._authenticate(conn, remote, hello, nonce, deadline)
+            peer, nonce = hello_from_wire(hello)
+        except WireError as exc:
+            self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
+            self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}")
+            return False
+        target = self._router(peer)
+        if target is None:
+            reason = (
+                f"nothing here links cluster {peer.to_cluster_id} for domain {peer.comm!r}"
+                if peer.comm is not None
+                else "this address is a rank endpoint: link_clusters cannot link here"
+            )
+            self._log.info("tcp.link_refused", remote=remote, reason=reason)
+            self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, reason)
+            return False
+        if isinstance(target, Handoff):
+            try:
+                target(conn, remote, hello)
+            except OSError as exc:
+                self._log.info("tcp.handoff_failed", remote=remote, reason=str(exc))
+                self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, "the domain's member is gone")
+            return False  # the other process holds its own copy of the socket
+        transport, acceptor = target
+        return self._serve_handshake(
+            transport, acceptor, conn, remote, hello, peer, nonce, deadline
+        )
+
+    def _serve_handshake(
+        self,
+        transport: TcpTransport,
+        acceptor: Acceptor,
+        conn: socket.socket,
+        remote: str,
+        hello: bytes,
+        peer: Hello,
+        nonce: bytes | None,
+        deadline: int,
+    ) -> bool:
+        """Authenticate, register with ``acceptor`` and answer HELLO_ACK; True when the new
+        channel took the socket over."""
+        _tune(conn, transport.sndbuf, transport.rcvbuf)
+        fd = conn.fileno()
+        try:
+            transcript = self._authenticate(transport, conn, remote, hello, nonce, deadline)
         except _ClientRefused:
             return False
         channel = TcpChannel(
             conn,
             peer,
-            self._acceptor.handler,
+            acceptor.handler,
             remote=remote,
             stall_timeout=transport.stall_timeout,
             busy_poll_us=transport.busy_poll_us,
@@ -1710,7 +1826,7 @@ class TcpListener(Listener):
                     self._handshaking.discard(conn)
             if refusal is None:
                 try:
-                    local = self._acceptor.accept(peer, channel)
+                    local = acceptor.accept(peer, channel)
                 except LinkRefused as exc:
                     refusal = exc
                 except Exception as exc:
@@ -1725,7 +1841,11 @@ class TcpListener(Listener):
                 )
                 self._refuse(conn, refusal.status, str(refusal))
                 return False
-            channel.start()
+            try:
+                channel.start()
+            except LinkRefused as exc:  # the channel broke (its link is a broken link now)
+                self._log.warning("tcp.accept_failed", remote=remote, reason=str(exc))
+                return True
             try:
                 body = hello_to_wire(local)
                 answer = _frame(FrameKind.HELLO_ACK, body_len=len(body)) + body
@@ -1780,7 +1900,11 @@ class TcpTransport(Transport):
         self.sndbuf = sndbuf
         self.rcvbuf = rcvbuf
 
-    def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
+    def _bind(self, host: str, port: int) -> socket.socket:
+        """A socket listening on ``host:port`` (``SO_REUSEADDR``).
+
+        :raises OSError: the address cannot be used.
+        """
         infos = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )
@@ -1793,15 +1917,46 @@ class TcpTransport(Transport):
         except BaseException:
             sock.close()
             raise
-        listener = TcpListener(self, sock, host, acceptor)
-        log = get_logger("tcp", address=f"{host}:{listener.address[1]}")
+        log = get_logger("tcp", address=f"{host}:{sock.getsockname()[1]}")
         log.info("tcp.listening", authenticated=self.secret is not None)
         if self.secret is None and not _is_loopback(str(sock.getsockname()[0])):
             log.warning(
                 "link.unauthenticated",
                 note="no link secret: any host that reaches this address can link",
             )
-        return listener
+        return sock
+
+    def listen(self, host: str, port: int, acceptor: Acceptor) -> Listener:
+        target: _Target = (self, acceptor)
+        return TcpListener(
+            self._bind(host, port),
+            (host, port),
+            lambda _: target,
+            handshake_timeout=self.handshake_timeout,
+        )
+
+    def listen_shared(
+        self, host: str, port: int, route: RouteKey, acceptor: Acceptor, timeout: float
+    ) -> Listener:
+        try:
+            ip = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][4][0]
+        except OSError as exc:
+            raise LinkRefused(
+                LLMStatusCode.LLM_LINK_FAILED, f"cannot resolve {host}: {exc}"
+            ) from exc
+        target: _Target = (self, acceptor)
+
+        def make_listener(sock: socket.socket | None, router: _Router) -> TcpListener:
+            return TcpListener(sock, (host, port), router, handshake_timeout=self.handshake_timeout)
+
+        return share(
+            (str(ip), port),
+            route,
+            target,
+            bind=lambda: self._bind(host, port),
+            make_listener=make_listener,
+            timeout=timeout,
+        )
 
     def connect(
         self, host: str, port: int, hello: Hello, handler: RequestHandler, timeout: float
