@@ -33,6 +33,7 @@ from aio_datadist._memory.pool import PoolStats
 from aio_datadist._native import api
 from aio_datadist._transport.base import Channel
 from aio_datadist.cache import Cache
+from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import LLMException, LLMStatusCode, LLMTimeoutError
 from aio_datadist.task import CacheTask
@@ -623,14 +624,14 @@ class AsyncLLMDataDist(_LoopBound):
 
     async def link_clusters(
         self, clusters: Any, timeout: Any = 3000
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    ) -> tuple[LLMStatusCode, LinkResults]:
         """As ``LLMDataDist.link_clusters``; the handshakes run on a worker thread."""
         self._check_init_loop()
         return await anyio.to_thread.run_sync(self._engine.link_clusters, clusters, timeout)
 
     async def unlink_clusters(
         self, clusters: Any, timeout: Any = 3000, force: Any = False
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    ) -> tuple[LLMStatusCode, LinkResults]:
         """As ``LLMDataDist.unlink_clusters``."""
         self._check_init_loop()
         return await anyio.to_thread.run_sync(

@@ -17,6 +17,7 @@ from aio_datadist._engine.transfers import TransferService
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import PoolStats
 from aio_datadist.cache import Cache
+from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import LLMException, LLMFailedError, LLMStatusCode, ParamInvalidError
 from aio_datadist.task import CacheTask
@@ -292,17 +293,28 @@ class LLMDataDist:
 
     def link_clusters(
         self, clusters: Any, timeout: Any = 3000
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    ) -> tuple[LLMStatusCode, LinkResults]:
         """Link to each listed server (in parallel); returns ``(overall, per_cluster)``.
 
-        Link failures are reported in the result, never raised. ``timeout`` is in ms (> 0).
+        Link failures are reported in the result, never raised: ``per_cluster`` is a
+        :class:`~aio_datadist.cluster.LinkResults` whose ``errors`` say why each failed.
+        ``timeout`` is in ms (> 0).
+
+        :raises TypeError: ``clusters`` is not a list/tuple of ``LLMClusterInfo``.
+        :raises ValueError: ``timeout`` outside int32.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for ``timeout <= 0`` or a cluster
+            without ``remote_cluster_id`` (or local ip, when ``local_comm_res`` is unset).
         """
         return self._engine.link_clusters(clusters, timeout)
 
     def unlink_clusters(
         self, clusters: Any, timeout: Any = 3000, force: Any = False
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
-        """Unlink clusters: gracefully (both ends) or with ``force`` (this end only)."""
+    ) -> tuple[LLMStatusCode, LinkResults]:
+        """Unlink clusters: gracefully (both ends) or with ``force`` (this end only).
+
+        Results as :meth:`link_clusters`. With the hixl backend only this side's link goes,
+        named by ``remote_cluster_id`` alone, and ``force`` is ignored.
+        """
         return self._engine.unlink_clusters(clusters, timeout, force)
 
     def switch_role(self, role: Any, switch_options: Any = None) -> None:

@@ -780,7 +780,7 @@ async def test_peer_finalize_breaks_the_link(make_pair: PairFactory) -> None:
     error = await expect_status(
         S.LLM_LINK_FAILED, pair.decoder.cm.pull_cache(CacheKey(1, req_id=1), cache)
     )
-    assert "cluster 1" in str(error) and "the peer closed the link" in str(error)
+    assert "cluster 1" in str(error) and "the peer finalized" in str(error)
     ret, _ = await pair.decoder.call(pair.decoder.dd.unlink_clusters, [pair.info], 1000, True)
     assert ret == S.LLM_SUCCESS
     await expect_status(

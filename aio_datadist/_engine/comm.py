@@ -29,6 +29,7 @@ memory and destroys the communicator. A library that refuses fails ``link`` with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -240,13 +241,25 @@ class CommDomains:
     ) -> Communicator | None:
         """This rank's communicator of the domain with the engine's memory bound and
         prepared; None when the runtime has none."""
-        fd, path = tempfile.mkstemp(prefix="aio-datadist-rank-table-", suffix=".json")
+        try:
+            fd, path = tempfile.mkstemp(prefix="aio-datadist-rank-table-", suffix=".json")
+        except OSError as exc:
+            raise LinkFailedError(
+                f"communication domain {comm_name!r}: cannot write the rank table: {exc}",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            ) from exc
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(rank_table)
             communicator = self._caches.runtime.open_communicator(path, rank)
+        except OSError as exc:
+            raise LinkFailedError(
+                f"communication domain {comm_name!r}: cannot write the rank table: {exc}",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            ) from exc
         finally:
-            os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if communicator is None:
             return None
         try:

@@ -25,6 +25,7 @@ from aio_datadist._transport import make_transport
 from aio_datadist._transport.base import Hello
 from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist._validate import check_int, check_type
+from aio_datadist.cluster import LinkResults
 from aio_datadist.config import (
     DEFAULT_BUSY_POLL_US,
     DEFAULT_SYNC_KV_TIMEOUT_MS,
@@ -258,9 +259,7 @@ class Engine:
             raise RuntimeError("llm datadist is not initialized")
         return links
 
-    def link_clusters(
-        self, clusters: Any, timeout: Any
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    def link_clusters(self, clusters: Any, timeout: Any) -> tuple[LLMStatusCode, LinkResults]:
         """``link_clusters``: link to servers; per-cluster results, link failures never raise."""
         links = self.link_table()
         settings = self.settings
@@ -271,7 +270,7 @@ class Engine:
 
     def unlink_clusters(
         self, clusters: Any, timeout: Any, force: Any
-    ) -> tuple[LLMStatusCode, list[LLMStatusCode]]:
+    ) -> tuple[LLMStatusCode, LinkResults]:
         """``unlink_clusters``: graceful (both ends) or forced (this end) unlink."""
         links = self.link_table()
         check_type("force", force, bool)

@@ -15,10 +15,12 @@ The table holds, per remote cluster, the link this side made and the link the pe
   ``link_clusters`` makes its own link, so two endpoints may link to each other at once;
   ``unlink_clusters`` drops only this side's link, by ``remote_cluster_id`` alone.
 
-A link that closes without this side asking (the peer unlinked, finalized, died, or the
-connection broke) stays in the table as a :class:`BrokenLink`: transfers to that cluster
-fail with ``LLM_LINK_FAILED`` saying who closed it and when, until the caller unlinks or
-links again. It is not a link: it never blocks a new one, and ``switch_role`` ignores it.
+A link that closes without this side asking (the peer finalized, died, or dropped its end
+with a forced unlink, or the connection broke) stays in the table as a :class:`BrokenLink`:
+transfers to that cluster fail with ``LLM_LINK_FAILED`` saying who closed it and when,
+until the caller unlinks or links again. It is not a link: it never blocks a new one, and
+``switch_role`` ignores it. A peer's graceful unlink removes the link at both ends and
+leaves nothing.
 """
 
 from __future__ import annotations
@@ -363,18 +365,21 @@ class LinkTable:
             )
 
     def _forget(self, channel: Channel) -> None:
-        """A channel closed without this side asking: its link becomes a broken link (or
-        just goes, where another live link to the same cluster stays, and for a peer's own
-        link in a directional table: that one is the peer's business)."""
+        """A channel closed without this side asking: its link becomes a broken link, or
+        just goes when the peer unlinked it (at both ends, as documented), where another
+        live link to the same cluster stays, and for a peer's own link in a directional
+        table (that one is the peer's business)."""
         with self._lock:
             for key, entry in list(self._entries.items()):
                 if not isinstance(entry, Link) or entry.channel is not channel:
                     continue
                 cluster_id = key[0]
                 _close_peer_memory(entry)
-                if self.directional and not entry.initiator:
-                    del self._entries[key]
-                elif not self.directional and self._live(cluster_id) is not None:
+                if (
+                    channel.unlinked_by_peer
+                    or (self.directional and not entry.initiator)
+                    or (not self.directional and self._live(cluster_id) is not None)
+                ):
                     del self._entries[key]
                 else:
                     broken = entry.broken()
@@ -608,4 +613,4 @@ class LinkTable:
         for entry in entries:
             _close_peer_memory(entry)
             if isinstance(entry, Link):
-                entry.channel.close(notify_peer=True, timeout=timeout)
+                entry.channel.close(notify_peer=True, timeout=timeout, finalizing=True)

@@ -161,6 +161,12 @@ class Channel(ABC):
         """Why the channel closed, in words that name who closed it (None while open)."""
         return None
 
+    @property
+    def unlinked_by_peer(self) -> bool:
+        """True once the peer closed it on purpose to remove the link at both ends (a
+        graceful unlink), as opposed to finalizing, failing or dropping only its end."""
+        return False
+
     @abstractmethod
     def pull(
         self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
@@ -223,8 +229,12 @@ class Channel(ABC):
         return
 
     @abstractmethod
-    def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
-        """Close this end. With ``notify_peer`` tell the peer to drop its end too.
+    def close(
+        self, *, notify_peer: bool, timeout: float | None = None, finalizing: bool = False
+    ) -> bool:
+        """Close this end. With ``notify_peer`` tell the peer to drop its end too: as an
+        unlink (its end goes, :attr:`unlinked_by_peer`), or with ``finalizing`` as an engine
+        that goes away (its end fails).
 
         Returns False when the peer could not be told (it is gone or did not answer within
         ``timeout`` seconds); this end is closed either way. Idempotent.

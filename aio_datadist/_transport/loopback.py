@@ -47,7 +47,8 @@ CopyBatch = Callable[[npt.NDArray[np.uint64]], None]
 __all__ = ("LoopbackChannel", "LoopbackTransport")
 
 #: Why the other end of a closed channel closed (the same words as over TCP).
-_PEER_UNLINKED = "the peer closed the link (it unlinked or finalized)"
+_PEER_UNLINKED = "the peer unlinked"
+_PEER_FINALIZED = "the peer finalized"
 _PEER_VANISHED = "the peer's end of the link closed without an unlink (it unlinked with force=True)"
 
 _lock = threading.Lock()
@@ -76,6 +77,7 @@ class LoopbackChannel(Channel):
         self._copy = copy
         self._closed = False
         self._reason: str | None = None
+        self._unlinked = False
         self._callbacks: list[Callable[[Channel], None]] = []
         self._lock = threading.Lock()
 
@@ -87,6 +89,10 @@ class LoopbackChannel(Channel):
     def close_reason(self) -> str | None:
         return self._reason
 
+    @property
+    def unlinked_by_peer(self) -> bool:
+        return self._unlinked
+
     def on_close(self, callback: Callable[[Channel], None]) -> None:
         with self._lock:
             if not self._closed:
@@ -94,12 +100,12 @@ class LoopbackChannel(Channel):
                 return
         callback(self)
 
-    def _shut(self, reason: str) -> list[Callable[[Channel], None]]:
+    def _shut(self, reason: str, *, unlinked: bool = False) -> list[Callable[[Channel], None]]:
         with self._lock:
             if self._closed:
                 return []
             self._closed = True
-            self._reason = reason
+            self._reason, self._unlinked = reason, unlinked
             callbacks, self._callbacks = self._callbacks, []
         return callbacks
 
@@ -142,13 +148,21 @@ class LoopbackChannel(Channel):
     def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
         return self._request(RequestKind.PUSH, body, _rows(src), nbytes, False)
 
-    def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
+    def close(
+        self, *, notify_peer: bool, timeout: float | None = None, finalizing: bool = False
+    ) -> bool:
         self._shut("closed by this side")
         other = self.other
         if other is None:
             return True
         # As over a socket, the other end sees the close either way; only its reason differs.
-        for callback in other._shut(_PEER_UNLINKED if notify_peer else _PEER_VANISHED):
+        if not notify_peer:
+            callbacks = other._shut(_PEER_VANISHED)
+        elif finalizing:
+            callbacks = other._shut(_PEER_FINALIZED)
+        else:
+            callbacks = other._shut(_PEER_UNLINKED, unlinked=True)
+        for callback in callbacks:
             callback(other)
         return True
 

@@ -18,7 +18,9 @@ Frames and what they carry (``rid``: the header's ``request_id``)::
     PULL_DONE  rid of a pull asked with ``commit``; sent once every byte landed
     PUSH       rid, body: the engine's request body, payload_len = nbytes, payload: the bytes
     PUSH_ACK   rid; sent once every byte is in the serving side's memory
-    BYE        the sender closes the link; answered with BYE_ACK, then both ends close
+    BYE        the sender closes the link; answered with BYE_ACK, then both ends close;
+               status 0: an unlink (the link goes at both ends), LLM_ENGINE_FINALIZED: the
+               sender's engine goes away (the link fails at the other end)
     PING/PONG  liveness (answered, never sent by this module)
 
 Threads: each channel has one reader thread (reads headers with no deadline between frames,
@@ -161,8 +163,10 @@ _NO_BODY = (
     FrameKind.PONG,
 )
 _IO_ERRORS = (NetTimeout, PeerClosed, OSError)
-#: Why a link closed, as its channel tells: the peer unlinked (or finalized) and said so...
-_PEER_UNLINKED = "the peer closed the link (it unlinked or finalized)"
+#: Why a link closed, as its channel tells: the peer unlinked or finalized and said so
+#: (BYE, whose header status says which: LLM_SUCCESS or LLM_ENGINE_FINALIZED)...
+_PEER_UNLINKED = "the peer unlinked"
+_PEER_FINALIZED = "the peer finalized"
 #: ...or its end went away without a word: its process exited or was killed, or it dropped
 #: the link with a forced unlink.
 _PEER_VANISHED = (
@@ -508,6 +512,7 @@ class TcpChannel(Channel):
         self._callbacks: list[Callable[[Channel], None]] = []
         self._broken = False
         self._reason: str | None = None  # why it broke, once it has
+        self._unlinked = False  # the peer's BYE was an unlink
         self._closing = False  # no new requests
         self._local_close = False  # this end closes: its own on_close callbacks do not run
         self._peer_knows = False  # BYE exchanged (either way)
@@ -543,7 +548,7 @@ class TcpChannel(Channel):
         """Start the reader and sender threads (once the handshake is done).
 
         :raises LinkRefused: ``LLM_LINK_FAILED`` when a thread cannot start; the channel
-            is then broken and its socket closed.
+            is then broken, and its socket left to the caller (to refuse the peer, close).
         """
         reader = threading.Thread(
             target=self._read_loop, name=f"aio-dd-tcp-read-{self.remote}", daemon=True
@@ -551,17 +556,19 @@ class TcpChannel(Channel):
         sender = threading.Thread(
             target=self._send_loop, name=f"aio-dd-tcp-send-{self.remote}", daemon=True
         )
+        # Known before they run: each thread tells itself apart by these.
+        self._sender, self._reader = sender, reader
         try:
             sender.start()
-            self._sender = sender
             reader.start()
         except RuntimeError as exc:  # out of threads: nothing of this link may stay
+            if not sender.is_alive():
+                self._sender = None
+            self._reader = None
             reason = f"cannot start the link's threads: {exc}"
-            self._break(reason)
+            self._break(reason, shutdown=False)
             self._join(after_s(1.0))
-            self._sock.close()  # the reader that would have closed it never ran
             raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, reason) from exc
-        self._reader = reader
 
     # -- Channel contract --------------------------------------------------------------------
     @property
@@ -571,6 +578,10 @@ class TcpChannel(Channel):
     @property
     def close_reason(self) -> str | None:
         return self._reason
+
+    @property
+    def unlinked_by_peer(self) -> bool:
+        return self._unlinked
 
     def on_close(self, callback: Callable[[Channel], None]) -> None:
         with self._lock:
@@ -804,12 +815,15 @@ class TcpChannel(Channel):
             self._slock.release()
         return None, ""
 
-    def close(self, *, notify_peer: bool, timeout: float | None = None) -> bool:
+    def close(
+        self, *, notify_peer: bool, timeout: float | None = None, finalizing: bool = False
+    ) -> bool:
         """Close this end (see ``Channel.close``); returns once this channel's threads ended
         (within ``timeout``), so nothing of it touches memory afterwards."""
         limit = BYE_TIMEOUT if timeout is None else max(0.0, timeout)
         deadline = after_s(limit)
-        told = self._close(notify_peer, limit, deadline)
+        bye = int(LLMStatusCode.LLM_ENGINE_FINALIZED) if finalizing else 0
+        told = self._close(notify_peer, limit, deadline, bye)
         self._join(deadline)
         self._end_watch()
         return told
@@ -836,7 +850,7 @@ class TcpChannel(Channel):
             if thread is not None and thread is not me and thread.is_alive():
                 thread.join(max(0.0, (deadline_ns - now_ns()) / 1e9))
 
-    def _close(self, notify_peer: bool, limit: float, deadline: int) -> bool:
+    def _close(self, notify_peer: bool, limit: float, deadline: int, bye: int = 0) -> bool:
         with self._lock:
             if self._broken:
                 return self._peer_knows or not notify_peer
@@ -851,7 +865,7 @@ class TcpChannel(Channel):
             if self._slock.acquire(timeout=limit):
                 try:
                     if not self._broken:
-                        sock_send_bytes(self._fd, _frame(FrameKind.BYE), deadline)
+                        sock_send_bytes(self._fd, _frame(FrameKind.BYE, status=bye), deadline)
                         sent = True
                 except _IO_ERRORS as exc:
                     self._log.info("tcp.bye_failed", reason=str(exc))
@@ -945,8 +959,9 @@ class TcpChannel(Channel):
                 req.future.set_exception(req.outcome)
 
     # -- breaking ----------------------------------------------------------------------------
-    def _break(self, reason: str) -> None:
-        """Close this end now: fail pending requests, stop the sender, run on_close callbacks."""
+    def _break(self, reason: str, *, shutdown: bool = True) -> None:
+        """Close this end now: fail pending requests, stop the sender, run on_close callbacks;
+        the socket is shut down (unless ``shutdown`` is False: no reader thread ever ran)."""
         with self._lock:
             if self._broken:
                 return
@@ -957,8 +972,9 @@ class TcpChannel(Channel):
             pending, self._pending = self._pending, {}
             self._commits.clear()
             # Wakes the reader and any sender; the reader closes the descriptor on its way out.
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)
+            if shutdown:
+                with contextlib.suppress(OSError):
+                    self._sock.shutdown(socket.SHUT_RDWR)
         self._bye_wake.set()
         self._park.set()
         with self._qcond:
@@ -1388,7 +1404,7 @@ class TcpChannel(Channel):
         elif kind is FrameKind.PING:
             self._reader_send(_Send(_frame(FrameKind.PONG, rid)))
         elif kind is FrameKind.BYE:
-            self._on_bye()
+            self._on_bye(h.status)
         elif kind is FrameKind.BYE_ACK:
             self._bye_acked = True
             self._bye_wake.set()
@@ -1453,13 +1469,14 @@ class TcpChannel(Channel):
             return
         self._settle(h.request_id, _error(_status(h.status), message))
 
-    def _on_bye(self) -> None:
+    def _on_bye(self, status: int) -> None:
+        finalized = status == LLMStatusCode.LLM_ENGINE_FINALIZED
         with self._lock:
             self._closing = True
             self._peer_knows = True
-        self._reader_send(
-            _Send(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break(_PEER_UNLINKED))
-        )
+            self._unlinked = not finalized
+        reason = _PEER_FINALIZED if finalized else _PEER_UNLINKED
+        self._reader_send(_Send(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break(reason)))
 
     # -- serving the peer's requests ---------------------------------------------------------
     def _serve(self, kind: RequestKind, rid: int, body: bytes, nbytes: int) -> Served | None:
@@ -1845,7 +1862,8 @@ class TcpListener(Listener):
                 channel.start()
             except LinkRefused as exc:  # the channel broke (its link is a broken link now)
                 self._log.warning("tcp.accept_failed", remote=remote, reason=str(exc))
-                return True
+                self._refuse(conn, exc.status, str(exc))
+                return False
             try:
                 body = hello_to_wire(local)
                 answer = _frame(FrameKind.HELLO_ACK, body_len=len(body)) + body
