@@ -1,9 +1,9 @@
 """cffi build script for ``aio_datadist._native._ffi`` (API mode, out-of-line).
 
 The cdef is the region between the ``cdef-begin`` and ``cdef-end`` markers of each header in
-``HEADERS`` (``datadist.h``, then the device-runtime headers), so the headers stay the single
-description of the C surface. Device runtimes are reached through ``dlopen`` at run time:
-nothing here needs CUDA or CANN to build.
+``HEADERS`` (``datadist.h``, the wire format's ``wire.h``, then the device-runtime headers), so
+the headers stay the single description of the C surface. Device runtimes are reached through
+``dlopen`` at run time: nothing here needs CUDA or CANN to build.
 
 setuptools runs this through ``cffi_modules`` in setup.py; ``python build_ffi.py`` builds
 the extension in place for development. Nothing here runs at import time of the package.
@@ -23,8 +23,9 @@ from cffi import FFI  # type: ignore[import-untyped,unused-ignore]
 
 ROOT = Path(__file__).resolve().parent
 NATIVE = Path("aio_datadist") / "_native"
-#: The C surface: the core header, then one header per device runtime (dlopen-based).
-HEADERS = ["datadist.h", "cuda_rt.h", "acl_rt.h"]
+#: The C surface: the core header, the wire format, then one header per device runtime
+#: (dlopen-based).
+HEADERS = ["datadist.h", "wire.h", "cuda_rt.h", "acl_rt.h"]
 #: Every C source of the native layer; names starting with "_" are generated.
 SOURCES = sorted(p.name for p in (ROOT / NATIVE).glob("*.c") if not p.name.startswith("_"))
 

@@ -15,6 +15,9 @@ Segment layout, in payload order:
 Between members of a rank-table domain with a device communicator, an access may carry the
 requester's own rows (``deliver``): the serving side then moves the bytes to or from them
 through the communicator itself, and no payload crosses the link.
+
+The body's layout, flags and targets are ``_native/wire.h``'s (through
+``aio_datadist._native.wire``), which the native serving path reads too.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._native import wire
 from aio_datadist._transport._wire import MAX_PAYLOAD, WireError
 
 __all__ = ("Access", "Target", "decode_access", "encode_access", "encode_blocks_access")
@@ -36,17 +40,22 @@ _EMPTY: U64s = np.empty(0, dtype=np.uint64)
 _EMPTY_ROWS: U64s = np.empty((0, 2), dtype=np.uint64)
 
 #: Most blocks or address rows one request may name.
-MAX_ROWS = 1 << 20
+MAX_ROWS = wire.ACCESS_MAX_ROWS
 
 
 class Target(IntEnum):
     """How an access names the serving side's cache."""
 
-    REQ_KEY = 1  # CacheKey by req_id: ident = req_id
-    PREFIX_KEY = 2  # CacheKey by prefix_id: ident = prefix_id
-    CACHE_INDEX = 3  # CacheKeyByIdAndIndex: ident = cache_id, row = batch_index
-    BLOCKS_KEY = 4  # BlocksCacheKey: ident = model_id
-    ADDRESSES = 5  # raw addresses of registered or allocated memory (TransferConfig)
+    #: CacheKey by req_id: ident = req_id.
+    REQ_KEY = wire.TARGETS["REQ_KEY"]
+    #: CacheKey by prefix_id: ident = prefix_id.
+    PREFIX_KEY = wire.TARGETS["PREFIX_KEY"]
+    #: CacheKeyByIdAndIndex: ident = cache_id, row = batch_index.
+    CACHE_INDEX = wire.TARGETS["CACHE_INDEX"]
+    #: BlocksCacheKey: ident = model_id.
+    BLOCKS_KEY = wire.TARGETS["BLOCKS_KEY"]
+    #: Raw addresses of registered or allocated memory (TransferConfig).
+    ADDRESSES = wire.TARGETS["ADDRESSES"]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -86,11 +95,13 @@ class Access:
         return self.tail_bytes or self.seg_bytes
 
 
-_FIXED = struct.Struct("<BBQQQIIQQQ")
-_COUNTS = struct.Struct("<II")
-_COUNT = struct.Struct("<I")
+_FIXED = wire.ACCESS_FIELDS
+_COUNTS = wire.ACCESS_COUNTS
+_COUNT = wire.ACCESS_NDELIVER
 #: Flag bits of an access.
-_DROP_KEY, _DELIVER = 1, 2
+_DROP_KEY, _DELIVER = wire.ACCESS_DROP_KEY, wire.ACCESS_DELIVER
+#: Bytes of a block id and of an ``(addr, len)`` row.
+_BLOCK, _PAIR = wire.ACCESS_BLOCK_SIZE, wire.ACCESS_PAIR_SIZE
 #: Up to this many blocks, ``struct`` packs a block list faster than numpy.
 _PACKED_BLOCKS = 64
 
@@ -143,16 +154,16 @@ def decode_access(body: bytes | bytearray | memoryview) -> Access:
     :raises WireError: truncated, oversized, trailing bytes or an unknown target.
     """
     view = memoryview(body).cast("B")
-    head = _FIXED.size + 8
+    head = wire.ACCESS_FIXED_SIZE
     if len(view) < head:
         raise WireError(f"access body of {len(view)} bytes is shorter than {head}")
     fields = _FIXED.unpack_from(view)
-    n_blocks, n_rows = struct.unpack_from("<II", view, _FIXED.size)
+    n_blocks, n_rows = _COUNTS.unpack_from(view, _FIXED.size)
     if n_blocks > MAX_ROWS or n_rows > MAX_ROWS:
         raise WireError(f"access names {n_blocks} blocks and {n_rows} rows (limit {MAX_ROWS})")
     if fields[1] > _DROP_KEY | _DELIVER:
         raise WireError(f"bad access flags {fields[1]}")
-    expected = head + 8 * n_blocks + 16 * n_rows
+    expected = head + _BLOCK * n_blocks + _PAIR * n_rows
     n_deliver = 0
     if fields[1] & _DELIVER:
         if len(view) < expected + _COUNT.size:
@@ -160,7 +171,7 @@ def decode_access(body: bytes | bytearray | memoryview) -> Access:
         (n_deliver,) = _COUNT.unpack_from(view, expected)
         if not 0 < n_deliver <= MAX_ROWS:
             raise WireError(f"access names {n_deliver} delivery rows (1 to {MAX_ROWS})")
-        expected += _COUNT.size + 16 * n_deliver
+        expected += _COUNT.size + _PAIR * n_deliver
     if len(view) != expected:
         raise WireError(f"access body has {len(view)} bytes, its counts need {expected}")
     try:
@@ -170,10 +181,10 @@ def decode_access(body: bytes | bytearray | memoryview) -> Access:
     if fields[8] > MAX_PAYLOAD or fields[9] > MAX_PAYLOAD:
         raise WireError(f"access segments of {fields[8]}/{fields[9]} bytes exceed {MAX_PAYLOAD}")
     blocks = np.frombuffer(view, dtype="<u8", count=n_blocks, offset=head).astype(np.uint64)
-    rows = _rows(view, n_rows, head + 8 * n_blocks)
+    rows = _rows(view, n_rows, head + _BLOCK * n_blocks)
     deliver = _EMPTY_ROWS
     if n_deliver:
-        deliver = _rows(view, n_deliver, head + 8 * n_blocks + 16 * n_rows + _COUNT.size)
+        deliver = _rows(view, n_deliver, head + _BLOCK * n_blocks + _PAIR * n_rows + _COUNT.size)
     return Access(
         target,
         ident=fields[2],

@@ -20,6 +20,7 @@
  */
 #define _GNU_SOURCE
 #include "datadist.h"
+#include "wire.h"
 
 #include <errno.h>
 #include <limits.h>
@@ -337,10 +338,6 @@ int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns)
     return wait_ready(fd, POLLIN, deadline_ns);
 }
 
-/* The frame header fields dd_sock_take_answer checks (aio_datadist/_transport/_wire.py). */
-#define FRAME_HEADER 40
-#define FRAME_VERSION 1
-
 int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned kind,
                         uint64_t request_id, const uint64_t *iov, size_t n, uint64_t nbytes,
                         uint64_t *done)
@@ -360,7 +357,7 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
     int64_t spin_end = dd_monotonic_ns() + spin_ns;
     if (deadline_ns > 0 && deadline_ns < spin_end)
         spin_end = deadline_ns;
-    unsigned char h[FRAME_HEADER];
+    uint8_t h[DD_HDR_SIZE];
     /* Poll until bytes are there, then look at them. */
     for (;;) {
         if (spin_ready(fd, POLLIN, spin_end) <= 0)
@@ -374,18 +371,11 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
         if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || r > 0)
             return DD_ANSWER_ELSEWHERE;
     }
-    uint16_t version, got_kind;
-    uint32_t body_len, flags;
-    uint64_t rid, status, payload;
-    memcpy(&version, h + 4, 2);
-    memcpy(&got_kind, h + 6, 2);
-    memcpy(&rid, h + 8, 8);
-    memcpy(&status, h + 16, 8);
-    memcpy(&body_len, h + 24, 4);
-    memcpy(&flags, h + 28, 4);
-    memcpy(&payload, h + 32, 8);
-    if (memcmp(h, "AIDD", 4) != 0 || version != FRAME_VERSION || got_kind != kind ||
-        rid != request_id || status != 0 || body_len != 0 || flags != 0 || payload != nbytes)
+    dd_frame_header f;
+    dd_frame_header_read(h, &f);
+    if (f.magic != DD_WIRE_MAGIC || f.version != DD_WIRE_VERSION || f.kind != kind ||
+        f.request_id != request_id || f.status != 0 || f.body_len != 0 || f.flags != 0 ||
+        f.payload_len != nbytes)
         return DD_ANSWER_ELSEWHERE;
     /* Ours: take the header (all of it is there), then the payload by the deadline. */
     for (;;) {
@@ -397,7 +387,7 @@ int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned k
         if (r == 0 || (r < 0 && (errno == ECONNRESET)))
             return DD_ECLOSED_PEER;
         if (r >= 0)
-            errno = EPROTO; /* the kernel showed 40 bytes, then gave fewer */
+            errno = EPROTO; /* the kernel showed a whole header, then gave fewer bytes */
         return DD_ESYS;
     }
     /* The payload follows the header within microseconds: keep polling for it rather than

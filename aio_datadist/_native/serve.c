@@ -15,8 +15,8 @@
  * transport's general reader, which also answers every refusal: this path never answers
  * an error, so a refusal reads the same whichever path met it.
  *
- * Layouts mirror aio_datadist/_transport/_wire.py (frame header) and
- * aio_datadist/_engine/access.py (access body); the tests check both paths agree.
+ * The frame header and access layouts are wire.h's, which the Python path reads too; the
+ * tests check both paths agree.
  *
  * Memory in use is pinned: dd_serve_table_set() waits until no transfer uses a cache it
  * drops, so a cache unregistered meanwhile keeps its memory until its bytes moved. An
@@ -25,6 +25,7 @@
  */
 #define _GNU_SOURCE
 #include "datadist.h"
+#include "wire.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -36,47 +37,21 @@
 #include <sys/uio.h>
 #include <time.h>
 
-/* ---- wire layout (little-endian) ---- */
-#define HDR_SIZE 40
-#define PROTOCOL_VERSION 1
-#define KIND_PULL 16
-#define KIND_PULL_DATA 17
-#define KIND_PUSH 19
-#define KIND_PUSH_ACK 20
-/* PULL body: u64 payload bytes, then the access; PUSH body: the access. The access is
- * <BBQQQIIQQQ, then <II counts, then the block ids. */
-#define PULL_FIXED 8
-#define ACCESS_FIXED 66
-#define TARGET_BLOCKS_KEY 4
-/* Largest frame looked at: header, fixed body and up to PEEK_BLOCKS block ids. */
+/* Largest frame looked at: header, a PULL's byte count, the access's fixed part and up to
+ * PEEK_BLOCKS block ids. */
 #define PEEK_BLOCKS 496
-#define PEEK_MAX (HDR_SIZE + PULL_FIXED + ACCESS_FIXED + 8 * PEEK_BLOCKS)
+#define PEEK_MAX                                                                              \
+    (DD_HDR_SIZE + DD_PULL_NBYTES_SIZE + DD_ACCESS_FIXED_SIZE + DD_ACCESS_BLOCK_SIZE * PEEK_BLOCKS)
 /* Largest push whose payload still arriving is busy-polled for. */
 #define PUSH_SPIN_MAX (256u << 10)
 /* Payload rows of one answer: one sendmsg carries them with the header (IOV_MAX 1024). */
 #define ROWS_MAX 1023
-
-static const unsigned char MAGIC[4] = {'A', 'I', 'D', 'D'};
 
 static uint64_t rd64(const unsigned char *p)
 {
     uint64_t v;
     memcpy(&v, p, 8);
     return v; /* the native layer builds for little-endian hosts only (x86-64, aarch64) */
-}
-
-static uint32_t rd32(const unsigned char *p)
-{
-    uint32_t v;
-    memcpy(&v, p, 4);
-    return v;
-}
-
-static uint16_t rd16(const unsigned char *p)
-{
-    uint16_t v;
-    memcpy(&v, p, 2);
-    return v;
 }
 
 /* ---- the table ---- */
@@ -325,11 +300,11 @@ static entry_t *pin(dd_serve_table *t, uint64_t ident)
 
 /* The rows of an access over e, into rows (pairs); their count, or 0 when the access is not
  * one this path serves (Python then refuses or serves it). */
-static size_t access_rows(const entry_t *e, const unsigned char *acc, uint32_t nblocks,
+static size_t access_rows(const entry_t *e, const dd_access_head *a, const unsigned char *ids,
                           uint64_t nbytes, uint64_t *rows, size_t cap)
 {
-    uint32_t start = rd32(acc + 26), count = rd32(acc + 30);
-    uint64_t seg = rd64(acc + 42), tail = rd64(acc + 50);
+    uint32_t start = a->tensor_start, count = a->tensor_count, nblocks = a->nblocks;
+    uint64_t seg = a->seg_bytes, tail = a->tail_bytes;
     uint64_t last = tail ? tail : seg;
     if (count == 0 || (uint64_t)start + count > e->ntensors)
         return 0;
@@ -337,9 +312,8 @@ static size_t access_rows(const entry_t *e, const unsigned char *acc, uint32_t n
         return 0;
     if ((uint64_t)count * nblocks > cap)
         return 0;
-    const unsigned char *ids = acc + ACCESS_FIXED;
     for (uint32_t b = 0; b < nblocks; b++)
-        if (rd64(ids + 8 * (size_t)b) >= e->num_rows)
+        if (rd64(ids + DD_ACCESS_BLOCK_SIZE * (size_t)b) >= e->num_rows)
             return 0;
     /* Bounded above: count * nblocks <= cap rows of at most row_bytes each. */
     if (count * ((uint64_t)(nblocks - 1) * seg + last) != nbytes)
@@ -348,7 +322,7 @@ static size_t access_rows(const entry_t *e, const unsigned char *acc, uint32_t n
     for (uint64_t t = start; t < (uint64_t)start + count; t++) {
         uint64_t base = e->addrs[t];
         for (uint32_t b = 0; b < nblocks; b++) {
-            rows[2 * k] = base + rd64(ids + 8 * (size_t)b) * e->row_bytes;
+            rows[2 * k] = base + rd64(ids + DD_ACCESS_BLOCK_SIZE * (size_t)b) * e->row_bytes;
             rows[2 * k + 1] = b + 1 == nblocks ? last : seg;
             k++;
         }
@@ -423,13 +397,12 @@ static int give(int fd, struct iovec *v, size_t n, uint64_t *sent)
 
 static void put_header(unsigned char *hdr, uint16_t kind, uint64_t rid, uint64_t payload)
 {
-    uint16_t version = PROTOCOL_VERSION;
-    memset(hdr, 0, HDR_SIZE);
-    memcpy(hdr, MAGIC, 4);
-    memcpy(hdr + 4, &version, 2);
-    memcpy(hdr + 6, &kind, 2);
-    memcpy(hdr + 8, &rid, 8);
-    memcpy(hdr + 32, &payload, 8);
+    dd_frame_header h = {.magic = DD_WIRE_MAGIC,
+                         .version = DD_WIRE_VERSION,
+                         .kind = kind,
+                         .request_id = rid,
+                         .payload_len = payload};
+    dd_frame_header_write(hdr, &h);
 }
 
 /* iovecs over the payload rows, after slot 0 (kept for a header). */
@@ -481,19 +454,21 @@ int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spi
         if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
             return DD_OK; /* nothing waiting */
         out->pending = 1; /* from here on, every stop leaves something for the reader */
-        if (r < HDR_SIZE)
+        if (r < DD_HDR_SIZE)
             return DD_OK; /* an error, EOF or a partial header: the reader reports it */
-        uint16_t kind = rd16(buf + 6);
-        uint32_t body_len = rd32(buf + 24);
-        uint64_t payload = rd64(buf + 32);
-        int push = kind == KIND_PUSH;
-        size_t fixed = push ? 0 : PULL_FIXED; /* a pull's body starts with its byte count */
-        if (memcmp(buf, MAGIC, 4) != 0 || rd16(buf + 4) != PROTOCOL_VERSION ||
-            (kind != KIND_PULL && !push) || rd64(buf + 16) != 0 || rd32(buf + 28) != 0 ||
-            body_len < fixed + ACCESS_FIXED || body_len > (size_t)r - HDR_SIZE)
+        dd_frame_header h;
+        dd_frame_header_read(buf, &h);
+        uint32_t body_len = h.body_len;
+        uint64_t payload = h.payload_len;
+        int push = h.kind == DD_FRAME_PUSH;
+        /* A pull's body starts with its byte count. */
+        size_t fixed = push ? 0 : DD_PULL_NBYTES_SIZE;
+        if (h.magic != DD_WIRE_MAGIC || h.version != DD_WIRE_VERSION ||
+            (h.kind != DD_FRAME_PULL && !push) || h.status != 0 || h.flags != 0 ||
+            body_len < fixed + DD_ACCESS_FIXED_SIZE || body_len > (size_t)r - DD_HDR_SIZE)
             return DD_OK;
-        uint64_t nbytes = push ? payload : rd64(buf + HDR_SIZE);
-        uint64_t frame = HDR_SIZE + (uint64_t)body_len;
+        uint64_t nbytes = push ? payload : rd64(buf + DD_HDR_SIZE + DD_PULL_NBYTES_OFF);
+        uint64_t frame = DD_HDR_SIZE + (uint64_t)body_len;
         if ((!push && payload != 0) || nbytes == 0 || nbytes > max_bytes)
             return DD_OK;
         /* A push is taken only once all of it has arrived: the rest of a small one in
@@ -501,20 +476,21 @@ int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spi
          * slept for; a large one may not fit the socket's buffer at all. */
         if (push && !arrived(fd, frame + nbytes, nbytes <= PUSH_SPIN_MAX ? spin_ns : 0))
             return DD_OK;
-        const unsigned char *acc = buf + HDR_SIZE + fixed;
-        uint32_t nblocks = rd32(acc + 58), nrows = rd32(acc + 62);
-        if (acc[0] != TARGET_BLOCKS_KEY || acc[1] != 0 || nrows != 0 || nblocks == 0 ||
-            body_len != fixed + ACCESS_FIXED + 8 * (uint64_t)nblocks)
+        const unsigned char *acc = buf + DD_HDR_SIZE + fixed;
+        dd_access_head a;
+        dd_access_head_read(acc, &a);
+        if (a.target != DD_TARGET_BLOCKS_KEY || a.flags != 0 || a.nrows != 0 || a.nblocks == 0 ||
+            body_len != fixed + DD_ACCESS_FIXED_SIZE + DD_ACCESS_BLOCK_SIZE * (uint64_t)a.nblocks)
             return DD_OK;
-        entry_t *e = pin(t, rd64(acc + 2));
+        entry_t *e = pin(t, a.ident);
         if (e == NULL)
             return DD_OK;
-        size_t k = access_rows(e, acc, nblocks, nbytes, rows, cap);
+        size_t k = access_rows(e, &a, acc + DD_ACCESS_FIXED_SIZE, nbytes, rows, cap);
         if (k == 0) {
             dd_serve_unpin(t, e);
             return DD_OK;
         }
-        uint64_t rid = rd64(buf + 8);
+        uint64_t rid = h.request_id;
         out->pending = 0;
         out->request_id = rid;
         /* Take the request: its frame, and a push's payload straight into the cache. */
@@ -534,11 +510,11 @@ int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spi
             return rc;
         }
         /* Answer: PULL_DATA with the rows, or PUSH_ACK. */
-        unsigned char hdr[HDR_SIZE];
-        uint16_t answer = push ? KIND_PUSH_ACK : KIND_PULL_DATA;
+        unsigned char hdr[DD_HDR_SIZE];
+        uint16_t answer = push ? DD_FRAME_PUSH_ACK : DD_FRAME_PULL_DATA;
         put_header(hdr, answer, rid, push ? 0 : nbytes);
         v[0].iov_base = hdr;
-        v[0].iov_len = HDR_SIZE;
+        v[0].iov_len = DD_HDR_SIZE;
         n = 1;
         if (!push) {
             rows_to_iov(v, rows, k);

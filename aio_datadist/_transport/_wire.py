@@ -1,18 +1,15 @@
 """The wire format: a fixed frame header, bounded body codecs, and their limits. Pure functions.
 
-Every frame is a 40-byte little-endian header, then ``body_len`` bytes of control body, then
-``payload_len`` bytes of bulk payload (KV bytes, streamed straight to or from registered
-memory, never through Python objects)::
+Every frame is a little-endian header (:data:`HEADER`), then ``body_len`` bytes of control
+body, then ``payload_len`` bytes of bulk payload (KV bytes, streamed straight to or from
+registered memory, never through Python objects). The header's fields, in order: magic
+(:data:`MAGIC`), version (:data:`PROTOCOL_VERSION`), kind (:class:`FrameKind`), request_id
+(pairs a response with its request; 0: none), status (int64 LLMStatusCode of a response; 0 in
+requests), body_len (<= :data:`MAX_BODY`), flags (per-kind bits), payload_len
+(<= :data:`MAX_PAYLOAD`).
 
-    offset size field
-    0      4    magic        b"AIDD"
-    4      2    version      PROTOCOL_VERSION
-    6      2    kind         FrameKind
-    8      8    request_id   pairs a response with its request (0: none)
-    16     8    status       int64 LLMStatusCode of a response (0 in requests)
-    24     4    body_len     <= MAX_BODY
-    28     4    flags        per-kind bits
-    32     8    payload_len  <= MAX_PAYLOAD
+Every offset, size, kind and limit comes from ``_native/wire.h`` (through
+``aio_datadist._native.wire``), which the native serving and answer paths include too.
 
 Decoders never read past what they were given and reject malformed, truncated or oversized
 input with :class:`WireError`, so one bad frame costs one error, never a crash or a hang.
@@ -24,14 +21,18 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+from aio_datadist._native import wire
+
 __all__ = (
     "HEADER",
+    "HEADER_KIND",
     "MAGIC",
     "MAX_BODY",
     "MAX_ERROR_TEXT",
     "MAX_HELLO_BODY",
     "MAX_PAYLOAD",
     "PROTOCOL_VERSION",
+    "PULL_NBYTES",
     "BodyReader",
     "BodyWriter",
     "FrameHeader",
@@ -50,13 +51,17 @@ __all__ = (
     "pack_header",
 )
 
-MAGIC = b"AIDD"
-PROTOCOL_VERSION = 1
-HEADER = struct.Struct("<4sHHQqIIQ")
+MAGIC = wire.MAGIC
+PROTOCOL_VERSION = wire.VERSION
+HEADER = wire.HEADER
+#: Where a header's kind field lies (bytes of :data:`HEADER`).
+HEADER_KIND = wire.HEADER_KIND
+#: A PULL body's prefix: the payload bytes the requester expects; the access follows.
+PULL_NBYTES = wire.PULL_NBYTES
 #: Largest control body: block lists of a large batch fit many times over.
-MAX_BODY = 1 << 24
+MAX_BODY = wire.MAX_BODY
 #: Largest bulk payload of one frame (1 TiB); each request bounds it further.
-MAX_PAYLOAD = 1 << 40
+MAX_PAYLOAD = wire.MAX_PAYLOAD
 #: Largest array or string count a body may announce.
 MAX_ITEMS = MAX_BODY // 8
 
@@ -68,19 +73,19 @@ class WireError(ValueError):
 class FrameKind(IntEnum):
     """What a frame carries."""
 
-    HELLO = 1
-    HELLO_ACK = 2
-    BYE = 3
-    BYE_ACK = 4
-    PING = 5
-    PONG = 6
-    AUTH = 7
-    PULL = 16
-    PULL_DATA = 17
-    PULL_DONE = 18
-    PUSH = 19
-    PUSH_ACK = 20
-    ERROR = 31
+    HELLO = wire.FRAME_KINDS["HELLO"]
+    HELLO_ACK = wire.FRAME_KINDS["HELLO_ACK"]
+    BYE = wire.FRAME_KINDS["BYE"]
+    BYE_ACK = wire.FRAME_KINDS["BYE_ACK"]
+    PING = wire.FRAME_KINDS["PING"]
+    PONG = wire.FRAME_KINDS["PONG"]
+    AUTH = wire.FRAME_KINDS["AUTH"]
+    PULL = wire.FRAME_KINDS["PULL"]
+    PULL_DATA = wire.FRAME_KINDS["PULL_DATA"]
+    PULL_DONE = wire.FRAME_KINDS["PULL_DONE"]
+    PUSH = wire.FRAME_KINDS["PUSH"]
+    PUSH_ACK = wire.FRAME_KINDS["PUSH_ACK"]
+    ERROR = wire.FRAME_KINDS["ERROR"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +102,7 @@ class FrameHeader:
 
 
 def encode_header(header: FrameHeader) -> bytes:
-    """The 40 header bytes of ``header``.
+    """The :data:`HEADER` bytes of ``header``.
 
     :raises WireError: a field is outside its range or a length over its limit.
     """
@@ -122,7 +127,7 @@ def pack_header(
     flags: int = 0,
     version: int = PROTOCOL_VERSION,
 ) -> bytes:
-    """The 40 header bytes of a frame, from its fields (no :class:`FrameHeader` needed).
+    """The :data:`HEADER` bytes of a frame, from its fields (no :class:`FrameHeader` needed).
 
     :raises WireError: a field is outside its range or a length over its limit.
     """
@@ -147,7 +152,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     if magic != MAGIC:
         raise WireError(f"bad magic {bytes(magic)!r}: not an aio_datadist peer")
     if version != PROTOCOL_VERSION:
-        raise WireError(f"protocol version {version} is not supported (this side speaks 1)")
+        raise WireError(
+            f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
     try:
         frame_kind = FrameKind(kind)
     except ValueError:
@@ -297,7 +304,7 @@ class BodyReader:
 
 
 #: Largest HELLO/HELLO_ACK body a peer may send.
-MAX_HELLO_BODY = 1 << 16
+MAX_HELLO_BODY = wire.MAX_HELLO_BODY
 
 
 @dataclass(frozen=True, slots=True)
@@ -355,12 +362,12 @@ class HelloExtension(IntEnum):
     """Record types of the HELLO extension blob; readers skip types they do not know."""
 
     #: Same-host identity and region board (``samehost.HostPresence``).
-    HOST_PRESENCE = 1
+    HOST_PRESENCE = wire.HELLO_EXTENSIONS["HOST_PRESENCE"]
     #: The client's nonce: it has a link secret and starts authentication (``auth``).
-    AUTH_NONCE = 2
+    AUTH_NONCE = wire.HELLO_EXTENSIONS["AUTH_NONCE"]
     #: The communication domain a client links for (UTF-8 name): a shared rank endpoint
     #: routes the link by it (``rendezvous``).
-    COMM_NAME = 3
+    COMM_NAME = wire.HELLO_EXTENSIONS["COMM_NAME"]
 
 
 _RECORD = struct.Struct("<HH")
@@ -396,7 +403,7 @@ def decode_extension_records(blob: bytes | bytearray | memoryview) -> dict[int, 
 
 
 #: Longest ERROR message a sender puts on the wire, in bytes.
-MAX_ERROR_TEXT = 4096
+MAX_ERROR_TEXT = wire.MAX_ERROR_TEXT
 
 
 def encode_error_text(message: str) -> bytes:

@@ -1,6 +1,6 @@
 """The TCP transport: links between engines in different processes or on different hosts.
 
-Every frame is the 40-byte header of ``_wire``, its control body, then its bulk payload,
+Every frame is the fixed header of ``_wire``, its control body, then its bulk payload,
 which moves with one scatter-gather native call straight from or into the memory rows of
 the request (no copy through Python objects; the GIL is released while bytes move).
 
@@ -84,9 +84,11 @@ from aio_datadist._native.serve import ServeTable, ServeWorker
 from aio_datadist._transport import DEFAULT_BUSY_POLL_US
 from aio_datadist._transport._wire import (
     HEADER,
+    HEADER_KIND,
     MAGIC,
     MAX_HELLO_BODY,
     MAX_PAYLOAD,
+    PULL_NBYTES,
     FrameHeader,
     FrameKind,
     WireError,
@@ -150,7 +152,6 @@ _SCRATCH = 1 << 20
 #: Seconds a refused handshake waits for the client to close before dropping it.
 _LINGER_S = 1.0
 
-_U64 = struct.Struct("<Q")
 _HEADER_SIZE = HEADER.size
 _NO_PAYLOAD = (FrameKind.PULL, FrameKind.PULL_DONE, FrameKind.PUSH_ACK, FrameKind.ERROR)
 _NO_BODY = (
@@ -175,7 +176,7 @@ _PEER_VANISHED = (
 )
 _ANSWERS = (FrameKind.PULL_DATA, FrameKind.PUSH_ACK, FrameKind.ERROR)
 _NONE: Iov = np.empty((0, 2), dtype=np.uint64)  # no payload rows
-_PUSH_KIND = struct.pack("<H", FrameKind.PUSH)  # a header's kind field (bytes 6-7)
+_PUSH_KIND = pack_header(FrameKind.PUSH)[HEADER_KIND]  # a header's kind field
 
 
 def _error(status: LLMStatusCode, message: str) -> LLMException:
@@ -214,7 +215,8 @@ def _request_ctl(kind: RequestKind, rid: int, body: bytes, nbytes: int) -> bytes
     """The control bytes of a request frame: its header and body (a pull's body starts with
     the payload size it asks for; a push's payload follows the body)."""
     if kind is RequestKind.PULL:
-        return _frame(FrameKind.PULL, rid, body_len=8 + len(body)) + _U64.pack(nbytes) + body
+        head = _frame(FrameKind.PULL, rid, body_len=PULL_NBYTES.size + len(body))
+        return head + PULL_NBYTES.pack(nbytes) + body
     return _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes) + body
 
 
@@ -1325,10 +1327,10 @@ class TcpChannel(Channel):
         """True when the next frame is a push of the peer's: its payload takes as long as
         the peer does, so the reader thread receives it, not a caller with a deadline."""
         try:
-            head = self._sock.recv(8, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            head = self._sock.recv(HEADER_KIND.stop, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except OSError:  # nothing there after all, or the socket failed: _read_frame says
             return False
-        return head[6:8] == _PUSH_KIND
+        return head[HEADER_KIND] == _PUSH_KIND
 
     def _unpark(self) -> None:
         """Send the reader thread back to the socket at once."""
@@ -1518,15 +1520,15 @@ class TcpChannel(Channel):
             self._log.warning("tcp.commit_failed", exc_info=True)
 
     def _on_pull(self, h: FrameHeader, body: bytearray) -> None:
-        if len(body) < 8:
+        if len(body) < PULL_NBYTES.size:
             raise WireError("PULL body lacks its byte count")
-        nbytes = int(_U64.unpack_from(body)[0])
+        nbytes = int(PULL_NBYTES.unpack_from(body)[0])
         rid = h.request_id
         if nbytes > MAX_PAYLOAD:  # the frame itself was whole: refuse the request only
             message = f"a pull of {nbytes} bytes exceeds {MAX_PAYLOAD}"
             self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, message)
             return
-        served = self._serve(RequestKind.PULL, rid, bytes(body[8:]), nbytes)
+        served = self._serve(RequestKind.PULL, rid, bytes(body[PULL_NBYTES.size :]), nbytes)
         if served is None:
             return
         commit: _Commit | None = None
