@@ -1,15 +1,18 @@
 """The async facade: ``AsyncLLMDataDist`` and ``AsyncCacheManager``, awaited from asyncio.
 
 Same names, arguments, results and errors as the blocking API, as coroutines. Both faces run
-the same engine code; this one executes small copies inline on the loop and large ones on a
-worker thread, and waits for busy memory without blocking the loop.
+the same engine code: a transfer call is the engine's generator (``_engine.driver``), which
+:class:`_Driver` runs on the event loop. It goes inline as far as it can (starts of small
+payloads, requests already complete), runs large payloads moved in the caller on a worker
+thread, and awaits the rest with the loop watching the link (it may read small answers
+itself). Local copies run inline when small and on a worker thread when large.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine
 from concurrent.futures import Future
 from functools import partial
 from types import TracebackType
@@ -18,24 +21,31 @@ from typing import Any
 import anyio.to_thread
 
 from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.driver import (
+    Call,
+    Start,
+    Synchronize,
+    TaskCancelled,
+    Wait,
+    run_call,
+    run_layers,
+    settle,
+)
 from aio_datadist._engine.engine import Engine
-from aio_datadist._engine.layerwise import LayerJob, plan_layer_job
+from aio_datadist._engine.layerwise import plan_layer_job
+from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.offload import INLINE_BYTES, run_native
 from aio_datadist._engine.plan import CopyPlan
-from aio_datadist._engine.transfers import (
-    GRACE_S,
-    BlocksCall,
-    Step,
-    TransferPlan,
-    TransferService,
-)
+from aio_datadist._engine.planner import Planner
+from aio_datadist._engine.request import GRACE_S, Completion, Plan
+from aio_datadist._engine.routes import Waiting
 from aio_datadist._memory.pool import PoolStats
 from aio_datadist._native import api
-from aio_datadist._transport.base import Channel
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
-from aio_datadist.status import LLMException, LLMStatusCode, LLMTimeoutError
+from aio_datadist.status import LLMStatusCode, LLMTimeoutError
+from aio_datadist.synchronizer import LayerSynchronizer, is_async_synchronizer
 from aio_datadist.task import CacheTask
 
 __all__ = ("AsyncLLMDataDist", "AsyncCacheManager")
@@ -64,20 +74,6 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def _watch(steps: Iterable[Step]) -> Callable[[], None]:
-    """Let the running loop read the answers of ``steps`` sent over links (see
-    ``Channel.watch``) until the returned call."""
-    loop = asyncio.get_running_loop()
-    channels = {step.channel: None for step in steps if step.peer is None}
-    ends = [end for channel in channels if (end := channel.watch(loop)) is not None]
-
-    def unwatch() -> None:
-        for end in ends:
-            end()
-
-    return unwatch
 
 
 def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
@@ -117,32 +113,134 @@ async def _wait(future: Future[None], deadline_ns: int) -> None:
     future.result()
 
 
-async def _await_request(channel: Channel, future: Future[None], deadline_ns: int) -> None:
-    """Await one request over ``channel`` with the loop watching the link; a cancelled
-    caller still waits until nothing writes its memory."""
-    unwatch = channel.watch(asyncio.get_running_loop())
+async def _await(completion: Completion) -> None:
+    """Await a started request, with the loop watching its link while it waits."""
+    channel = completion.channel
+    unwatch = None if channel is None else channel.watch(asyncio.get_running_loop())
     try:
-        await _wait(future, deadline_ns)
-    except asyncio.CancelledError:
-        await _drain([future], deadline_ns)
-        raise
+        await _wait(completion.future, completion.deadline_ns)
     finally:
         if unwatch is not None:
             unwatch()
 
 
-async def _drain(futures: list[Future[None]], deadline_ns: int) -> None:
+async def _drain(started: list[Completion]) -> None:
     """Wait, through further cancellations, until every request has ended or timed out.
 
     A cancelled transfer still owns the caller's memory while its requests run (a pull's
     answer lands in the destination); the cancellation goes through once nothing writes it.
     """
     settled = asyncio.ensure_future(
-        asyncio.gather(*(_wait(f, deadline_ns) for f in futures), return_exceptions=True)
+        asyncio.gather(
+            *(_wait(c.future, c.deadline_ns) for c in started if not c.done()),
+            return_exceptions=True,
+        )
     )
     while not settled.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(settled)
+
+
+class _Driver:
+    """Runs one call of the engine (``_engine.driver``) on the event loop.
+
+    :meth:`advance` goes as far as the call can without waiting: starts whose payload is
+    small or not moved in the caller, and waits for requests already complete. :meth:`finish`
+    awaits the rest. A cancelled awaiting task cancels nothing already started: it waits
+    until those requests ended, then lets the cancellation through.
+    """
+
+    def __init__(
+        self,
+        call: Call,
+        synchronizer: LayerSynchronizer | None = None,
+        cancelled: asyncio.Event | None = None,
+    ) -> None:
+        self._call = call
+        self._synchronizer = synchronizer
+        self._cancelled = cancelled
+        self._reply: Any = None
+        self._error: Exception | None = None
+        self._op: Start | Wait | Synchronize | None = None
+        self._started: list[Completion] = []
+        #: True once the call ended.
+        self.done = False
+
+    def _next(self) -> Start | Wait | Synchronize | None:
+        reply, error = self._reply, self._error
+        self._reply, self._error = None, None
+        try:
+            return self._call.send(reply) if error is None else self._call.throw(error)
+        except StopIteration:
+            self.done = True
+            return None
+
+    def _begun(self, completion: Completion) -> None:
+        self._started.append(completion)
+        self._reply = completion
+
+    def advance(self) -> None:
+        """Run the call inline until it needs to wait (or ends)."""
+        while self._op is None:
+            op = self._next()
+            if op is None:
+                return
+            if isinstance(op, Start) and not (op.in_caller and op.nbytes > INLINE_BYTES):
+                self._begun(op.begin())
+            elif isinstance(op, Wait) and op.completion.done():
+                self._error = op.completion.exception()  # type: ignore[assignment]
+            else:
+                self._op = op
+
+    async def finish(self) -> None:
+        """Run the call to its end on the loop."""
+        try:
+            while True:
+                self.advance()
+                op, self._op = self._op, None
+                if op is None:
+                    return
+                try:
+                    if isinstance(op, Start):
+                        self._begun(await run_native(op.begin, nbytes=op.nbytes))
+                    elif isinstance(op, Wait):
+                        await _await(op.completion)
+                    else:
+                        self._reply = await self._synchronize(op.layer)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    self._error = exc
+        except asyncio.CancelledError:
+            self._call.close()
+            await _drain(self._started)
+            raise
+
+    async def _synchronize(self, layer: int) -> Any:
+        """What the synchroniser says of ``layer``: an ``async def`` awaited here, a plain
+        one on a worker thread (never on the loop).
+
+        :raises TaskCancelled: the task was cancelled meanwhile.
+        """
+        synchronizer, cancelled = self._synchronizer, self._cancelled
+        assert synchronizer is not None and cancelled is not None
+        sync = synchronizer.synchronize_layer
+        waiter: asyncio.Future[Any]
+        if is_async_synchronizer(synchronizer):
+            waiter = asyncio.ensure_future(sync(layer, None))
+        else:
+            waiter = asyncio.ensure_future(
+                anyio.to_thread.run_sync(partial(sync, layer, None), abandon_on_cancel=True)
+            )
+        stop = asyncio.ensure_future(cancelled.wait())
+        try:
+            await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not waiter.done():
+            waiter.cancel()
+            raise TaskCancelled
+        return waiter.result()
 
 
 class AsyncCacheManager(_LoopBound):
@@ -152,10 +250,15 @@ class AsyncCacheManager(_LoopBound):
     """
 
     def __init__(
-        self, service: CacheService, transfers: TransferService, loop: asyncio.AbstractEventLoop
+        self,
+        service: CacheService,
+        planner: Planner,
+        links: LinkTable,
+        loop: asyncio.AbstractEventLoop,
     ) -> None:
         self._service = service
-        self._transfers = transfers
+        self._planner = planner
+        self._links = links
         self._loop = loop
         self._bound_loop = loop
         self._background: set[asyncio.Task[None]] = set()
@@ -165,34 +268,12 @@ class AsyncCacheManager(_LoopBound):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _start(self, plan: TransferPlan, step: Step) -> Future[None]:
-        """Start a step; payload moved by the caller goes to a worker thread when large."""
-        if step.in_caller and step.nbytes > INLINE_BYTES:
-            return await run_native(partial(self._transfers.start, plan, step), nbytes=step.nbytes)
-        return self._transfers.start(plan, step)
-
-    async def _transfer(self, plan: TransferPlan) -> None:
-        futures: list[Future[None]] = []
-        first: LLMException | None = None
-        unwatch = _watch(plan.steps)
-        try:
-            try:
-                for step in plan.steps:
-                    futures.append(await self._start(plan, step))
-            finally:
-                plan.seal()
-            for future in futures:
-                try:
-                    await _wait(future, plan.deadline_ns)
-                except LLMException as exc:
-                    first = first or exc
-        except asyncio.CancelledError:
-            await _drain(futures, plan.deadline_ns)
-            raise
-        finally:
-            unwatch()
-        if first is not None:
-            raise first
+    async def _transfer(self, plan: Plan) -> None:
+        """Run a pull or push call: inline as far as it goes, then awaited."""
+        driver = _Driver(run_call(plan, self._links, Waiting.LOOP))
+        driver.advance()
+        if not driver.done:
+            await driver.finish()
 
     async def _run(self, plan: CopyPlan) -> None:
         try:
@@ -290,9 +371,7 @@ class AsyncCacheManager(_LoopBound):
     ) -> None:
         """As ``CacheManager.pull_cache``."""
         self._check_loop()
-        await self._transfer(
-            self._transfers.plan_pull_cache(cache_key, cache, batch_index, size, kwargs)
-        )
+        await self._transfer(self._planner.pull_cache(cache_key, cache, batch_index, size, kwargs))
 
     async def pull_blocks(
         self,
@@ -304,31 +383,9 @@ class AsyncCacheManager(_LoopBound):
     ) -> None:
         """As ``CacheManager.pull_blocks``."""
         self._check_loop()
-        checked = self._transfers.check_pull_blocks(
-            src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
+        await self._transfer(
+            self._planner.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         )
-        if isinstance(checked, TransferPlan):
-            await self._transfer(checked)
-        else:
-            await self._blocks(checked)
-
-    def _start_blocks(self, call: BlocksCall) -> tuple[Channel, Future[None] | None, int] | None:
-        """Start a small call on its direct route (``TransferService.start_blocks``); None
-        when it takes the general plan (big ones do: their copies leave the loop)."""
-        if call.nbytes > INLINE_BYTES:
-            return None
-        return self._transfers.start_blocks(call, exchange=False)
-
-    async def _blocks(self, call: BlocksCall) -> None:
-        """Run a checked call between blocks caches: small ones on their direct route,
-        awaited without a plan; the rest through the general plan."""
-        started = self._start_blocks(call)
-        if started is None:
-            await self._transfer(self._transfers.plan_blocks(call))
-            return
-        channel, future, deadline_ns = started
-        if future is not None:
-            await _await_request(channel, future, deadline_ns)
 
     async def push_cache(
         self,
@@ -343,7 +400,7 @@ class AsyncCacheManager(_LoopBound):
         """As ``CacheManager.push_cache``."""
         self._check_loop()
         await self._transfer(
-            self._transfers.plan_push_cache(
+            self._planner.push_cache(
                 dst_cache_key,
                 src_cache,
                 src_batch_index,
@@ -366,18 +423,13 @@ class AsyncCacheManager(_LoopBound):
     ) -> CacheTask:
         """As ``CacheManager.push_blocks``, returning an awaitable ``CacheTask`` at once.
 
-        Arguments as the blocking call. Bad arguments raise here, exactly as there
-        (``TypeError``, ``ValueError``, ``LLMException``); failures after that (no link,
-        timeout, a refusal by the peer) never raise from this call but end the task, which
-        may already be done when returned.
-
-        :returns: a ``CacheTask`` with one result. ``await task`` returns ``LLM_SUCCESS`` or
-            raises what the blocking ``push_blocks`` raises (with ``.results``);
-            ``await task.wait_results()`` gives ``[status]`` and never raises.
-        :raises RuntimeError: called outside the engine's event loop.
+        Bad arguments raise here, exactly as the blocking call. Everything after (no link,
+        a refusal, a timeout) goes to the task: ``await task`` raises what the blocking
+        ``push_blocks`` raises, ``await task.wait_results()`` returns the status. A small
+        push may complete inline (the task is then already ``done()``).
         """
         self._check_loop()
-        call = self._transfers.check_push_blocks(
+        plan = self._planner.push_blocks(
             dst_cache_key,
             src_cache,
             src_blocks,
@@ -387,74 +439,11 @@ class AsyncCacheManager(_LoopBound):
             tensor_num_per_layer,
         )
         task = CacheTask(1, self._loop)
-        try:
-            started = self._start_blocks(call)
-        except LLMException as exc:  # failed in the caller (the peer gone, say)
-            task._set_result(0, exc.status_code, exc)
-            task._finish()
-            return task
-        if started is not None:
-            channel, future, deadline_ns = started
-            if future is None:
-                task._set_result(0, LLMStatusCode.LLM_SUCCESS)
-                task._finish()
-            elif future.done():
-                _record(task, 0, future)
-                task._finish()
-            else:
-                self._spawn(self._settle_request(task, channel, future, deadline_ns))
-            return task
-        try:
-            plan = self._transfers.plan_blocks(call)
-        except LLMException as exc:  # no link: what the blocking call raises
-            task._set_result(0, exc.status_code, exc)
-            task._finish()
-            return task
-        step = plan.steps[0]
-        if step.in_caller and step.nbytes > INLINE_BYTES:
-            self._spawn(self._settle(task, plan, None))
-            return task
-        try:
-            future = self._transfers.start(plan, step)
-        finally:
-            plan.seal()
-        if future.done():
-            _record(task, 0, future)
-            task._finish()
-        else:
-            self._spawn(self._settle(task, plan, future))
+        driver = _Driver(settle(run_call(plan, self._links, Waiting.LOOP), task))
+        driver.advance()
+        if not driver.done:
+            self._spawn(driver.finish())
         return task
-
-    @staticmethod
-    async def _settle_request(
-        task: CacheTask, channel: Channel, future: Future[None], deadline_ns: int
-    ) -> None:
-        try:
-            await _await_request(channel, future, deadline_ns)
-            task._set_result(0, LLMStatusCode.LLM_SUCCESS)
-        except LLMException as exc:
-            task._set_result(0, exc.status_code, exc)
-        finally:
-            task._finish()
-
-    async def _settle(
-        self, task: CacheTask, plan: TransferPlan, future: Future[None] | None
-    ) -> None:
-        unwatch = _watch(plan.steps)
-        try:
-            if future is None:
-                try:
-                    future = await self._start(plan, plan.steps[0])
-                finally:
-                    plan.seal()
-            try:
-                await _wait(future, plan.deadline_ns)
-                task._set_result(0, LLMStatusCode.LLM_SUCCESS)
-            except LLMException as exc:
-                task._set_result(0, exc.status_code, exc)
-        finally:
-            unwatch()
-            task._finish()
 
     def transfer_cache_async(
         self,
@@ -467,21 +456,14 @@ class AsyncCacheManager(_LoopBound):
     ) -> CacheTask:
         """As ``CacheManager.transfer_cache_async``, driven on this event loop.
 
-        Arguments as the blocking call and checked here, before returning (what the blocking
-        call raises for them is raised here). An ``async def`` ``synchronize_layer`` is
-        awaited on this loop; a plain one runs on a worker thread. Layer ``k`` moves while
-        layer ``k+1`` is awaited.
-
-        :returns: a ``CacheTask`` with one result per config. ``await task`` returns
-            ``LLM_SUCCESS`` or raises the first failed config's ``LLMException`` (with
-            ``.results``; a synchroniser that raised is its ``__cause__``, and is logged once
-            at WARNING); ``await task.wait_results()`` never raises; ``task.cancel()`` stops
-            before the next layer, and awaiting the task then raises ``CancelledError``.
-        :raises RuntimeError: called outside the engine's event loop.
+        An ``async def`` ``synchronize_layer`` is awaited here; a plain one runs on a worker
+        thread. Bad arguments raise here; transfer failures go to the task, whose ``await``
+        raises the first failed config's ``LLMException``. ``task.cancel()`` stops before
+        the next layer (``await task`` then raises ``CancelledError``).
         """
         self._check_loop()
         job = plan_layer_job(
-            self._transfers,
+            self._planner,
             src_cache,
             layer_synchronizer,
             transfer_configs,
@@ -491,63 +473,12 @@ class AsyncCacheManager(_LoopBound):
             allow_async=True,
         )
         task = CacheTask(len(job.configs), self._loop)
-        self._spawn(self._drive(job, task))
-        return task
-
-    async def _synchronize(
-        self, job: LayerJob, layer: int, indices: list[int], cancelled: asyncio.Event
-    ) -> bool:
-        """Wait for the model to finish ``layer``; True to send it.
-
-        False when the task was cancelled meanwhile, or when the synchroniser refused or
-        raised; the job records that for the configs ``indices`` (an exception is kept as
-        the cause of their failure and logged).
-        """
-        sync = job.synchronizer.synchronize_layer
-        if job.is_async:
-            waiter: asyncio.Future[Any] = asyncio.ensure_future(sync(layer, None))
-        else:
-            waiter = asyncio.ensure_future(
-                anyio.to_thread.run_sync(partial(sync, layer, None), abandon_on_cancel=True)
-            )
-        stop = asyncio.ensure_future(cancelled.wait())
-        try:
-            await asyncio.wait({waiter, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not waiter.done():
-            waiter.cancel()
-            return False
-        try:
-            answer = waiter.result()
-            ready = bool(answer)
-        except Exception as exc:
-            job.synchronizer_failed(layer, indices, exc)
-            return False
-        if not ready:
-            job.synchronizer_refused(layer, indices, answer)
-        return ready
-
-    async def _drive(self, job: LayerJob, task: CacheTask) -> None:
         cancelled = asyncio.Event()
         loop = self._bound_loop
         task._on_cancel(lambda: _call_soon(loop, cancelled.set))
-        try:
-            for layer in range(job.num_layers):
-                indices = job.targets(layer)
-                if not indices:
-                    continue
-                if cancelled.is_set() or job.stopped:
-                    break
-                if not await self._synchronize(job, layer, indices, cancelled):
-                    break
-                for i, step in job.steps(layer, indices):
-                    job.track(task, i, layer, await self._start(job.plan, step))
-            for future in job.futures:
-                with contextlib.suppress(LLMException):  # recorded by the job
-                    await _wait(future, job.plan.deadline_ns)
-        finally:
-            job.finish(task)
+        call = run_layers(job, task, self._links, Waiting.LOOP)
+        self._spawn(_Driver(call, job.synchronizer, cancelled).finish())
+        return task
 
     def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
         """Usage of the memory pool for ``placement`` (None when not configured)."""
@@ -557,16 +488,6 @@ class AsyncCacheManager(_LoopBound):
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to wake
         loop.call_soon_threadsafe(callback)
-
-
-def _record(task: CacheTask, index: int, future: Future[None]) -> None:
-    """Record a completed request's outcome, its exception included, as config ``index``."""
-    exc = future.exception()
-    if exc is None:
-        task._set_result(index, LLMStatusCode.LLM_SUCCESS)
-    else:
-        status = exc.status_code if isinstance(exc, LLMException) else LLMStatusCode.LLM_FAILED
-        task._set_result(index, status, exc)
 
 
 class AsyncLLMDataDist(_LoopBound):
@@ -617,9 +538,9 @@ class AsyncLLMDataDist(_LoopBound):
         self._check_loop()
         assert self._loop is not None
         if self._cache_manager is None or self._cache_manager._service is not service:
-            transfers = self._engine.transfers
-            assert transfers is not None
-            self._cache_manager = AsyncCacheManager(service, transfers, self._loop)
+            planner, links = self._engine.planner, self._engine.links
+            assert planner is not None and links is not None
+            self._cache_manager = AsyncCacheManager(service, planner, links, self._loop)
         return self._cache_manager
 
     async def link_clusters(

@@ -1,7 +1,10 @@
 """The documented blocking API: ``LLMDataDist`` and its ``CacheManager``, name for name.
 
 Thin drivers over the engine: they check the documented preconditions, then run the engine's
-calls in the caller's thread. No event loop is needed or started.
+calls in the caller's thread. A transfer call is the engine's generator
+(``_engine.driver``), driven by :func:`drive` here: starts run in the caller, and the caller
+waits for each request itself, reading its answer where the link can. No event loop is
+needed or started.
 """
 
 from __future__ import annotations
@@ -11,15 +14,20 @@ import threading
 from typing import Any, ClassVar
 
 from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.driver import Call, Start, Wait, run_call, run_layers
 from aio_datadist._engine.engine import Engine
-from aio_datadist._engine.layerwise import plan_layer_job, run_blocking
-from aio_datadist._engine.transfers import TransferService
+from aio_datadist._engine.layerwise import plan_layer_job
+from aio_datadist._engine.links import LinkTable
+from aio_datadist._engine.planner import Planner
+from aio_datadist._engine.request import Plan
+from aio_datadist._engine.routes import Waiting
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import PoolStats
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
 from aio_datadist.status import LLMException, LLMFailedError, LLMStatusCode, ParamInvalidError
+from aio_datadist.synchronizer import LayerSynchronizer
 from aio_datadist.task import CacheTask
 
 __all__ = ("LLMDataDist", "CacheManager")
@@ -27,12 +35,39 @@ __all__ = ("LLMDataDist", "CacheManager")
 _log = get_logger("sync")
 
 
+def drive(call: Call, synchronizer: LayerSynchronizer | None = None) -> None:
+    """Run ``call`` to its end in this thread: start each transfer here, wait for each
+    here, and ask ``synchronizer`` here; failures go back into the call."""
+    reply: Any = None
+    error: Exception | None = None
+    while True:
+        try:
+            op = call.send(reply) if error is None else call.throw(error)
+        except StopIteration:
+            return
+        reply, error = None, None
+        try:
+            if isinstance(op, Start):
+                reply = op.begin()
+            elif isinstance(op, Wait):
+                op.completion.wait()
+            else:
+                assert synchronizer is not None
+                reply = synchronizer.synchronize_layer(op.layer, None)
+        except Exception as exc:
+            error = exc
+
+
 class CacheManager:
     """Allocates, registers and copies the caches of one ``LLMDataDist`` (``cache_manager``)."""
 
-    def __init__(self, service: CacheService, transfers: TransferService) -> None:
+    def __init__(self, service: CacheService, planner: Planner, links: LinkTable) -> None:
         self._service = service
-        self._transfers = transfers
+        self._planner = planner
+        self._links = links
+
+    def _run(self, plan: Plan) -> None:
+        drive(run_call(plan, self._links, Waiting.CALLER))
 
     def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
         """Allocate a batch cache from the pool of its placement, one key per batch row.
@@ -125,9 +160,7 @@ class CacheManager:
         :raises LLMException: ``LLM_NOT_YET_LINK``, ``LLM_KV_CACHE_NOT_EXIST``,
             ``LLM_TIMEOUT`` (``sync_kv_timeout``), ``LLM_LINK_FAILED``, ``LLM_PARAM_INVALID``.
         """
-        self._transfers.run(
-            self._transfers.plan_pull_cache(cache_key, cache, batch_index, size, kwargs)
-        )
+        self._run(self._planner.pull_cache(cache_key, cache, batch_index, size, kwargs))
 
     def pull_blocks(
         self,
@@ -141,10 +174,8 @@ class CacheManager:
 
         Block ``src_blocks[i]`` lands in local block ``dst_blocks[i]``; errors as ``pull_cache``.
         """
-        self._transfers.run_checked(
-            self._transfers.check_pull_blocks(
-                src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs
-            )
+        self._run(
+            self._planner.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         )
 
     def push_cache(
@@ -161,8 +192,8 @@ class CacheManager:
 
         Needs ``enable_remote_cache_accessible``; returns once the bytes are in remote memory.
         """
-        self._transfers.run(
-            self._transfers.plan_push_cache(
+        self._run(
+            self._planner.push_cache(
                 dst_cache_key,
                 src_cache,
                 src_batch_index,
@@ -187,8 +218,8 @@ class CacheManager:
 
         Needs ``enable_remote_cache_accessible``; returns once the bytes are in remote memory.
         """
-        self._transfers.run_blocks(
-            self._transfers.check_push_blocks(
+        self._run(
+            self._planner.push_blocks(
                 dst_cache_key,
                 src_cache,
                 src_blocks,
@@ -214,7 +245,7 @@ class CacheManager:
         True. Arguments are checked before returning; transfer errors go to the task.
         """
         job = plan_layer_job(
-            self._transfers,
+            self._planner,
             src_cache,
             layer_synchronizer,
             transfer_configs,
@@ -224,8 +255,9 @@ class CacheManager:
             allow_async=False,
         )
         task = CacheTask(len(job.configs))
+        call = run_layers(job, task, self._links, Waiting.CALLER)
         threading.Thread(
-            target=run_blocking, args=(job, task), name="aio_datadist-layers", daemon=True
+            target=drive, args=(call, job.synchronizer), name="aio_datadist-layers", daemon=True
         ).start()
         return task
 
@@ -286,9 +318,9 @@ class LLMDataDist:
         """
         service = self._engine.cache_service()
         if self._cache_manager is None or self._cache_manager._service is not service:
-            transfers = self._engine.transfers
-            assert transfers is not None
-            self._cache_manager = CacheManager(service, transfers)
+            planner, links = self._engine.planner, self._engine.links
+            assert planner is not None and links is not None
+            self._cache_manager = CacheManager(service, planner, links)
         return self._cache_manager
 
     def link_clusters(

@@ -63,9 +63,9 @@ class Side:
                 sync_kv_timeout=3000,
             )
         )
-        caches, transfers = self.engine.caches, self.engine.transfers
-        assert caches is not None and transfers is not None
-        self.cm = CacheManager(caches, transfers)
+        caches, planner, links = self.engine.caches, self.engine.planner, self.engine.links
+        assert caches is not None and planner is not None and links is not None
+        self.cm = CacheManager(caches, planner, links)
         self.own = self.cm.allocate_blocks_cache(desc(), BlocksCacheKey(cluster_id))
         for view in self.own.as_numpy():
             view[...] = cluster_id

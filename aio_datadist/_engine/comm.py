@@ -30,6 +30,7 @@ memory and destroys the communicator. A library that refuses fails ``link`` with
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -40,7 +41,13 @@ from typing import Any
 
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import CommRoute, CommRoutes
-from aio_datadist._engine.links import LinkTable
+from aio_datadist._engine.links import Link, LinkTable
+from aio_datadist._engine.routes import (
+    CommunicatorRoute,
+    Route,
+    with_communicator,
+    without_communicator,
+)
 from aio_datadist._log import get_logger
 from aio_datadist._runtime.base import Communicator
 from aio_datadist._transport.base import Channel, Hello, LinkRefused, RequestHandler
@@ -95,6 +102,16 @@ def rank_endpoints(rank_table: str, base_port: int) -> dict[int, tuple[str, int]
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         ) from None
     return endpoints
+
+
+def _adding(member: CommRoute, link: Link) -> list[Route]:
+    """``link``'s routes with the one through ``member``'s communicator."""
+    return with_communicator(link.routes, CommunicatorRoute(link.channel, member))
+
+
+def _removing(member: CommRoute, link: Link) -> list[Route]:
+    """``link``'s routes without the one through ``member``'s communicator."""
+    return without_communicator(link.routes, member)
 
 
 @dataclass
@@ -205,7 +222,9 @@ class CommDomains:
             ) from None
         if communicator is not None:
             for cluster_id, rank in others.items():
-                self._routes[cluster_id] = CommRoute(communicator, rank)
+                member = CommRoute(communicator, rank)
+                self._routes[cluster_id] = member  # the serving side's
+                self._links.set_routes(cluster_id, functools.partial(_adding, member))
         with self._lock:
             comm_id = self._next_id
             self._next_id += 1
@@ -345,6 +364,7 @@ class CommDomains:
             route = self._routes.get(cluster_id)
             if route is not None and route.communicator is communicator:
                 del self._routes[cluster_id]
+                self._links.set_routes(cluster_id, functools.partial(_removing, route))
         communicator.close()
 
     def close(self) -> None:

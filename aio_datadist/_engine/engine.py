@@ -13,10 +13,10 @@ from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
 from aio_datadist._engine.domain import CommRoutes
 from aio_datadist._engine.links import LinkTable, check_clusters
+from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.regions import BoardEntry, RegionBoard
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.serving import Server
-from aio_datadist._engine.transfers import TransferService
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import MemoryPool
 from aio_datadist._runtime import select_runtime
@@ -140,7 +140,7 @@ class Engine:
         self.settings: EngineSettings | None = None
         self.caches: CacheService | None = None
         self.links: LinkTable | None = None
-        self.transfers: TransferService | None = None
+        self.planner: Planner | None = None
         self._board: RegionBoard | None = None
         self.comms: CommDomains | None = None
         self._lock = threading.Lock()
@@ -216,12 +216,10 @@ class Engine:
             self.comms = CommDomains(
                 links, caches, routes, settings.comm_base_port, settings.link_total_time_s
             )
-            self.transfers = TransferService(
+            self.planner = Planner(
                 caches,
-                links,
                 timeout_ms=settings.sync_kv_timeout_ms,
                 remote_cache_accessible=settings.remote_cache_accessible,
-                routes=routes,
             )
             self.settings = settings
         log.info(
@@ -362,7 +360,7 @@ class Engine:
         """Release every link, cache, pool and runtime resource; a no-op when not initialised."""
         with self._lock:
             caches, self.caches, self.settings = self.caches, None, None
-            links, self.links, self.transfers = self.links, None, None
+            links, self.links, self.planner = self.links, None, None
             board, self._board = self._board, None
             comms, self.comms = self.comms, None
         if comms is not None:

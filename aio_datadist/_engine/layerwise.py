@@ -1,11 +1,10 @@
 """Layer-wise ``transfer_cache_async``: validation, per-layer requests and task results.
 
-A :class:`LayerJob` holds what both drivers share: the validated configs, the request of each
-(config, layer), and the result rules. The blocking face drives it from a background thread,
-the async face from a task on its event loop; both call the synchroniser for a layer, submit
-that layer's requests without waiting for them, and go on with the next layer, so layer k
-moves while the model finishes layer k+1. Cancellation and failures stop the job at a layer
-edge; a request already sent completes.
+A :class:`LayerJob` holds the validated configs, the request of each (config, layer) and the
+result rules; ``_engine.driver.run_layers`` drives it for both faces: it asks the
+synchroniser for a layer, starts that layer's requests without waiting for them, and goes on
+with the next layer, so layer k moves while the model finishes layer k+1. Cancellation and
+failures stop the job at a layer edge; a request already sent completes.
 
 No failure is reduced to a bare code: each config keeps the exception behind its status (the
 transfer's, or the synchroniser's wrapped in ``LLM_PARAM_INVALID``), which ``await task``
@@ -14,7 +13,6 @@ raises; an exception raised by the synchroniser is also logged once at WARNING.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -24,14 +22,9 @@ from typing import Any
 import numpy as np
 
 from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.planner import Planner, local_blocks, local_rows
 from aio_datadist._engine.registry import CacheEntry
-from aio_datadist._engine.transfers import (
-    Step,
-    TransferPlan,
-    TransferService,
-    local_rows,
-    wait_blocking,
-)
+from aio_datadist._engine.request import Completion, Plan, Transfer
 from aio_datadist._log import get_logger
 from aio_datadist._native import api
 from aio_datadist._transport.base import RequestKind
@@ -54,7 +47,7 @@ from aio_datadist.types import (
     check_blocks_key_range,
 )
 
-__all__ = ("LayerJob", "plan_layer_job", "run_blocking")
+__all__ = ("LayerJob", "plan_layer_job")
 
 _S = LLMStatusCode
 _log = get_logger("layerwise")
@@ -89,7 +82,7 @@ class LayerJob:
 
     def __init__(
         self,
-        service: TransferService,
+        planner: Planner,
         entry: CacheEntry,
         synchronizer: LayerSynchronizer,
         configs: list[_Config],
@@ -97,9 +90,9 @@ class LayerJob:
         src_blocks: list[int],
         dst_blocks: list[int],
         dst_block_bytes: int,
-        plan: TransferPlan,
+        plan: Plan,
     ) -> None:
-        self.service = service
+        self.planner = planner
         self.entry = entry
         self.synchronizer = synchronizer
         self.is_async = is_async_synchronizer(synchronizer)
@@ -111,7 +104,7 @@ class LayerJob:
         self.plan = plan
         self.stopped = False
         self._lock = threading.Lock()
-        self._futures: list[Future[None]] = []
+        self._completions: list[Completion] = []
 
     # -- per layer ------------------------------------------------------------------------
     def targets(self, layer: int) -> list[int]:
@@ -157,31 +150,32 @@ class LayerJob:
         )
         self.fail(indices, _S.LLM_PARAM_INVALID, error)
 
-    def steps(self, layer: int, indices: Sequence[int]) -> list[tuple[int, Step]]:
+    def transfers(self, layer: int, indices: Sequence[int]) -> list[tuple[int, Transfer]]:
         """The requests of ``layer`` for the configs ``indices``; failures stop the job."""
-        self.plan.deadline_ns = api.deadline_after(self.service.timeout_ms / 1000)
-        out: list[tuple[int, Step]] = []
+        self.plan.deadline_ns = api.deadline_after(self.planner.timeout_ms / 1000)
+        out: list[tuple[int, Transfer]] = []
         for i in indices:
             try:
-                out.append((i, self._step(self.configs[i], layer)))
+                out.append((i, self._transfer(self.configs[i], layer)))
             except LLMException as exc:
                 self.fail([i], exc.status_code, exc)
                 break
         return out
 
-    def track(self, task: CacheTask, index: int, layer: int, future: Future[None]) -> None:
-        """Record a started request of config ``index``.
+    def track(self, task: CacheTask, index: int, layer: int, completion: Completion) -> None:
+        """Record a started request of config ``index``; the plan holds its pins.
 
         A config's success is reported as soon as its last request completed, so a later
         ``task.cancel()`` leaves it alone (and turns every unfinished config into a failure).
         """
         cfg = self.configs[index]
+        self.plan.track(completion)
         with self._lock:
             cfg.started = True
             cfg.outstanding += 1
             if layer == cfg.src.stop - 1:
                 cfg.submitted_last = True
-            self._futures.append(future)
+            self._completions.append(completion)
 
         def done(fut: Future[None]) -> None:
             exc = fut.exception()
@@ -194,13 +188,13 @@ class LayerJob:
             if finished:
                 task._set_result(index, _S.LLM_SUCCESS)
 
-        future.add_done_callback(done)
+        completion.add_done_callback(done)
 
     @property
-    def futures(self) -> list[Future[None]]:
+    def completions(self) -> list[Completion]:
         """Every request started so far."""
         with self._lock:
-            return list(self._futures)
+            return list(self._completions)
 
     def finish(self, task: CacheTask) -> None:
         """Fill the task's results and finish it; the pins go once every request completed.
@@ -248,10 +242,10 @@ class LayerJob:
         entry, tensors, seg = self.entry, (2 * layer, 2), self.entry.row_bytes
         if entry.is_blocks:
             blocks = self.src_blocks or [0]
-            return local_rows(entry, tensors, seg=seg, blocks=blocks), seg, blocks
+            return local_blocks(entry, tensors, blocks, seg), seg, blocks
         return local_rows(entry, tensors, row=row, seg=seg), seg, None
 
-    def _step(self, cfg: _Config, layer: int) -> Step:
+    def _transfer(self, cfg: _Config, layer: int) -> Transfer:
         config = cfg.config
         dst_layer = cfg.dst_start + (layer - cfg.src.start)
         rows, seg, blocks = self._source(layer, config.src_batch_index)
@@ -302,11 +296,11 @@ class LayerJob:
                 access = Access(
                     Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields
                 )
-        return self.service.step(cluster, RequestKind.PUSH, access, rows, entry=self.entry)
+        return self.planner.transfer(cluster, RequestKind.PUSH, access, rows, self.entry)
 
 
 def plan_layer_job(
-    service: TransferService,
+    planner: Planner,
     src_cache: Any,
     layer_synchronizer: Any,
     transfer_configs: Any,
@@ -332,12 +326,12 @@ def plan_layer_job(
             "synchroniser needs AsyncLLMDataDist"
         )
     check_type("transfer_configs", transfer_configs, list, tuple)
-    wanted = TransferWithCacheKeyConfig if service.remote_cache_accessible else TransferConfig
+    wanted = TransferWithCacheKeyConfig if planner.remote_cache_accessible else TransferConfig
     for i, config in enumerate(transfer_configs):
         if not isinstance(config, wanted):
             raise TypeError(
                 f"transfer_configs[{i}] must be a {wanted.__name__} "
-                f"({'with' if service.remote_cache_accessible else 'without'} "
+                f"({'with' if planner.remote_cache_accessible else 'without'} "
                 "enable_remote_cache_accessible)"
             )
         if isinstance(config, TransferWithCacheKeyConfig) and isinstance(
@@ -351,8 +345,8 @@ def plan_layer_job(
             f"src_block_indices has {len(src_blocks)} entries but dst_block_indices has "
             f"{len(dst_blocks)}"
         )
-    with service.caches.registry.lock:
-        entry = service.caches.entry(src_cache, "src_cache")
+    with planner.caches.registry.lock:
+        entry = planner.caches.entry(src_cache, "src_cache")
         if src_blocks:
             if not entry.is_blocks:
                 raise _invalid("src_block_indices needs a blocks (PA) source cache")
@@ -395,9 +389,9 @@ def plan_layer_job(
                     f"size {entry.num_rows}"
                 )
             configs.append(_Config(config, src, dst_start))
-        plan = service._plan([], [entry])
+        plan = planner.plan([], [entry])
     return LayerJob(
-        service,
+        planner,
         entry,
         layer_synchronizer,
         configs,
@@ -407,32 +401,3 @@ def plan_layer_job(
         dst_bytes,
         plan,
     )
-
-
-def run_blocking(job: LayerJob, task: CacheTask) -> None:
-    """Drive ``job`` in this thread (the blocking face's background thread)."""
-    try:
-        for layer in range(job.num_layers):
-            indices = job.targets(layer)
-            if not indices:
-                continue
-            if task._cancelled or job.stopped:
-                break
-            try:
-                answer = job.synchronizer.synchronize_layer(layer, None)
-                ready = bool(answer)
-            except Exception as exc:
-                job.synchronizer_failed(layer, indices, exc)
-                break
-            if not ready:
-                job.synchronizer_refused(layer, indices, answer)
-                break
-            if task._cancelled:
-                break
-            for i, step in job.steps(layer, indices):
-                job.track(task, i, layer, job.service.start(job.plan, step))
-        for future in job.futures:
-            with contextlib.suppress(LLMException):  # recorded by the future's callback
-                wait_blocking(future, job.plan.deadline_ns)
-    finally:
-        job.finish(task)

@@ -27,15 +27,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from typing import Any
 
 import structlog
 
 from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
+from aio_datadist._engine.routes import Route, link_routes
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import (
     Channel,
@@ -88,6 +89,9 @@ class Link:
     initiator: bool  # True when this side called link_clusters
     #: One-sided access to the peer's caches when it runs on this host.
     peer_memory: PeerMemory | None = None
+    #: The ways transfers reach the peer, in order (``_engine.routes``); fixed when the link
+    #: is made, and replaced whole (never changed in place) when a domain adds its route.
+    routes: list[Route] = field(default_factory=list)
 
     @property
     def live(self) -> bool:
@@ -278,6 +282,15 @@ class LinkTable:
             status_code=_S.LLM_NOT_YET_LINK,
         )
 
+    def set_routes(self, cluster_id: int, change: Callable[[Link], list[Route]]) -> None:
+        """Replace the routes of the live links to ``cluster_id`` with ``change(link)`` (a
+        domain adds or removes its communicator's route)."""
+        with self._lock:
+            for own in (True, False):
+                entry = self._entries.get((cluster_id, own))
+                if isinstance(entry, Link):
+                    entry.routes = change(entry)
+
     def __len__(self) -> int:
         """The number of clusters with a live link."""
         with self._lock:
@@ -316,7 +329,7 @@ class LinkTable:
             )
         peer = replace(peer, to_cluster_id=None, comm=None)
         cluster_id = peer.cluster_id
-        link = Link(peer, channel, initiator=False)
+        link = self._equipped(Link(peer, channel, initiator=False))
         deadline = time.monotonic() + STALE_LINK_GRACE_S
         while True:
             with self._lock:
@@ -324,9 +337,9 @@ class LinkTable:
                     self._register(link)
                     break
             if time.monotonic() >= deadline:
+                _close_peer_memory(link)
                 raise LinkRefused(_S.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked")
             time.sleep(0.002)
-        self._attach_peer_memory(link)
         channel.on_close(self._forget)
         self._log.info(
             "link.accepted", remote_cluster_id=cluster_id, authenticated=channel.authenticated
@@ -355,14 +368,17 @@ class LinkTable:
                 note="no link secret: the peer did not prove who it is",
             )
 
-    def _attach_peer_memory(self, link: Link) -> None:
-        """Open the one-sided route to a same-host peer (both ends must offer presence)."""
+    def _equipped(self, link: Link) -> Link:
+        """``link`` with its routes: one-sided ones to a same-host peer (both ends must offer
+        presence), then the link itself."""
         if self.local.presence is not None and self.staging is not None:
             link.peer_memory = open_peer_memory(
                 link.remote.presence,
                 self.staging,
                 self._log.bind(remote_cluster_id=link.remote.cluster_id),
             )
+        link.routes = link_routes(link.channel, link.peer_memory, self.staging)
+        return link
 
     def _forget(self, channel: Channel) -> None:
         """A channel closed without this side asking: its link becomes a broken link, or
@@ -512,7 +528,8 @@ class LinkTable:
                 )
                 error = _failure(_S.LLM_LINK_FAILED, f"link to cluster {remote_id}: {reason}")
                 continue
-            return self._established(Link(channel.peer, channel, initiator=True), where)
+            link = self._equipped(Link(channel.peer, channel, initiator=True))
+            return self._established(link, where)
         return error
 
     def _established(self, link: Link, where: str) -> LLMException | None:
@@ -523,9 +540,9 @@ class LinkTable:
             if duplicate is None:
                 self._register(link)
         if duplicate is not None:  # another call of this side linked it meanwhile
+            _close_peer_memory(link)
             link.channel.close(notify_peer=True, timeout=1.0)
             return _failure(_S.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
-        self._attach_peer_memory(link)
         link.channel.on_close(self._forget)
         self._log.info(
             "link.established",

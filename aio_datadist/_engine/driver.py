@@ -1,0 +1,202 @@
+"""What a transfer call does, written once as generators that both faces drive.
+
+A call's generator yields what it needs from its face and gets the answer back:
+
+* :class:`Start`: run ``begin()`` (it starts one transfer on its link's routes and returns
+  its :class:`~aio_datadist._engine.request.Completion`); the blocking face runs it in the
+  caller, the async face inline or, for a large payload moved in the caller, on a worker
+  thread.
+* :class:`Wait`: wait for a completion; a failure is thrown back into the generator.
+* :class:`Synchronize`: ask the layer synchroniser whether layer ``n`` may go (what it
+  returned); its exception is thrown back, or :class:`TaskCancelled` when the task was
+  cancelled while it waited.
+
+So the order of things, the results, cancellation at layer edges and settling a
+``CacheTask`` live here; the faces differ only in how they wait (``sync.py``: in the
+calling thread; ``aio.py``: on the event loop), as psycopg's generators and waiting
+functions do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from aio_datadist._engine.layerwise import LayerJob
+from aio_datadist._engine.links import LinkTable
+from aio_datadist._engine.request import Completion, Plan, Transfer
+from aio_datadist._engine.routes import Route, Waiting, first_accepting, start_on
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.task import CacheTask
+
+__all__ = (
+    "Call",
+    "Start",
+    "Synchronize",
+    "TaskCancelled",
+    "Wait",
+    "run_call",
+    "run_layers",
+    "settle",
+)
+
+
+class Start:
+    """Start one transfer: call :meth:`begin`; an ``in_caller`` payload of ``nbytes``
+    moves in the calling thread."""
+
+    __slots__ = ("deadline_ns", "in_caller", "nbytes", "routes", "transfer", "waiting")
+
+    def __init__(
+        self,
+        routes: Sequence[Route],
+        transfer: Transfer,
+        deadline_ns: int,
+        waiting: Waiting,
+        in_caller: bool,
+    ) -> None:
+        self.routes = routes
+        self.transfer = transfer
+        self.deadline_ns = deadline_ns
+        self.waiting = waiting
+        self.nbytes = transfer.nbytes
+        self.in_caller = in_caller
+
+    def begin(self) -> Completion:
+        """Start the transfer on the first route that takes it; a failure in the caller
+        becomes a failed completion (so every transfer of a call starts, and the call
+        reports the first failure)."""
+        try:
+            return start_on(self.routes, self.transfer, self.deadline_ns, self.waiting)
+        except LLMException as exc:
+            return _failed(exc, self.deadline_ns)
+
+
+class Wait:
+    """Wait for ``completion``; its failure is thrown back into the generator."""
+
+    __slots__ = ("completion",)
+
+    def __init__(self, completion: Completion) -> None:
+        self.completion = completion
+
+
+@dataclass(frozen=True, slots=True)
+class Synchronize:
+    """Ask the synchroniser whether ``layer`` may go."""
+
+    layer: int
+
+
+class TaskCancelled(Exception):
+    """Thrown into a layer job by a face whose wait for the synchroniser the task's
+    ``cancel()`` cut short."""
+
+
+#: A call's generator: it yields what it needs and returns when the call is over.
+Call = Generator[Start | Wait | Synchronize, Any, None]
+
+
+def _failed(error: LLMException, deadline_ns: int) -> Completion:
+    future: Future[None] = Future()
+    future.set_exception(error)
+    return Completion(future, deadline_ns)
+
+
+def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Start:
+    """The start of ``transfer`` on the routes of its link (none: it fails at once)."""
+    try:
+        routes: Sequence[Route] = links.route(transfer.cluster_id).routes
+        in_caller = first_accepting(routes, transfer).in_caller(transfer)
+    except LLMException as exc:
+        routes, in_caller = (_Refused(exc),), False
+    return Start(routes, transfer, deadline_ns, waiting, in_caller)
+
+
+class _Refused(Route):
+    """Where a transfer to a cluster with no usable link goes: it fails with why."""
+
+    name = "refused"
+
+    def __init__(self, error: LLMException) -> None:
+        self.error = error
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return True
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        raise self.error
+
+
+def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
+    """A pull or push call: start every transfer of ``plan``, then wait for each; raise
+    the first failure once all ended. A blocking caller with one request runs its round
+    trip itself (``Waiting.EXCHANGE``)."""
+    if waiting is Waiting.CALLER and len(plan.transfers) == 1:
+        waiting = Waiting.EXCHANGE
+    started: list[Completion] = []
+    try:
+        for transfer in plan.transfers:
+            completion = yield _start(links, transfer, plan.deadline_ns, waiting)
+            plan.track(completion)
+            started.append(completion)
+    finally:
+        plan.seal()
+    first: LLMException | None = None
+    for completion in started:
+        try:
+            yield Wait(completion)
+        except LLMException as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+
+
+def settle(call: Call, task: CacheTask) -> Call:
+    """``call`` whose outcome becomes the one result of ``task`` (``push_blocks`` of the
+    async face): the task finishes with success or the call's exception, never raising."""
+    try:
+        yield from call
+    except LLMException as exc:
+        task._set_result(0, exc.status_code, exc)
+    else:
+        task._set_result(0, LLMStatusCode.LLM_SUCCESS)
+    finally:
+        task._finish()
+
+
+def run_layers(job: LayerJob, task: CacheTask, links: LinkTable, waiting: Waiting) -> Call:
+    """``transfer_cache_async``: for each layer, once the synchroniser lets it go, start its
+    requests without waiting for them (layer k moves while the model finishes layer k+1);
+    then wait for every request and fill the task's results. ``task.cancel()`` and failures
+    stop the job at a layer edge; a request already started completes."""
+    try:
+        for layer in range(job.num_layers):
+            indices = job.targets(layer)
+            if not indices:
+                continue
+            if task._cancelled or job.stopped:
+                break
+            try:
+                ready = yield Synchronize(layer)
+            except TaskCancelled:
+                break  # cancelled while the model computed the layer
+            except Exception as exc:  # the user's synchroniser raised: kept, logged once
+                job.synchronizer_failed(layer, indices, exc)
+                break
+            if task._cancelled:
+                break
+            if not ready:
+                job.synchronizer_refused(layer, indices, ready)
+                break
+            for i, transfer in job.transfers(layer, indices):
+                completion = yield _start(links, transfer, job.plan.deadline_ns, waiting)
+                job.track(task, i, layer, completion)
+        for completion in job.completions:
+            with contextlib.suppress(LLMException):  # recorded by the job when it completed
+                yield Wait(completion)
+    finally:
+        job.finish(task)

@@ -1,0 +1,407 @@
+"""Plan: every transfer call of both faces checked into one :class:`~aio_datadist._engine.
+request.Plan` of :class:`~aio_datadist._engine.request.Transfer` values. Pure: no I/O.
+
+The planner validates the arguments as documented (``TypeError``/``ValueError``/
+``LLMException``), resolves and pins the local cache, and describes each request: the kind,
+the peer, the access naming the peer's memory (``_engine.access``) and this side's rows.
+Blocks of a blocks cache stay compact (:class:`~aio_datadist._engine.request.Blocks`, the
+block list as given), so a small call builds no arrays. Which route moves a transfer, and
+who waits, is decided later (``_engine.routes``, ``_engine.driver``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.registry import CacheEntry
+from aio_datadist._engine.request import Blocks, Plan, Transfer
+from aio_datadist._native import api
+from aio_datadist._transport.base import Iov, RequestKind
+from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
+from aio_datadist.cache import Cache
+from aio_datadist.status import FeatureNotEnabledError, LLMStatusCode, ParamInvalidError
+from aio_datadist.types import (
+    BlocksCacheKey,
+    CacheKey,
+    CacheKeyByIdAndIndex,
+    check_blocks_key_range,
+)
+
+__all__ = ("Planner", "check_blocks", "local_rows", "tensor_span")
+
+_PULL_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
+
+
+def _invalid(message: str) -> ParamInvalidError:
+    return ParamInvalidError(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def tensor_span(
+    name: str, layers: Any, per_layer: int, num_tensors: int, *, local: bool
+) -> tuple[int, int] | None:
+    """Tensor ``(start, count)`` of a layer range; None for a None or empty range (all).
+
+    :raises TypeError: not a range.
+    :raises LLMException: ``LLM_PARAM_INVALID`` for a step other than 1, a negative start,
+        or (``local``) tensors past ``num_tensors``.
+    """
+    if layers is None:
+        return None
+    check_type(name, layers, range)
+    if len(layers) == 0 and layers.step == 1 and layers.start >= 0:
+        return None
+    if layers.step != 1 or not 0 <= layers.start < layers.stop or layers.stop > 2**32:
+        raise _invalid(f"{name} must have step 1 and 0 <= start < stop, but got {layers}")
+    start, count = layers.start * per_layer, len(layers) * per_layer
+    if local and start + count > num_tensors:
+        raise _invalid(
+            f"{name} {layers} with {per_layer} tensors per layer needs tensors up to "
+            f"{start + count}, but the cache has {num_tensors}"
+        )
+    return start, count
+
+
+def local_rows(entry: CacheEntry, tensors: tuple[int, int], *, row: int, seg: int) -> Iov:
+    """Rows of a local batch cache: one segment of ``seg`` bytes per tensor at batch ``row``."""
+    start, count = tensors
+    rows = np.empty((count, 2), dtype=np.uint64)
+    rows[:, 0] = np.asarray(entry.addrs[start : start + count], dtype=np.uint64)
+    rows[:, 0] += np.uint64(row * entry.row_bytes)
+    rows[:, 1] = seg
+    return rows
+
+
+def local_blocks(
+    entry: CacheEntry, tensors: tuple[int, int], blocks: Sequence[int], seg: int
+) -> Blocks:
+    """The listed blocks of tensors ``tensors`` of a local blocks cache, ``seg`` bytes each."""
+    return Blocks(entry.layout, tensors[0], tensors[1], blocks, seg)
+
+
+def check_blocks(name: str, blocks: Sequence[int], num_blocks: int) -> None:
+    """Refuse a block index outside ``[0, num_blocks)`` with ``LLM_PARAM_INVALID``."""
+    for b in blocks:
+        if b >= num_blocks:
+            raise _invalid(f"{name} block index {b} is outside [0, {num_blocks})")
+
+
+class Planner:
+    """Checks the transfer calls of one initialised engine into plans."""
+
+    def __init__(
+        self, caches: CacheService, *, timeout_ms: int, remote_cache_accessible: bool
+    ) -> None:
+        self.caches = caches
+        self.timeout_ms = timeout_ms
+        self.remote_cache_accessible = remote_cache_accessible
+
+    # -- common ---------------------------------------------------------------------------
+    def transfer(
+        self,
+        cluster_id: int,
+        kind: RequestKind,
+        access: Access,
+        local: Iov | Blocks,
+        entry: CacheEntry,
+        *,
+        commit: bool = False,
+    ) -> Transfer:
+        """One request to ``cluster_id``; ``entry`` holds the ``local`` rows."""
+        if isinstance(local, Blocks):
+            nbytes = local.count * len(local.blocks) * local.seg
+        else:
+            nbytes = int(local[:, 1].sum()) if len(local) else 0
+        return Transfer(
+            kind,
+            cluster_id,
+            access,
+            local,
+            entry,
+            device=self.caches.on_device(entry),
+            commit=commit,
+            nbytes=nbytes,
+        )
+
+    def plan(self, transfers: list[Transfer], entries: Sequence[CacheEntry]) -> Plan:
+        """Pin ``entries`` (registry lock held) for a plan of ``transfers``."""
+        registry = self.caches.registry
+        registry.pin(entries)
+        return Plan(
+            transfers,
+            api.monotonic_ns() + self.timeout_ms * 1_000_000,
+            lambda: registry.unpin(entries),
+        )
+
+    def _require_remote_access(self, call: str) -> None:
+        if not self.remote_cache_accessible:
+            raise FeatureNotEnabledError(
+                f"{call} needs enable_remote_cache_accessible=True in LLMConfig",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+
+    @staticmethod
+    def _pull_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
+        if not kwargs:
+            return None, None, 2
+        if not _PULL_KWARGS.issuperset(kwargs):
+            raise TypeError(f"unexpected keyword arguments: {sorted(set(kwargs) - _PULL_KWARGS)}")
+        per_layer = kwargs.get("tensor_num_per_layer", 2)
+        check_int("tensor_num_per_layer", per_layer, "uint32")
+        if per_layer < 1:
+            raise _invalid(f"tensor_num_per_layer must be >= 1, but got {per_layer}")
+        return kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"), per_layer
+
+    @staticmethod
+    def _spans(
+        src_layers: Any, dst_layers: Any, per_layer: int, entry: CacheEntry, *, local_is_dst: bool
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        """(remote, local) tensor spans of a pull or push; None ranges mean all tensors."""
+        num = len(entry.addrs)
+        if src_layers is None and dst_layers is None:
+            return (0, num), (0, num)
+        local_layers, remote_layers = (
+            (dst_layers, src_layers) if local_is_dst else (src_layers, dst_layers)
+        )
+        local_name, remote_name = (
+            ("dst_layer_range", "src_layer_range")
+            if local_is_dst
+            else ("src_layer_range", "dst_layer_range")
+        )
+        local = tensor_span(local_name, local_layers, per_layer, num, local=True) or (0, num)
+        remote = tensor_span(remote_name, remote_layers, per_layer, 0, local=False)
+        if remote is None:
+            remote = local if remote_layers is None and local_layers is not None else (0, local[1])
+        if remote[1] != local[1]:
+            raise _invalid(
+                f"{remote_name} names {remote[1]} tensors but {local_name} names {local[1]}"
+            )
+        return remote, local
+
+    @staticmethod
+    def _key_access(key: CacheKey | CacheKeyByIdAndIndex, **fields: Any) -> Access:
+        if isinstance(key, CacheKeyByIdAndIndex):
+            return Access(Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields)
+        has_req, has_prefix = key.req_id != INVALID_ID, key.prefix_id != INVALID_ID
+        if has_req == has_prefix:
+            raise _invalid(f"cache key {key} needs exactly one valid id of req_id and prefix_id")
+        if has_req:
+            return Access(Target.REQ_KEY, ident=key.req_id, model_id=key.model_id, **fields)
+        return Access(Target.PREFIX_KEY, ident=key.prefix_id, model_id=key.model_id, **fields)
+
+    @staticmethod
+    def _blocks_access(
+        key: BlocksCacheKey, remote: tuple[int, int], seg: int, blocks: Any
+    ) -> Access:
+        """The access naming whole blocks of the peer's blocks cache ``key``."""
+        return Access(
+            Target.BLOCKS_KEY,
+            ident=key.model_id,
+            tensor_start=remote[0],
+            tensor_count=remote[1],
+            seg_bytes=seg,
+            blocks=np.asarray(blocks, dtype=np.uint64),
+        )
+
+    # -- pulls ----------------------------------------------------------------------------
+    def pull_cache(
+        self, cache_key: Any, cache: Any, batch_index: Any, size: Any, kwargs: dict[str, Any]
+    ) -> Plan:
+        """Plan ``pull_cache``: one remote batch row into row ``batch_index`` of ``cache``."""
+        check_type("cache_key", cache_key, CacheKey, CacheKeyByIdAndIndex)
+        if self.remote_cache_accessible and not isinstance(cache_key, CacheKeyByIdAndIndex):
+            raise TypeError(
+                "with enable_remote_cache_accessible, pull_cache takes a CacheKeyByIdAndIndex"
+            )
+        check_type("cache", cache, Cache)
+        check_int("batch_index", batch_index, "uint32")
+        check_int("size", size, "int64")
+        if size != -1 and size <= 0:
+            raise _invalid(f"size must be -1 or > 0, but got {size}")
+        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
+        with self.caches.registry.lock:
+            entry = self.caches.entry(cache, "cache")
+            if entry.is_blocks:
+                raise _invalid("pull_cache does not take a blocks cache; use pull_blocks")
+            if batch_index >= entry.num_rows:
+                raise _invalid(f"batch_index {batch_index} >= batch size {entry.num_rows}")
+            seg = entry.row_bytes if size == -1 else size
+            if seg > entry.row_bytes:
+                raise _invalid(f"size {size} exceeds a row of {entry.row_bytes} bytes")
+            remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
+            access = self._key_access(
+                cache_key, tensor_start=remote[0], tensor_count=remote[1], seg_bytes=seg
+            )
+            drop = access.target is Target.REQ_KEY
+            if drop:
+                access = Access(
+                    access.target,
+                    ident=access.ident,
+                    model_id=access.model_id,
+                    tensor_start=access.tensor_start,
+                    tensor_count=access.tensor_count,
+                    seg_bytes=seg,
+                    drop_key=True,
+                )
+            rows = local_rows(entry, local, row=batch_index, seg=seg)
+            transfer = self.transfer(
+                cache_key.cluster_id, RequestKind.PULL, access, rows, entry, commit=drop
+            )
+            return self.plan([transfer], [entry])
+
+    def pull_blocks(
+        self,
+        src_cache_key: Any,
+        dst_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        kwargs: dict[str, Any],
+    ) -> Plan:
+        """Plan ``pull_blocks``: remote blocks (``BlocksCacheKey``) or one remote row (cache
+        key) into local blocks."""
+        check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
+        if isinstance(src_cache_key, BlocksCacheKey):
+            check_blocks_key_range("src_cache_key", src_cache_key)
+        check_type("dst_cache", dst_cache, Cache)
+        src_blocks = () if src_blocks is None else src_blocks
+        check_int_list("src_blocks", src_blocks, "uint64")
+        check_int_list("dst_blocks", dst_blocks, "uint64")
+        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
+        if not dst_blocks:
+            raise _invalid("dst_blocks must not be empty")
+        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        if by_blocks and len(src_blocks) != len(dst_blocks):
+            raise _invalid(
+                f"src_blocks has {len(src_blocks)} blocks but dst_blocks has {len(dst_blocks)}"
+            )
+        if not by_blocks and src_blocks:
+            raise _invalid("src_blocks must be empty when the source is a batch cache key")
+        with self.caches.registry.lock:
+            entry = self.caches.entry(dst_cache, "dst_cache")
+            if not entry.is_blocks:
+                raise _invalid("pull_blocks needs a blocks cache as dst_cache")
+            check_blocks("dst_blocks", dst_blocks, entry.num_rows)
+            remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
+            seg = entry.row_bytes
+            if isinstance(src_cache_key, BlocksCacheKey):
+                access = self._blocks_access(src_cache_key, remote, seg, src_blocks)
+            else:
+                access = self._key_access(
+                    src_cache_key,
+                    tensor_start=remote[0],
+                    tensor_count=remote[1],
+                    seg_bytes=seg * len(dst_blocks),
+                )
+            transfer = self.transfer(
+                src_cache_key.cluster_id,
+                RequestKind.PULL,
+                access,
+                local_blocks(entry, local, dst_blocks, seg),
+                entry,
+            )
+            return self.plan([transfer], [entry])
+
+    # -- pushes ---------------------------------------------------------------------------
+    def _push_spans(
+        self, entry: CacheEntry, src_layers: Any, dst_layers: Any, per_layer: Any
+    ) -> tuple[tuple[int, int], tuple[int, int]]:
+        check_int("tensor_num_per_layer", per_layer, "uint32")
+        num = len(entry.addrs)
+        if not 1 <= per_layer <= num:
+            raise _invalid(f"tensor_num_per_layer must be in [1, {num}], but got {per_layer}")
+        if (src_layers is not None or dst_layers is not None) and num % per_layer:
+            raise _invalid(
+                f"tensor_num_per_layer {per_layer} does not divide the {num} tensors of the cache"
+            )
+        every = range(0, num // per_layer)
+        src = every if src_layers is None else src_layers
+        dst = every if dst_layers is None else dst_layers
+        local = tensor_span("src_layer_range", src, per_layer, num, local=True) or (0, num)
+        remote = tensor_span("dst_layer_range", dst, per_layer, 0, local=False) or (0, num)
+        if len(src) != len(dst):
+            raise _invalid(f"src_layer_range {src} and dst_layer_range {dst} differ in length")
+        return remote, local
+
+    def push_cache(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_batch_index: Any,
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        size: Any,
+        tensor_num_per_layer: Any,
+    ) -> Plan:
+        """Plan ``push_cache``: one local batch row into the remote row ``dst_cache_key`` names."""
+        self._require_remote_access("push_cache")
+        check_type("dst_cache_key", dst_cache_key, CacheKeyByIdAndIndex)
+        check_type("src_cache", src_cache, Cache)
+        check_int("src_batch_index", src_batch_index, "uint32")
+        check_int("size", size, "int64")
+        if size != -1:
+            raise _invalid(f"push_cache supports size=-1 only, but got {size}")
+        with self.caches.registry.lock:
+            entry = self.caches.entry(src_cache, "src_cache")
+            if entry.is_blocks:
+                raise _invalid("push_cache does not take a blocks cache; use push_blocks")
+            if src_batch_index >= entry.num_rows:
+                raise _invalid(f"src_batch_index {src_batch_index} >= batch size {entry.num_rows}")
+            remote, local = self._push_spans(
+                entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+            )
+            seg = entry.row_bytes
+            access = self._key_access(
+                dst_cache_key, tensor_start=remote[0], tensor_count=remote[1], seg_bytes=seg
+            )
+            rows = local_rows(entry, local, row=src_batch_index, seg=seg)
+            transfer = self.transfer(
+                dst_cache_key.cluster_id, RequestKind.PUSH, access, rows, entry
+            )
+            return self.plan([transfer], [entry])
+
+    def push_blocks(
+        self,
+        dst_cache_key: Any,
+        src_cache: Any,
+        src_blocks: Any,
+        dst_blocks: Any,
+        src_layer_range: Any,
+        dst_layer_range: Any,
+        tensor_num_per_layer: Any,
+    ) -> Plan:
+        """Plan ``push_blocks``: local blocks into the remote blocks cache of ``dst_cache_key``."""
+        if isinstance(dst_cache_key, BlocksCacheKey):  # refused before anything else
+            check_blocks_key_range("dst_cache_key", dst_cache_key)
+        self._require_remote_access("push_blocks")
+        check_type("dst_cache_key", dst_cache_key, BlocksCacheKey)
+        check_type("src_cache", src_cache, Cache)
+        src_blocks = () if src_blocks is None else src_blocks
+        check_int_list("src_blocks", src_blocks, "uint64")
+        check_int_list("dst_blocks", dst_blocks, "uint64")
+        if not dst_blocks:
+            raise _invalid("dst_blocks must not be empty")
+        if len(src_blocks) != len(dst_blocks):
+            raise _invalid(
+                f"src_blocks has {len(src_blocks)} blocks but dst_blocks has {len(dst_blocks)}"
+            )
+        with self.caches.registry.lock:
+            entry = self.caches.entry(src_cache, "src_cache")
+            if not entry.is_blocks:
+                raise _invalid("push_blocks needs a blocks cache as src_cache")
+            check_blocks("src_blocks", src_blocks, entry.num_rows)
+            remote, local = self._push_spans(
+                entry, src_layer_range, dst_layer_range, tensor_num_per_layer
+            )
+            seg = entry.row_bytes
+            transfer = self.transfer(
+                dst_cache_key.cluster_id,
+                RequestKind.PUSH,
+                self._blocks_access(dst_cache_key, remote, seg, dst_blocks),
+                local_blocks(entry, local, src_blocks, seg),
+                entry,
+            )
+            return self.plan([transfer], [entry])

@@ -1,0 +1,193 @@
+"""The request model of the transfer pipeline: one :class:`Transfer` per request, a
+:class:`Plan` per call, and the :class:`Completion` every route returns.
+
+Every pull and push, of caches or blocks, by key, id or address, layer-wise or not, from
+either face, is planned (``_engine.planner``) into :class:`Transfer` values: the kind, the
+peer, the :class:`~aio_datadist._engine.access.Access` naming the peer's memory, this side's
+rows and the local cache that holds them. A :class:`Plan` holds a call's transfers, its
+deadline and the pins on its local caches until every started request completed. A route
+(``_engine.routes``) starts a transfer and returns a :class:`Completion`; the faces only
+wait for completions.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+
+from aio_datadist._engine.access import Access
+from aio_datadist._engine.registry import CacheEntry
+from aio_datadist._native import api
+from aio_datadist._native.api import BlockLayout
+from aio_datadist._transport.base import Channel, Iov, RequestKind
+from aio_datadist.status import LLMStatusCode, LLMTimeoutError
+
+__all__ = ("DONE", "GRACE_S", "Blocks", "Completion", "Plan", "Transfer")
+
+#: Extra time a waiter gives a transport past the deadline before reporting a timeout itself.
+GRACE_S = 5.0
+
+
+class Blocks:
+    """Local rows named compactly: ``seg`` bytes of each listed block of ``count`` tensors
+    from ``start`` of a blocks cache's layout, in payload order (tensor-major)."""
+
+    __slots__ = ("blocks", "count", "layout", "seg", "start")
+
+    def __init__(
+        self, layout: BlockLayout, start: int, count: int, blocks: Sequence[int], seg: int
+    ) -> None:
+        self.layout = layout
+        self.start = start
+        self.count = count
+        self.blocks = blocks
+        self.seg = seg
+
+
+@dataclass(slots=True, eq=False)
+class Transfer:
+    """One request: which local rows move to or from which memory of which peer.
+
+    ``local`` is explicit ``(addr, len)`` rows, or :class:`Blocks` whose rows are built on
+    demand (:attr:`rows`), so that a route moving blocks natively never builds them.
+    """
+
+    kind: RequestKind
+    cluster_id: int
+    access: Access
+    local: Iov | Blocks
+    #: The local cache holding the rows (pinned by the plan).
+    entry: CacheEntry
+    #: True when ``local`` is device memory of this engine's runtime.
+    device: bool = False
+    #: The peer commits (drops the key it was asked by) once every byte landed here.
+    commit: bool = False
+    nbytes: int = 0
+    _rows: Iov | None = None
+
+    @property
+    def rows(self) -> Iov:
+        """The local ``(addr, len)`` rows, in payload order."""
+        if self._rows is None:
+            local = self.local
+            if isinstance(local, Blocks):
+                self._rows = api.block_rows(
+                    local.layout, local.start, local.count, local.blocks, local.seg
+                )
+            else:
+                self._rows = local
+        return self._rows
+
+
+def _completed() -> Future[None]:
+    done: Future[None] = Future()
+    done.set_result(None)
+    return done
+
+
+#: The future of every request that completed in the calling thread.
+_DONE_FUTURE: Future[None] = _completed()
+
+
+class Completion:
+    """A started request: done already, or a future completed by another thread.
+
+    One type for every route. ``channel`` is set when the request crossed a link, so that
+    a waiter may read its answer itself (the waiting policy of the face).
+    """
+
+    __slots__ = ("channel", "deadline_ns", "future")
+
+    def __init__(
+        self, future: Future[None], deadline_ns: int, channel: Channel | None = None
+    ) -> None:
+        self.future = future
+        self.deadline_ns = deadline_ns
+        self.channel = channel
+
+    def done(self) -> bool:
+        """True once the request completed (successfully or not)."""
+        return self.future.done()
+
+    def exception(self) -> BaseException | None:
+        """The failure of a completed request (None on success)."""
+        return self.future.exception()
+
+    def add_done_callback(self, fn: Callable[[Future[None]], object]) -> None:
+        """Call ``fn(future)`` once the request completed (at once when it has)."""
+        self.future.add_done_callback(fn)
+
+    def wait(self) -> None:
+        """Wait in this thread (the blocking face): read the answer here where the link
+        can, then sleep on the future until the deadline (plus :data:`GRACE_S`).
+
+        :raises LLMException: the request failed, or ``LLM_TIMEOUT``.
+        """
+        future = self.future
+        if future is _DONE_FUTURE:
+            return
+        if self.channel is not None and not future.done():
+            self.channel.read_for(future, self.deadline_ns)
+        remaining = max(0.0, (self.deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
+        try:
+            future.result(timeout=remaining)
+        except FutureTimeout:
+            raise LLMTimeoutError(
+                "transfer did not complete within sync_kv_timeout",
+                status_code=LLMStatusCode.LLM_TIMEOUT,
+            ) from None
+
+
+#: The completion of every request that completed in the calling thread.
+DONE = Completion(_DONE_FUTURE, 0)
+
+
+def completed(future: Future[None] | None, deadline_ns: int, channel: Channel | None) -> Completion:
+    """The completion of a request whose future is ``future`` (None: completed already)."""
+    if future is None or future is _DONE_FUTURE:
+        return DONE
+    return Completion(future, deadline_ns, channel)
+
+
+class Plan:
+    """The transfers of one call, its deadline, and the local pins they hold until every
+    started request completed (whoever waits, so a caller that gives up never frees
+    memory a request still writes)."""
+
+    __slots__ = ("_lock", "_pending", "deadline_ns", "release", "transfers")
+
+    def __init__(
+        self, transfers: list[Transfer], deadline_ns: int, release: Callable[[], None]
+    ) -> None:
+        self.transfers = transfers
+        self.deadline_ns = deadline_ns
+        self.release = release
+        self._pending = 1
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of every transfer."""
+        return sum(t.nbytes for t in self.transfers)
+
+    def track(self, completion: Completion) -> None:
+        """Hold the pins until ``completion`` completes."""
+        if completion is DONE or completion.done():
+            return
+        with self._lock:
+            self._pending += 1
+        completion.add_done_callback(self._one_done)
+
+    def seal(self) -> None:
+        """No more transfers will start: release the pins once the started ones completed."""
+        self._one_done(None)
+
+    def _one_done(self, _: object) -> None:
+        with self._lock:
+            self._pending -= 1
+            last = self._pending == 0
+        if last:
+            self.release()

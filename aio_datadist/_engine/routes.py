@@ -1,0 +1,329 @@
+"""Routes: the ways a :class:`~aio_datadist._engine.request.Transfer` reaches its peer.
+
+Each link holds an ordered list of routes, fixed when the link is made (a rank-table
+domain adds its communicator's route when the domain forms); the first route that
+:meth:`~Route.accepts` a transfer starts it and returns a
+:class:`~aio_datadist._engine.request.Completion`. A route only moves bytes or sends a
+request: sizes, offloading and who waits are the face's (its :class:`Waiting`).
+
+For a link to cluster ``c`` the list is, in order:
+
+=========================  ==============================================================
+:class:`SameHostRoute`     host rows, one-sided against the peer's region board
+                           (``process_vm_readv``/``writev``; ``_engine.onesided``)
+:class:`CommunicatorRoute` device rows between members of a rank-table domain whose
+                           runtime has a collective library (HCCL one-sided calls)
+:class:`DeviceIpcRoute`    device rows, one-sided: the peer's shared device memory mapped
+                           here (CUDA IPC), or staged around ``process_vm``
+:class:`LinkRoute`         host rows over the link (always accepts them)
+:class:`Staged`            device rows over the link, through pinned host buffers (the one
+                           staging wrapper, around :class:`LinkRoute`)
+=========================  ==============================================================
+
+The one-sided routes are present only when both ends share a host; a one-sided route may
+still decline a transfer it accepted (the board does not show the cache, the kernel refused
+access), and the next route takes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import Future
+from enum import Enum
+
+from aio_datadist._engine.access import Target, encode_access
+from aio_datadist._engine.domain import NO_ROWS, CommRoute
+from aio_datadist._engine.onesided import PeerMemory
+from aio_datadist._engine.request import DONE, Blocks, Completion, Transfer, completed
+from aio_datadist._memory.staging import Staged as StagedRows
+from aio_datadist._memory.staging import Staging
+from aio_datadist._transport.base import Channel, Payload, RequestKind
+
+__all__ = (
+    "CommunicatorRoute",
+    "DeviceIpcRoute",
+    "LinkRoute",
+    "Route",
+    "SameHostRoute",
+    "Staged",
+    "Waiting",
+    "link_routes",
+    "start_on",
+    "with_communicator",
+    "without_communicator",
+)
+
+
+class Waiting(Enum):
+    """How the face waits for a call's requests, chosen once per call.
+
+    ``EXCHANGE``: a blocking caller with one request runs its whole round trip in its own
+    thread where the link can (``Channel.exchange``). ``CALLER``: a blocking caller sends,
+    then reads answers itself while it waits (``Channel.read_for``). ``LOOP``: an event loop
+    awaits, and may read the small answers of a link it watches (``Channel.watch``).
+    """
+
+    EXCHANGE = "exchange"
+    CALLER = "caller"
+    LOOP = "loop"
+
+
+class Route(ABC):
+    """One way to move a transfer's bytes to or from its peer."""
+
+    #: Short name, for logs and docs.
+    name: str
+
+    @abstractmethod
+    def accepts(self, transfer: Transfer) -> bool:
+        """True when this route may take ``transfer`` (cheap; no I/O)."""
+
+    def in_caller(self, transfer: Transfer) -> bool:
+        """True when :meth:`start` moves the payload in the calling thread (an event loop
+        then runs large ones on a worker thread)."""
+        return True
+
+    @abstractmethod
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        """Move ``transfer``'s bytes, or send its request; None when this route declines it
+        after all (nothing moved: the next route takes it).
+
+        :raises LLMException: the transfer failed in the calling thread.
+        """
+
+
+class SameHostRoute(Route):
+    """Host rows moved one-sided with a process on this host (its region board)."""
+
+    name = "same-host"
+
+    def __init__(self, peer: PeerMemory) -> None:
+        self.peer = peer
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return (
+            not transfer.device and not transfer.commit and self.peer.serves(transfer.access.target)
+        )
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        access, local = transfer.access, transfer.local
+        if (
+            isinstance(local, Blocks)
+            and access.target is Target.BLOCKS_KEY
+            and not access.tail_bytes
+            and access.seg_bytes == local.seg
+        ):
+            moved = self.peer.transfer_blocks(
+                transfer.kind,
+                access.ident,
+                (access.tensor_start, access.tensor_count),
+                access.blocks,  # type: ignore[arg-type]  # a 1-D uint64 array will do
+                (local.layout, local.start, local.blocks),
+                local.count,
+                local.seg,
+            )
+        else:
+            moved = self.peer.transfer(transfer.kind, access, transfer.rows)
+        return DONE if moved else None
+
+
+class DeviceIpcRoute(Route):
+    """Device rows moved one-sided with a process on this host: device to device through
+    the peer's shared device memory, or staged around ``process_vm`` for its host memory."""
+
+    name = "device-ipc"
+
+    def __init__(self, peer: PeerMemory) -> None:
+        self.peer = peer
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return transfer.device and not transfer.commit and self.peer.serves(transfer.access.target)
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        moved = self.peer.transfer(
+            transfer.kind, transfer.access, transfer.rows, local_on_device=True
+        )
+        return DONE if moved else None
+
+
+def _request(
+    channel: Channel,
+    transfer: Transfer,
+    body: bytes,
+    local: Payload,
+    nbytes: int,
+    deadline_ns: int,
+) -> Future[None]:
+    if transfer.kind is RequestKind.PULL:
+        return channel.pull(body, local, nbytes, deadline_ns, commit=transfer.commit)
+    return channel.push(body, local, nbytes, deadline_ns)
+
+
+class CommunicatorRoute(Route):
+    """Device rows between members of a rank-table domain: the request names them and the
+    serving side moves the bytes through the domain's communicator; the link carries only
+    the request and its answer."""
+
+    name = "communicator"
+
+    def __init__(self, channel: Channel, member: CommRoute) -> None:
+        self.channel = channel
+        self.member = member
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return transfer.device and self.member.takes(transfer.rows)
+
+    def in_caller(self, transfer: Transfer) -> bool:
+        return False
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        body = encode_access(dataclasses.replace(transfer.access, deliver=transfer.rows))
+        future = _request(self.channel, transfer, body, NO_ROWS, 0, deadline_ns)
+        return completed(future, deadline_ns, self.channel)
+
+
+class LinkRoute(Route):
+    """Host rows over the link: the request, and its payload streamed to or from them."""
+
+    name = "link"
+
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return not transfer.device
+
+    def in_caller(self, transfer: Transfer) -> bool:
+        channel = self.channel
+        return (
+            channel.pull_in_caller if transfer.kind is RequestKind.PULL else channel.push_in_caller
+        )
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        body = encode_access(transfer.access)
+        if waiting is Waiting.EXCHANGE and not transfer.commit:
+            future = self.channel.exchange(
+                transfer.kind, body, transfer.rows, transfer.nbytes, deadline_ns
+            )
+        else:
+            future = _request(
+                self.channel, transfer, body, transfer.rows, transfer.nbytes, deadline_ns
+            )
+        return completed(future, deadline_ns, self.channel)
+
+    def send(self, transfer: Transfer, local: Payload, deadline_ns: int) -> Future[None]:
+        """Send ``transfer``'s request with its payload from or into ``local`` (host rows,
+        or segments where the channel streams)."""
+        body = encode_access(transfer.access)
+        return _request(self.channel, transfer, body, local, transfer.nbytes, deadline_ns)
+
+
+class Staged(Route):
+    """Device rows over a route that reaches only host memory, through pinned host buffers
+    of the runtime: streamed in bounded chunks where the channel streams, else staged whole
+    (read out before bytes leave; written to the device once every byte arrived)."""
+
+    name = "staged-link"
+
+    def __init__(self, inner: LinkRoute, staging: Staging) -> None:
+        self.inner = inner
+        self.staging = staging
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return transfer.device
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        inner, pull = self.inner, transfer.kind is RequestKind.PULL
+        if inner.channel.streams:  # device copies overlap the socket, in bounded memory
+            stream = self.staging.stream(transfer.rows, outbound=not pull)
+            return completed(inner.send(transfer, stream, deadline_ns), deadline_ns, inner.channel)
+        staged = (
+            self.staging.inbound(transfer.rows) if pull else self.staging.outbound(transfer.rows)
+        )
+        try:
+            moved = inner.send(transfer, staged.iov, deadline_ns)
+        except BaseException:
+            staged.finish(False)
+            raise
+        return completed(_finished_after(moved, staged), deadline_ns, inner.channel)
+
+
+def _finished_after(moved: Future[None], staged: StagedRows) -> Future[None]:
+    """A future that completes once ``moved`` did and ``staged`` was finished accordingly."""
+    result: Future[None] = Future()
+
+    def finish(future: Future[None]) -> None:
+        error = None if future.cancelled() else future.exception()
+        ok = not future.cancelled() and error is None
+        try:
+            staged.finish(ok)
+        except Exception as exc:
+            error = error or exc
+        if future.cancelled():
+            result.cancel()
+        elif error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(None)
+
+    moved.add_done_callback(finish)
+    return result
+
+
+def link_routes(channel: Channel, peer: PeerMemory | None, staging: Staging | None) -> list[Route]:
+    """The routes of a new link, in order (a domain's communicator route goes in later,
+    with :func:`with_communicator`). Without ``staging`` (an engine with no runtime) the
+    link takes host rows only."""
+    routes: list[Route] = []
+    if peer is not None:
+        routes += [SameHostRoute(peer), DeviceIpcRoute(peer)]
+    link = LinkRoute(channel)
+    routes.append(link)
+    if staging is not None:
+        routes.append(Staged(link, staging))
+    return routes
+
+
+def with_communicator(routes: Sequence[Route], route: CommunicatorRoute) -> list[Route]:
+    """``routes`` with a domain's ``route`` in its place: after the host one-sided route,
+    before every other route that takes device rows."""
+    kept = [r for r in routes if not isinstance(r, CommunicatorRoute)]
+    at = next(
+        (i for i, r in enumerate(kept) if isinstance(r, DeviceIpcRoute | LinkRoute | Staged)),
+        len(kept),
+    )
+    return [*kept[:at], route, *kept[at:]]
+
+
+def without_communicator(routes: Sequence[Route], member: CommRoute) -> list[Route]:
+    """``routes`` without the route through ``member``'s communicator."""
+    return [
+        r
+        for r in routes
+        if not (isinstance(r, CommunicatorRoute) and r.member.communicator is member.communicator)
+    ]
+
+
+def first_accepting(routes: Sequence[Route], transfer: Transfer) -> Route:
+    """The first route that accepts ``transfer`` (the link's routes accept everything)."""
+    for route in routes:
+        if route.accepts(transfer):
+            return route
+    raise AssertionError("a link's routes accept every transfer")  # pragma: no cover
+
+
+def start_on(
+    routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
+) -> Completion:
+    """Start ``transfer`` on the first route that accepts it and does not decline.
+
+    :raises LLMException: the transfer failed in the calling thread.
+    """
+    for route in routes:
+        if route.accepts(transfer):
+            completion = route.start(transfer, deadline_ns, waiting)
+            if completion is not None:
+                return completion
+    raise AssertionError("a link's routes accept every transfer")  # pragma: no cover
