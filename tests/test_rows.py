@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from aio_datadist._engine import serving
 from aio_datadist._engine.access import Access, Target
-from aio_datadist._memory import rows as rows_mod
 from aio_datadist._memory.rows import pair_rows, small_rows
 
 
@@ -62,9 +61,7 @@ def test_small_rows_matches_the_vectorised_layout() -> None:
 
 
 @pytest.mark.parametrize("tail", [0, 16])
-def test_access_rows_small_and_vectorised_paths_agree(
-    monkeypatch: pytest.MonkeyPatch, tail: int
-) -> None:
+def test_access_rows_of_blocks_are_the_python_rows(tail: int) -> None:
     access = Access(
         Target.BLOCKS_KEY,
         tensor_start=1,
@@ -74,9 +71,9 @@ def test_access_rows_small_and_vectorised_paths_agree(
         blocks=np.array([5, 1, 2], dtype=np.uint64),
     )
     addrs = (0x1000, 0x9000, 0x20000, 0x40000)
-    small = serving.access_rows(addrs, 64, 8, access, 0)
-    monkeypatch.setattr(serving, "SMALL_ROWS", 0)
-    monkeypatch.setattr(rows_mod, "SMALL_ROWS", 0)
-    big = serving.access_rows(addrs, 64, 8, access, 0)
-    np.testing.assert_array_equal(small, big)
-    assert int(small[:, 1].sum()) == access.nbytes
+    got = serving.access_rows(addrs, 64, 8, access, 0)
+    want = small_rows(addrs[1:3], [5, 1, 2], 64, 64)
+    want[2::3, 1] = access.last_bytes
+    np.testing.assert_array_equal(got, want)
+    assert got.flags.c_contiguous and got.dtype == np.uint64
+    assert int(got[:, 1].sum()) == access.nbytes

@@ -24,8 +24,8 @@ from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import NO_ROWS, CommRoutes, deliver
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._log import get_logger
-from aio_datadist._memory.rows import SMALL_ROWS, small_rows
 from aio_datadist._memory.staging import Mask, Staged, Streamed
+from aio_datadist._native import api
 from aio_datadist._native.serve import ServeTable
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
@@ -62,34 +62,22 @@ def access_rows(
     :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
     """
     start, count = access.tensor_start, access.tensor_count
+    if len(access.blocks):
+        # The one check of a blocks access, shared with the native serving path.
+        return api.blocks_access_rows(
+            addrs,
+            block_bytes,
+            num_blocks,
+            start,
+            count,
+            access.blocks,
+            access.seg_bytes,
+            access.last_bytes,
+        )
     if count < 1 or start + count > len(addrs):
         raise _invalid(
             f"tensors [{start}, {start + count}) are outside the cache's {len(addrs)} tensors"
         )
-    blocks = access.blocks
-    if len(blocks):
-        if (
-            access.seg_bytes < 1
-            or access.seg_bytes > block_bytes
-            or access.last_bytes > block_bytes
-        ):
-            raise _invalid(
-                f"block segments of {access.seg_bytes}/{access.last_bytes} bytes do not fit "
-                f"blocks of {block_bytes} bytes"
-            )
-        small = count * len(blocks) <= SMALL_ROWS and access.last_bytes == access.seg_bytes
-        listed = blocks.tolist() if small else None
-        if (max(listed) if listed is not None else int(blocks.max())) >= num_blocks:
-            bad = int(blocks[blocks >= num_blocks][0])
-            raise _invalid(f"block index {bad} is outside [0, {num_blocks})")
-        if listed is not None:
-            return small_rows(addrs[start : start + count], listed, block_bytes, access.seg_bytes)
-        bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
-        rows = np.empty((count, len(blocks), 2), dtype=np.uint64)
-        rows[:, :, 0] = bases[:, None] + blocks[None, :] * np.uint64(block_bytes)
-        rows[:, :, 1] = access.seg_bytes
-        rows[:, -1, 1] = access.last_bytes
-        return rows.reshape(-1, 2)
     if row >= num_blocks:
         raise _invalid(f"batch index {row} is outside [0, {num_blocks})")
     if access.seg_bytes < 1 or access.offset + access.seg_bytes > block_bytes:

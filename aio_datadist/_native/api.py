@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..status import LLMStatusCode, raise_for_status
+from ..status import LLMStatusCode, ParamInvalidError, raise_for_status
 from ._ffi import ffi, lib
 
 __all__ = (
@@ -56,6 +56,7 @@ __all__ = (
     "sock_tune",
     "sock_wait_readable",
     "block_rows",
+    "blocks_access_rows",
     "vm_copy_blocks",
     "vm_copy_batch",
 )
@@ -424,6 +425,62 @@ def block_rows(
     )
     _check(rc, "block_rows (a block or segment outside the layout)")
     return rows
+
+
+def blocks_access_rows(
+    addrs: Sequence[int],
+    block_bytes: int,
+    num_blocks: int,
+    start: int,
+    count: int,
+    blocks: npt.NDArray[np.uint64],
+    seg: int,
+    last: int,
+) -> npt.NDArray[np.uint64]:
+    """The ``(addr, len)`` rows of a blocks access, per tensor then per block: ``seg`` bytes
+    (``last`` at each tensor's last block) at each of ``blocks`` of tensors
+    ``[start, start + count)`` of a blocks cache whose tensors start at ``addrs``, each of
+    ``num_blocks`` blocks of ``block_bytes``. Checked by ``dd_blocks_check``, the one bounds
+    check of a blocks access, which the native serving path and ``vm_copy_blocks`` apply too.
+
+    Raises:
+        ParamInvalidError: the first bound the access breaks, in this order: tensors outside
+            the cache (or none), a segment over a block (or empty), a block not below
+            ``num_blocks``, blocks that wrap around the address space.
+    """
+    ids = np.ascontiguousarray(blocks, dtype=np.uint64)
+    rows = np.empty((max(0, min(count, len(addrs))) * len(ids), 2), dtype=np.uint64)
+    bad = ffi.new("uint64_t *")
+    try:
+        rc = lib.dd_blocks_rows(
+            ffi.from_buffer("uint64_t[]", rows),
+            len(rows),
+            ffi.new("uint64_t[]", addrs),
+            len(addrs),
+            block_bytes,
+            num_blocks,
+            start,
+            count,
+            ffi.from_buffer("uint64_t[]", ids),
+            len(ids),
+            seg,
+            last,
+            bad,
+        )
+    except OverflowError:
+        rc = lib.DD_EINVAL
+    if rc == lib.DD_OK:
+        return rows
+    refusal = {
+        lib.DD_BLOCKS_ETENSORS: f"tensors [{start}, {start + count}) are outside the cache's "
+        f"{len(addrs)} tensors",
+        lib.DD_BLOCKS_ESEG: f"block segments of {seg}/{last} bytes do not fit blocks of "
+        f"{block_bytes} bytes",
+        lib.DD_BLOCKS_EBLOCK: f"block index {bad[0]} is outside [0, {num_blocks})",
+        lib.DD_BLOCKS_EADDR: f"blocks of tensors [{start}, {start + count}) wrap around the "
+        "address space",
+    }.get(rc, f"a field of the blocks access is outside [0, 2**64) (rc {rc})")
+    raise ParamInvalidError(refusal, status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
 def vm_copy_blocks(

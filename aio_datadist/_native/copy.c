@@ -403,46 +403,84 @@ int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned
 /* Most rows built on the stack; more go to the heap. */
 #define STACK_ROWS 64
 
-/* Check one side of a blocks batch: every block below num_rows, 0 < seg <= row_bytes, the
- * row count representable and no address wrapping. */
-static int blocks_side_ok(const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
-                          uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg)
+int dd_blocks_check(const uint64_t *bases, uint64_t ntensors, uint64_t block_bytes,
+                    uint64_t num_blocks, uint64_t start, uint64_t count, const uint64_t *blocks,
+                    size_t nblocks, uint64_t seg, uint64_t last, uint64_t *bad)
 {
-    if ((ntensors && bases == NULL) || (nblocks && blocks == NULL))
-        return 0;
-    if (seg == 0 || seg > row_bytes || (nblocks && ntensors > SIZE_MAX / 3 / nblocks))
-        return 0;
+    if ((count && bases == NULL) || (nblocks && blocks == NULL) || bad == NULL)
+        return DD_EINVAL;
+    *bad = 0;
+    if (count == 0 || start > ntensors || count > ntensors - start)
+        return DD_BLOCKS_ETENSORS;
+    if (seg == 0 || seg > block_bytes || last > block_bytes)
+        return DD_BLOCKS_ESEG;
     uint64_t top = 0; /* highest block named */
     for (size_t k = 0; k < nblocks; k++) {
-        if (blocks[k] >= num_rows)
-            return 0;
+        if (blocks[k] >= num_blocks) {
+            *bad = blocks[k];
+            return DD_BLOCKS_EBLOCK;
+        }
         if (blocks[k] > top)
             top = blocks[k];
     }
     if (nblocks == 0)
-        return 1;
-    /* top < num_rows, so the product is below the tensor's bytes only when that fits. */
-    if (top > (UINT64_MAX - seg) / row_bytes)
-        return 0;
-    uint64_t reach = top * row_bytes + seg;
-    for (size_t t = 0; t < ntensors; t++)
+        return DD_OK;
+    /* Every block ends by top * block_bytes + max(seg, last), which is at most the tensor's
+     * bytes: it must fit, and no tensor's blocks may wrap around the address space. */
+    uint64_t most = seg > last ? seg : last;
+    if (top > (UINT64_MAX - most) / block_bytes)
+        return DD_BLOCKS_EADDR;
+    uint64_t reach = top * block_bytes + most;
+    for (uint64_t t = start; t < start + count; t++)
         if (bases[t] == 0 || bases[t] + reach < bases[t])
-            return 0;
-    return 1;
+            return DD_BLOCKS_EADDR;
+    return DD_OK;
+}
+
+int dd_blocks_rows(uint64_t *rows, size_t cap, const uint64_t *bases, uint64_t ntensors,
+                   uint64_t block_bytes, uint64_t num_blocks, uint64_t start, uint64_t count,
+                   const uint64_t *blocks, size_t nblocks, uint64_t seg, uint64_t last,
+                   uint64_t *bad)
+{
+    int rc = dd_blocks_check(bases, ntensors, block_bytes, num_blocks, start, count, blocks,
+                             nblocks, seg, last, bad);
+    if (rc != DD_OK)
+        return rc;
+    /* count <= ntensors here, so the product cannot overflow unless the caller's cap lies. */
+    if (nblocks && (count > cap / nblocks || rows == NULL))
+        return DD_EINVAL;
+    for (uint64_t t = start; t < start + count; t++)
+        for (size_t k = 0; k < nblocks; k++) {
+            *rows++ = bases[t] + blocks[k] * block_bytes;
+            *rows++ = k + 1 == nblocks ? last : seg;
+        }
+    return DD_OK;
+}
+
+/* One side of a blocks batch: ntensors tensors from bases, whole blocks of seg bytes, checked
+ * as a blocks access of them (with no tensors there is nothing to check or move). */
+static int blocks_side_ok(const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
+                          uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg)
+{
+    if (nblocks && ntensors > SIZE_MAX / 3 / nblocks)
+        return 0;
+    uint64_t bad;
+    return ntensors == 0 || dd_blocks_check(bases, ntensors, row_bytes, num_rows, 0, ntensors,
+                                            blocks, nblocks, seg, seg, &bad) == DD_OK;
 }
 
 int dd_block_rows(uint64_t *rows, const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
                   uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg)
 {
-    if ((ntensors && nblocks && rows == NULL) ||
-        !blocks_side_ok(bases, ntensors, row_bytes, num_rows, blocks, nblocks, seg))
+    if (nblocks && ntensors > SIZE_MAX / 3 / nblocks)
         return DD_EINVAL;
-    for (size_t t = 0; t < ntensors; t++)
-        for (size_t k = 0; k < nblocks; k++) {
-            *rows++ = bases[t] + blocks[k] * row_bytes;
-            *rows++ = seg;
-        }
-    return DD_OK;
+    if (ntensors == 0)
+        return DD_OK;
+    uint64_t bad;
+    return dd_blocks_rows(rows, ntensors * nblocks, bases, ntensors, row_bytes, num_rows, 0,
+                          ntensors, blocks, nblocks, seg, seg, &bad) == DD_OK
+               ? DD_OK
+               : DD_EINVAL;
 }
 
 int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,

@@ -80,10 +80,31 @@ uint64_t dd_copy_split_threshold(void);
  * is not mapped on one side); bytes before the failure may have moved. */
 int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
                      int *err_no);
+/* The one bounds check of a blocks access, which every path that serves or moves one
+ * applies: seg bytes (last bytes at each tensor's last block) at each of blocks[0, nblocks)
+ * of tensors [start, start + count) of a blocks cache whose ntensors tensors start at bases,
+ * each num_blocks blocks of block_bytes. Returns DD_OK, DD_EINVAL (a null pointer), or the
+ * first refusal met, checked in this order: */
+enum {
+    DD_BLOCKS_ETENSORS = 1, /* count is 0, or the tensors run past the cache's */
+    DD_BLOCKS_ESEG = 2,     /* seg is 0, or seg or last is over a block */
+    DD_BLOCKS_EBLOCK = 3,   /* a block is not below num_blocks: *bad receives the first */
+    DD_BLOCKS_EADDR = 4     /* a tensor's base is 0, or its blocks wrap around the address space */
+};
+int dd_blocks_check(const uint64_t *bases, uint64_t ntensors, uint64_t block_bytes,
+                    uint64_t num_blocks, uint64_t start, uint64_t count, const uint64_t *blocks,
+                    size_t nblocks, uint64_t seg, uint64_t last, uint64_t *bad);
+/* dd_blocks_check, then the access's (addr, len) rows, per tensor then per block, into rows
+ * (room for cap rows); DD_EINVAL, nothing written, when they need more. */
+int dd_blocks_rows(uint64_t *rows, size_t cap, const uint64_t *bases, uint64_t ntensors,
+                   uint64_t block_bytes, uint64_t num_blocks, uint64_t start, uint64_t count,
+                   const uint64_t *blocks, size_t nblocks, uint64_t seg, uint64_t last,
+                   uint64_t *bad);
 /* The (addr, len) rows of blocks: for each of ntensors tensors t (starting at bases[t]) and
  * each of nblocks blocks k, seg bytes at bases[t] + blocks[k] * row_bytes, into rows (2 *
- * ntensors * nblocks values). DD_EINVAL, nothing written, when a block is not below
- * num_rows, seg is 0 or over row_bytes, or an address wraps. */
+ * ntensors * nblocks values). DD_EINVAL, nothing written, when dd_blocks_check refuses them
+ * (a block not below num_rows, seg 0 or over row_bytes, an address that wraps); with no
+ * tensors, DD_OK and nothing written. */
 int dd_block_rows(uint64_t *rows, const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
                   uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg);
 /* dd_vm_copy_batch of blocks: seg bytes of block src_blocks[k] of each tensor t of the src

@@ -299,35 +299,25 @@ static entry_t *pin(dd_serve_table *t, uint64_t ident)
 }
 
 /* The rows of an access over e, into rows (pairs); their count, or 0 when the access is not
- * one this path serves (Python then refuses or serves it). */
+ * one this path serves (Python then refuses or serves it). The bounds are dd_blocks_check's,
+ * the one check of a blocks access that the Python path applies too. */
 static size_t access_rows(const entry_t *e, const dd_access_head *a, const unsigned char *ids,
                           uint64_t nbytes, uint64_t *rows, size_t cap)
 {
-    uint32_t start = a->tensor_start, count = a->tensor_count, nblocks = a->nblocks;
-    uint64_t seg = a->seg_bytes, tail = a->tail_bytes;
-    uint64_t last = tail ? tail : seg;
-    if (count == 0 || (uint64_t)start + count > e->ntensors)
+    uint64_t blocks[PEEK_BLOCKS]; /* aligned: the ids sit at any offset of the frame */
+    uint32_t nblocks = a->nblocks, count = a->tensor_count;
+    uint64_t seg = a->seg_bytes, last = a->tail_bytes ? a->tail_bytes : seg, bad;
+    if (nblocks > PEEK_BLOCKS)
         return 0;
-    if (seg == 0 || seg > e->row_bytes || last > e->row_bytes)
+    memcpy(blocks, ids, DD_ACCESS_BLOCK_SIZE * (size_t)nblocks);
+    if (dd_blocks_rows(rows, cap, e->addrs, e->ntensors, e->row_bytes, e->num_rows,
+                       a->tensor_start, count, blocks, nblocks, seg, last, &bad) != DD_OK)
         return 0;
-    if ((uint64_t)count * nblocks > cap)
-        return 0;
-    for (uint32_t b = 0; b < nblocks; b++)
-        if (rd64(ids + DD_ACCESS_BLOCK_SIZE * (size_t)b) >= e->num_rows)
-            return 0;
-    /* Bounded above: count * nblocks <= cap rows of at most row_bytes each. */
+    /* The size the requester expects; bounded above: count * nblocks <= cap rows of at most
+     * a block each. */
     if (count * ((uint64_t)(nblocks - 1) * seg + last) != nbytes)
         return 0;
-    size_t k = 0;
-    for (uint64_t t = start; t < (uint64_t)start + count; t++) {
-        uint64_t base = e->addrs[t];
-        for (uint32_t b = 0; b < nblocks; b++) {
-            rows[2 * k] = base + rd64(ids + DD_ACCESS_BLOCK_SIZE * (size_t)b) * e->row_bytes;
-            rows[2 * k + 1] = b + 1 == nblocks ? last : seg;
-            k++;
-        }
-    }
-    return k;
+    return (size_t)count * nblocks;
 }
 
 /* Drop the first step bytes of the iovecs v[0, *n); the first one left (and *n updated). */
