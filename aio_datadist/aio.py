@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine
-from concurrent.futures import Future
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -37,10 +36,9 @@ from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.offload import INLINE_BYTES, run_native
 from aio_datadist._engine.plan import CopyPlan
 from aio_datadist._engine.planner import Planner
-from aio_datadist._engine.request import GRACE_S, Completion, Plan
+from aio_datadist._engine.request import Completion, Plan
 from aio_datadist._engine.routes import Waiting
 from aio_datadist._memory.pool import PoolStats
-from aio_datadist._native import api
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
@@ -81,12 +79,13 @@ def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
         waiter.set_result(completed)
 
 
-async def _wait(future: Future[None], deadline_ns: int) -> None:
-    """Await a request's future without cancelling it; raise its ``LLMException``.
+async def _wait(completion: Completion) -> None:
+    """Await a started request without cancelling it; raise its ``LLMException``.
 
     One loop future and one timer per wait: cancelling the awaiting task leaves the
     request alone (the transport completes it, and the plan releases its pins then).
     """
+    future = completion.future
     if not future.done():
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
@@ -99,8 +98,7 @@ async def _wait(future: Future[None], deadline_ns: int) -> None:
                 loop.call_soon_threadsafe(_settle_waiter, waiter, True)
 
         future.add_done_callback(wake)
-        remaining = max(0.0, (deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
-        timer = loop.call_later(remaining, _settle_waiter, waiter, False)
+        timer = loop.call_later(completion.timeout_s(), _settle_waiter, waiter, False)
         try:
             completed = await waiter
         finally:
@@ -118,7 +116,7 @@ async def _await(completion: Completion) -> None:
     channel = completion.channel
     unwatch = None if channel is None else channel.watch(asyncio.get_running_loop())
     try:
-        await _wait(completion.future, completion.deadline_ns)
+        await _wait(completion)
     finally:
         if unwatch is not None:
             unwatch()
@@ -132,7 +130,7 @@ async def _drain(started: list[Completion]) -> None:
     """
     settled = asyncio.ensure_future(
         asyncio.gather(
-            *(_wait(c.future, c.deadline_ns) for c in started if not c.done()),
+            *(_wait(c) for c in started if not c.done()),
             return_exceptions=True,
         )
     )
@@ -185,7 +183,7 @@ class _Driver:
             op = self._next()
             if op is None:
                 return
-            if isinstance(op, Start) and not (op.in_caller and op.nbytes > INLINE_BYTES):
+            if isinstance(op, Start) and not (op.nbytes > INLINE_BYTES and op.in_caller()):
                 self._begun(op.begin())
             elif isinstance(op, Wait) and op.completion.done():
                 self._error = op.completion.exception()  # type: ignore[assignment]

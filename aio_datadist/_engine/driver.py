@@ -45,25 +45,24 @@ __all__ = (
 
 
 class Start:
-    """Start one transfer: call :meth:`begin`; an ``in_caller`` payload of ``nbytes``
-    moves in the calling thread."""
+    """Start one transfer of ``nbytes``: call :meth:`begin` (inline, or on a worker thread
+    when :meth:`in_caller` and the payload is large)."""
 
-    __slots__ = ("deadline_ns", "in_caller", "nbytes", "routes", "transfer", "waiting")
+    __slots__ = ("deadline_ns", "nbytes", "routes", "transfer", "waiting")
 
     def __init__(
-        self,
-        routes: Sequence[Route],
-        transfer: Transfer,
-        deadline_ns: int,
-        waiting: Waiting,
-        in_caller: bool,
+        self, routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
     ) -> None:
         self.routes = routes
         self.transfer = transfer
         self.deadline_ns = deadline_ns
         self.waiting = waiting
         self.nbytes = transfer.nbytes
-        self.in_caller = in_caller
+
+    def in_caller(self) -> bool:
+        """True when starting moves the payload in the calling thread (the first route that
+        accepts the transfer says)."""
+        return first_accepting(self.routes, self.transfer).in_caller(self.transfer)
 
     def begin(self) -> Completion:
         """Start the transfer on the first route that takes it; a failure in the caller
@@ -110,10 +109,9 @@ def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Wait
     """The start of ``transfer`` on the routes of its link (none: it fails at once)."""
     try:
         routes: Sequence[Route] = links.route(transfer.cluster_id).routes
-        in_caller = first_accepting(routes, transfer).in_caller(transfer)
     except LLMException as exc:
-        routes, in_caller = (_Refused(exc),), False
-    return Start(routes, transfer, deadline_ns, waiting, in_caller)
+        routes = (_Refused(exc),)
+    return Start(routes, transfer, deadline_ns, waiting)
 
 
 class _Refused(Route):
@@ -126,6 +124,9 @@ class _Refused(Route):
 
     def accepts(self, transfer: Transfer) -> bool:
         return True
+
+    def in_caller(self, transfer: Transfer) -> bool:
+        return False
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         raise self.error
@@ -148,7 +149,10 @@ def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
     first: LLMException | None = None
     for completion in started:
         try:
-            yield Wait(completion)
+            if completion.done():  # nothing to wait for (a one-sided copy, say)
+                completion.raise_failure()
+            else:
+                yield Wait(completion)
         except LLMException as exc:
             first = first or exc
     if first is not None:

@@ -11,6 +11,7 @@ who waits, is decided later (``_engine.routes``, ``_engine.driver``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,11 +132,8 @@ class Planner:
         """Pin ``entries`` (registry lock held) for a plan of ``transfers``."""
         registry = self.caches.registry
         registry.pin(entries)
-        return Plan(
-            transfers,
-            api.monotonic_ns() + self.timeout_ms * 1_000_000,
-            lambda: registry.unpin(entries),
-        )
+        deadline_ns = api.monotonic_ns() + self.timeout_ms * 1_000_000
+        return Plan(transfers, deadline_ns, functools.partial(registry.unpin, entries))
 
     def _require_remote_access(self, call: str) -> None:
         if not self.remote_cache_accessible:

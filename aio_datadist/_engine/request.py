@@ -116,9 +116,20 @@ class Completion:
         """The failure of a completed request (None on success)."""
         return self.future.exception()
 
+    def raise_failure(self) -> None:
+        """Raise the failure of a completed request (nothing on success)."""
+        error = self.future.exception()
+        if error is not None:
+            raise error
+
     def add_done_callback(self, fn: Callable[[Future[None]], object]) -> None:
         """Call ``fn(future)`` once the request completed (at once when it has)."""
         self.future.add_done_callback(fn)
+
+    def timeout_s(self) -> float:
+        """Seconds a waiter gives the request: until its deadline, plus :data:`GRACE_S`
+        for the transport to report a timeout itself."""
+        return max(0.0, (self.deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
 
     def wait(self) -> None:
         """Wait in this thread (the blocking face): read the answer here where the link
@@ -131,9 +142,8 @@ class Completion:
             return
         if self.channel is not None and not future.done():
             self.channel.read_for(future, self.deadline_ns)
-        remaining = max(0.0, (self.deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
         try:
-            future.result(timeout=remaining)
+            future.result(timeout=self.timeout_s())
         except FutureTimeout:
             raise LLMTimeoutError(
                 "transfer did not complete within sync_kv_timeout",

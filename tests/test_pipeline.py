@@ -1,0 +1,162 @@
+"""The transfer pipeline's pieces: a link's route list, the first route that takes a
+transfer, and what a call does (every request starts, the first failure is raised once
+all ended, the pins go only when the last request completed)."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.domain import CommRoute
+from aio_datadist._engine.driver import Start, Wait, run_call
+from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
+from aio_datadist._engine.routes import (
+    CommunicatorRoute,
+    DeviceIpcRoute,
+    LinkRoute,
+    Route,
+    SameHostRoute,
+    Staged,
+    Waiting,
+    link_routes,
+    start_on,
+    with_communicator,
+    without_communicator,
+)
+from aio_datadist._transport.base import RequestKind
+from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.sync import drive
+
+S = LLMStatusCode
+
+
+def transfer(cluster_id: int = 1, *, device: bool = False) -> Transfer:
+    rows = np.array([[0x1000, 64]], dtype=np.uint64)
+    access = Access(Target.BLOCKS_KEY, tensor_count=1, seg_bytes=64, blocks=np.zeros(1, np.uint64))
+    return Transfer(
+        RequestKind.PULL,
+        cluster_id,
+        access,
+        rows,
+        entry=None,
+        device=device,
+        nbytes=64,  # type: ignore[arg-type]
+    )
+
+
+class Recorded(Route):
+    """A route that records what it started and answers as told."""
+
+    def __init__(self, name: str, *, takes: bool = True, outcome: Any = "done") -> None:
+        self.name = name
+        self.takes = takes
+        self.outcome = outcome
+        self.started: list[Transfer] = []
+
+    def accepts(self, t: Transfer) -> bool:
+        return self.takes
+
+    def start(self, t: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        self.started.append(t)
+        if self.outcome == "decline":
+            return None
+        if isinstance(self.outcome, LLMException):
+            raise self.outcome
+        if isinstance(self.outcome, Future):
+            return Completion(self.outcome, deadline_ns)
+        return DONE
+
+
+class Links:
+    """A link table stand-in: the routes of every cluster."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self.routes = routes
+
+    def route(self, cluster_id: int) -> Links:
+        if cluster_id == 404:
+            raise LLMException("not linked", status_code=S.LLM_NOT_YET_LINK)
+        return self
+
+
+class FakeChannel:
+    streams = False
+    pull_in_caller = False
+    push_in_caller = True
+
+
+def test_a_new_link_lists_its_routes_in_order() -> None:
+    channel: Any = FakeChannel()
+    peer: Any = object()
+    staging: Any = object()
+    assert [type(r) for r in link_routes(channel, None, staging)] == [LinkRoute, Staged]
+    routes = link_routes(channel, peer, staging)
+    assert [type(r) for r in routes] == [SameHostRoute, DeviceIpcRoute, LinkRoute, Staged]
+    member = CommRoute(communicator=object(), peer_rank=1)  # type: ignore[arg-type]
+    joined = with_communicator(routes, CommunicatorRoute(channel, member))
+    assert [type(r) for r in joined] == [
+        SameHostRoute,
+        CommunicatorRoute,
+        DeviceIpcRoute,
+        LinkRoute,
+        Staged,
+    ]
+    assert [type(r) for r in without_communicator(joined, member)] == [
+        SameHostRoute,
+        DeviceIpcRoute,
+        LinkRoute,
+        Staged,
+    ]
+    # Without a runtime to stage through, the link takes host rows only.
+    assert [type(r) for r in link_routes(channel, None, None)] == [LinkRoute]
+
+
+def test_the_first_route_that_takes_a_transfer_moves_it_and_a_decline_falls_through() -> None:
+    skip = Recorded("skip", takes=False)
+    decline = Recorded("decline", outcome="decline")
+    take = Recorded("take")
+    after = Recorded("after")
+    t = transfer()
+    assert start_on([skip, decline, take, after], t, 0, Waiting.CALLER) is DONE
+    assert (skip.started, decline.started, take.started, after.started) == ([], [t], [t], [])
+
+
+def test_a_call_starts_every_request_and_raises_the_first_failure_once_all_ended() -> None:
+    pending: Future[None] = Future()
+    refused = LLMException("no such cache", status_code=S.LLM_KV_CACHE_NOT_EXIST)
+    released: list[bool] = []
+    routes: list[Route] = [Recorded("a", outcome=pending)]
+    plan = Plan([transfer(), transfer(404), transfer()], 10**18, lambda: released.append(True))
+    call = run_call(plan, Links(routes), Waiting.CALLER)  # type: ignore[arg-type]
+    ops = []
+    op = next(call)
+    while isinstance(op, Start):
+        ops.append(op)
+        op = call.send(op.begin())
+    assert len(ops) == 3 and isinstance(op, Wait)
+    assert not released  # two requests run: the pins stay
+    pending.set_exception(refused)
+    with pytest.raises(LLMException) as info:
+        while True:
+            op = call.throw(refused) if op.completion.future is pending else call.send(None)
+    # The missing link of the second request started (and failed) like the others; the
+    # first failure in request order is what the call raises.
+    assert info.value is refused
+    assert released == [True]
+
+
+def test_the_blocking_face_drives_a_call_to_its_end() -> None:
+    released: list[bool] = []
+    route = Recorded("a")
+    plan = Plan([transfer(), transfer()], 10**18, lambda: released.append(True))
+    drive(run_call(plan, Links([route]), Waiting.CALLER))  # type: ignore[arg-type]
+    assert len(route.started) == 2 and released == [True]
+    refused = Recorded("b", outcome=LLMException("x", status_code=S.LLM_PARAM_INVALID))
+    plan = Plan([transfer()], 10**18, lambda: released.append(True))
+    with pytest.raises(LLMException) as info:
+        drive(run_call(plan, Links([refused]), Waiting.CALLER))  # type: ignore[arg-type]
+    assert info.value.status_code == S.LLM_PARAM_INVALID and released == [True, True]
