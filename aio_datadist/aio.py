@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -111,17 +111,6 @@ async def _wait(completion: Completion) -> None:
     future.result()
 
 
-async def _await(completion: Completion) -> None:
-    """Await a started request, with the loop watching its link while it waits."""
-    channel = completion.channel
-    unwatch = None if channel is None else channel.watch(asyncio.get_running_loop())
-    try:
-        await _wait(completion)
-    finally:
-        if unwatch is not None:
-            unwatch()
-
-
 async def _drain(started: list[Completion]) -> None:
     """Wait, through further cancellations, until every request has ended or timed out.
 
@@ -144,8 +133,10 @@ class _Driver:
 
     :meth:`advance` goes as far as the call can without waiting: starts whose payload is
     small or not moved in the caller, and waits for requests already complete. :meth:`finish`
-    awaits the rest. A cancelled awaiting task cancels nothing already started: it waits
-    until those requests ended, then lets the cancellation through.
+    awaits the rest. The loop watches each link the call's requests cross from before the
+    first is sent until the call ends, so it reads their answers itself (``Channel.watch``).
+    A cancelled awaiting task cancels nothing already started: it waits until those
+    requests ended, then lets the cancellation through.
     """
 
     def __init__(
@@ -161,6 +152,7 @@ class _Driver:
         self._error: Exception | None = None
         self._op: Start | Wait | Synchronize | None = None
         self._started: list[Completion] = []
+        self._watching: dict[object, Callable[[], None]] = {}
         #: True once the call ended.
         self.done = False
 
@@ -171,7 +163,26 @@ class _Driver:
             return self._call.send(reply) if error is None else self._call.throw(error)
         except StopIteration:
             self.done = True
+            self._unwatch()
             return None
+        except BaseException:
+            self._unwatch()
+            raise
+
+    def _watch(self, start: Start) -> None:
+        """Watch the link ``start`` will cross, before its request goes out."""
+        watched = start.watch(asyncio.get_running_loop())
+        if watched is not None:
+            link, end = watched
+            if link in self._watching:
+                end()  # watched already for this call
+            else:
+                self._watching[link] = end
+
+    def _unwatch(self) -> None:
+        watching, self._watching = self._watching, {}
+        for end in watching.values():
+            end()
 
     def _begun(self, completion: Completion) -> None:
         self._started.append(completion)
@@ -184,6 +195,7 @@ class _Driver:
             if op is None:
                 return
             if isinstance(op, Start) and not (op.nbytes > INLINE_BYTES and op.in_caller()):
+                self._watch(op)
                 self._begun(op.begin())
             elif isinstance(op, Wait) and op.completion.done():
                 self._error = op.completion.exception()  # type: ignore[assignment]
@@ -200,9 +212,10 @@ class _Driver:
                     return
                 try:
                     if isinstance(op, Start):
+                        self._watch(op)
                         self._begun(await run_native(op.begin, nbytes=op.nbytes))
                     elif isinstance(op, Wait):
-                        await _await(op.completion)
+                        await _wait(op.completion)
                     else:
                         self._reply = await self._synchronize(op.layer)
                 except asyncio.CancelledError:
@@ -211,7 +224,10 @@ class _Driver:
                     self._error = exc
         except asyncio.CancelledError:
             self._call.close()
-            await _drain(self._started)
+            try:
+                await _drain(self._started)
+            finally:
+                self._unwatch()
             raise
 
     async def _synchronize(self, layer: int) -> Any:

@@ -1397,3 +1397,81 @@ def test_reaper_runs_due_callbacks_in_order_and_skips_cancelled() -> None:
     assert done.wait(WAIT)
     assert fired == [1, 3]
     assert len(reaper) < 3000
+
+
+def loop_begins(channel: TcpChannel) -> list[int]:
+    """The payload sizes of the answers an event loop began to take on ``channel``."""
+    begun: list[int] = []
+    begin = channel._loop_begin
+
+    def spy(header: FrameHeader) -> bool:
+        taken = begin(header)
+        if taken:
+            begun.append(header.payload_len)
+        return taken
+
+    channel._loop_begin = spy  # type: ignore[method-assign]
+    return begun
+
+
+async def test_an_awaiting_loop_takes_a_payload_as_its_pieces_arrive(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    begun = loop_begins(channel)
+    loop = asyncio.get_running_loop()
+    n = 48 * KiB
+    payload = random_bytes(n, 7)
+    buf = np.zeros(n, np.uint8)
+    future = channel.pull(request([(0, n)]), rows(buf, [(0, n)]), n, deadline())
+    end = channel.watch(loop)
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=n))
+    for k in range(0, n, 16 * KiB):  # three pieces, the loop goes on between them
+        conn.sendall(payload[k : k + 16 * KiB].tobytes())
+        await asyncio.sleep(0.02)
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert end is not None
+    end()
+    np.testing.assert_array_equal(buf, payload)
+    assert begun == [n] and channel._loop_fd >= 0  # the loop took every piece itself
+    # The link goes on: the next pull's answer is taken whole.
+    buf2 = np.zeros(KiB, np.uint8)
+    future = channel.pull(request([(0, KiB)]), rows(buf2, [(0, KiB)]), KiB, deadline())
+    end = channel.watch(loop)
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + bytes(KiB))
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert end is not None
+    end()
+
+
+async def test_a_deadline_mid_payload_on_the_loop_fails_the_pull_and_the_link_goes_on(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    begun = loop_begins(channel)
+    loop = asyncio.get_running_loop()
+    n = 32 * KiB
+    buf = np.zeros(n, np.uint8)
+    future = channel.pull(request([(0, n)]), rows(buf, [(0, n)]), n, after_s(0.2))
+    end = channel.watch(loop)
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=n))
+    conn.sendall(bytes(n // 2))  # half, then the peer dawdles past the deadline
+    with pytest.raises(LLMException) as info:
+        await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT and "of 32768" in str(info.value)
+    assert begun == [n] and channel._loop_fd < 0  # the loop gave up and handed it back
+    assert end is not None
+    end()
+    before = buf.copy()
+    conn.sendall(b"\xff" * (n // 2))  # the rest arrives late: discarded, never written
+    buf2 = np.zeros(KiB, np.uint8)
+    future = channel.pull(request([(0, KiB)]), rows(buf2, [(0, KiB)]), KiB, deadline())
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + b"\x01" * KiB)
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert (buf2 == 1).all()
+    np.testing.assert_array_equal(buf, before)
+    assert not channel.closed

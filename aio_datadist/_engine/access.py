@@ -33,11 +33,20 @@ import numpy.typing as npt
 from aio_datadist._native import wire
 from aio_datadist._transport._wire import MAX_PAYLOAD, WireError
 
-__all__ = ("Access", "Target", "decode_access", "encode_access", "encode_blocks_access")
+__all__ = (
+    "NO_ROWS",
+    "Access",
+    "Target",
+    "decode_access",
+    "encode_access",
+    "encode_blocks_access",
+)
 
 U64s = npt.NDArray[np.uint64]
 _EMPTY: U64s = np.empty(0, dtype=np.uint64)
 _EMPTY_ROWS: U64s = np.empty((0, 2), dtype=np.uint64)
+#: No ``(addr, len)`` rows (never written to): what an access without raw rows holds.
+NO_ROWS = _EMPTY_ROWS
 
 #: Most blocks or address rows one request may name.
 MAX_ROWS = wire.ACCESS_MAX_ROWS

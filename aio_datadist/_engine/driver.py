@@ -19,8 +19,9 @@ functions do.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +64,14 @@ class Start:
         """True when starting moves the payload in the calling thread (the first route that
         accepts the transfer says)."""
         return first_accepting(self.routes, self.transfer).in_caller(self.transfer)
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> tuple[object, Callable[[], None]] | None:
+        """Let ``loop`` read the answers of the link the request will cross (the first route
+        that accepts the transfer says; ``Channel.watch``): that link, and the call that
+        ends the watch; None when the request moves one-sided or the link declines."""
+        channel = first_accepting(self.routes, self.transfer).link()
+        end = None if channel is None else channel.watch(loop)
+        return None if end is None else (channel, end)
 
     def begin(self) -> Completion:
         """Start the transfer on the first route that takes it; a failure in the caller

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.access import NO_ROWS, Access, Target
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.request import Blocks, Plan, Transfer
@@ -203,6 +203,8 @@ class Planner:
             tensor_count=remote[1],
             seg_bytes=seg,
             blocks=np.asarray(blocks, dtype=np.uint64),
+            rows=NO_ROWS,
+            deliver=NO_ROWS,
         )
 
     # -- pulls ----------------------------------------------------------------------------

@@ -110,17 +110,18 @@ class Completion:
 
     def done(self) -> bool:
         """True once the request completed (successfully or not)."""
-        return self.future.done()
+        return self.future is _DONE_FUTURE or self.future.done()
 
     def exception(self) -> BaseException | None:
         """The failure of a completed request (None on success)."""
-        return self.future.exception()
+        return None if self.future is _DONE_FUTURE else self.future.exception()
 
     def raise_failure(self) -> None:
         """Raise the failure of a completed request (nothing on success)."""
-        error = self.future.exception()
-        if error is not None:
-            raise error
+        if self.future is not _DONE_FUTURE:
+            error = self.future.exception()
+            if error is not None:
+                raise error
 
     def add_done_callback(self, fn: Callable[[Future[None]], object]) -> None:
         """Call ``fn(future)`` once the request completed (at once when it has)."""

@@ -76,6 +76,10 @@ class Route(ABC):
     #: Short name, for logs and docs.
     name: str
 
+    def link(self) -> Channel | None:
+        """The link its requests cross (a waiter may watch it); None for one-sided routes."""
+        return None
+
     @abstractmethod
     def accepts(self, transfer: Transfer) -> bool:
         """True when this route may take ``transfer`` (cheap; no I/O)."""
@@ -172,6 +176,9 @@ class CommunicatorRoute(Route):
         self.channel = channel
         self.member = member
 
+    def link(self) -> Channel | None:
+        return self.channel
+
     def accepts(self, transfer: Transfer) -> bool:
         return transfer.device and self.member.takes(transfer.rows)
 
@@ -191,6 +198,9 @@ class LinkRoute(Route):
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
+
+    def link(self) -> Channel | None:
+        return self.channel
 
     def accepts(self, transfer: Transfer) -> bool:
         return not transfer.device
@@ -230,6 +240,9 @@ class Staged(Route):
     def __init__(self, inner: LinkRoute, staging: Staging) -> None:
         self.inner = inner
         self.staging = staging
+
+    def link(self) -> Channel | None:
+        return self.inner.channel
 
     def accepts(self, transfer: Transfer) -> bool:
         return transfer.device

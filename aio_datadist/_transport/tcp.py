@@ -49,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import enum
 import errno
 import fcntl
 import functools
@@ -144,6 +145,21 @@ _IDLE_S = 60.0
 #: wake it, which costs the sender more than the message on a virtual machine.
 _CALLERS_NS = 5_000_000
 _PARK_TICK_S = 0.001
+#: While an event loop reads the socket, the reader thread looks this often whether the
+#: loop closed without giving the socket back, or left bytes waiting a whole tick (it is
+#: blocked: the reader thread then reads the next frame itself).
+_LOOP_PARK_S = 0.002
+#: ... backing off to this while the link is idle.
+_LOOP_PARK_MAX_S = 0.1
+
+
+class _Later(enum.Enum):
+    """What the loop learns of a frame whose start has not fully arrived: ask again later."""
+
+    LATER = enum.auto()
+
+
+_LATER = _Later.LATER
 #: Largest answer frame (header, body and payload) an awaiting event loop reads itself; a
 #: bigger one goes to the reader thread, so the loop never copies for long.
 LOOP_READ_BYTES = 256 << 10
@@ -541,6 +557,13 @@ class TcpChannel(Channel):
         self._watch_loop: asyncio.AbstractEventLoop | None = None
         self._watchers = 0
         self._loop_fd = -1  # a duplicate of the socket's descriptor, in the loop's selector
+        # An answer the loop is receiving as its bytes arrive: the request, the rows still
+        # to fill, the bytes still due, and the timer that gives up at its deadline.
+        self._loop_req: _Request | None = None
+        self._loop_iov: Iov | None = None
+        self._loop_left = 0
+        self._loop_timer: asyncio.TimerHandle | None = None
+        self._loop_reads = 0  # times the loop came to read: the reader thread sees it is alive
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -1104,7 +1127,30 @@ class TcpChannel(Channel):
         # thread stays off the socket.
         spin = 0
         try:
+            stalled = -1  # the loop's read count when the socket was last seen waiting
+            tick = _LOOP_PARK_S
             while not self._broken:
+                if self._loop_fd >= 0:  # an event loop reads: off the socket until it is done
+                    self._park.wait(tick)
+                    self._park.clear()
+                    self._reclaim_from_closed_loop()
+                    if self._loop_fd < 0 or not self._readable_now():
+                        stalled = -1
+                        tick = min(2 * tick, _LOOP_PARK_MAX_S)  # an idle link: look less often
+                        continue
+                    tick = _LOOP_PARK_S
+                    if stalled != self._loop_reads:  # give the loop a tick to come to it
+                        stalled = self._loop_reads
+                        continue
+                    # Bytes waited a whole tick and the loop never came: it is blocked (a
+                    # synchronous call on it, say). Take the next frame here, so the peer's
+                    # requests are served whatever the loop does.
+                    stalled = -1
+                    failure = self._read_for_stalled_loop()
+                    if failure is not None:
+                        reason = failure
+                        break
+                    continue
                 if now_ns() < self._callers_until:
                     self._park.wait(_PARK_TICK_S)
                     self._park.clear()
@@ -1117,8 +1163,8 @@ class TcpChannel(Channel):
                         reason = f"the peer stalled mid-frame for {self._stall_s} s"
                         break
                 spin = 0
-                if not readable:
-                    continue
+                if not readable or self._loop_fd >= 0:
+                    continue  # (an event loop began watching meanwhile: the frame is its)
                 with self._rlock:  # a caller reading its own answer has it meanwhile
                     if self._broken:
                         break
@@ -1222,14 +1268,15 @@ class TcpChannel(Channel):
         """Let ``loop`` (running in the calling thread) read the answers of the requests it
         awaits; the returned call ends this wait's part in it.
 
-        While the loop watches, its selector watches the socket, and the loop thread takes
-        each small answer (:data:`LOOP_READ_BYTES` at most, all of it arrived) itself and
-        completes its request there: no reader-thread wake-up and no hand-over to the loop,
-        which on a virtual machine cost more than the answer. The reader thread stays off
-        the socket while the loop's requests keep coming, looking every millisecond. The
-        first frame of anything else (the peer's requests, a bigger or partial answer,
-        another thread reading) sends the reader thread back to the socket, and the loop
-        stops watching until its next request.
+        While the loop watches, its selector watches the socket and the reader thread stays
+        off it. The loop takes each answer of at most :data:`LOOP_READ_BYTES` itself,
+        receiving its payload straight into the request's rows as the bytes arrive (never
+        waiting: it goes on at the next readiness) and completing the request there: no
+        reader-thread wake-up and no hand-over to the loop, which on a virtual machine cost
+        more than the answer. The loop keeps watching between its requests. The first frame
+        of anything else (the peer's requests, a bigger answer, a payload for segments)
+        sends the reader thread back to the socket at that frame's start, and the loop stops
+        watching until its next request.
         """
         if self._watch_loop is not None and self._watch_loop is not loop:
             return None  # another loop watches this link; this one waits as usual
@@ -1256,9 +1303,12 @@ class TcpChannel(Channel):
         if self._watchers == 0 and self._loop_fd < 0:
             self._watch_loop = None
 
-    def _disarm(self) -> None:
+    def _disarm(self, failure: LLMException | None = None) -> None:
         """Stop the loop watching the socket and send the reader thread back to it (on the
-        loop's thread)."""
+        loop's thread). An answer the loop was receiving fails with ``failure`` (the link's
+        failure by default) and the rest of its bytes are owed to the reader thread."""
+        if self._loop_req is not None:
+            self._loop_abort(failure or self._link_failed())
         fd, self._loop_fd = self._loop_fd, -1
         loop = self._watch_loop
         if self._watchers == 0:
@@ -1271,18 +1321,85 @@ class TcpChannel(Channel):
             finally:
                 os.close(fd)
 
+    def _read_for_stalled_loop(self) -> str | None:
+        """Read the next frame in the reader thread while a blocked loop watches (the rest
+        of an answer it was receiving, or any frame); why the channel must break, if so."""
+        with self._rlock:
+            if self._broken:
+                return None
+            req = self._loop_req
+            if req is None:
+                return self._read_frame()
+            iov = self._loop_iov
+            assert iov is not None
+            try:
+                if self._loop_left:
+                    sock_recvv(self._fd, iov, req.deadline_ns or after_s(self._stall_s))
+            except NetTimeout as exc:
+                self._loop_left -= exc.transferred
+                moved = req.nbytes - self._loop_left
+                self._loop_abort(
+                    _error(
+                        LLMStatusCode.LLM_TIMEOUT,
+                        f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
+                    )
+                )
+                return None
+            except (PeerClosed, OSError) as exc:
+                self._loop_abort(self._link_failed())
+                return f"receive failed: {exc}"
+            self._loop_done()
+            req.outcome = None
+            self._complete(req)
+            if req.commit:
+                self._reader_send(_Send(_frame(FrameKind.PULL_DONE, req.rid)))
+            return None
+
+    def _reclaim_from_closed_loop(self) -> None:
+        """The reader thread's check while parked for a loop: a loop that closed without
+        giving the socket back (its selector went with it) leaves it to this thread."""
+        loop = self._watch_loop
+        if self._loop_fd >= 0 and loop is not None and loop.is_closed():
+            with self._rlock:
+                if self._loop_req is not None:
+                    self._loop_abort(self._link_failed())
+                fd, self._loop_fd = self._loop_fd, -1
+                if fd >= 0:
+                    os.close(fd)
+
     def _loop_read(self) -> None:
-        """The socket is readable (on the watching loop's thread): take the small answers
-        there, or hand the socket back to the reader thread."""
+        """The socket is readable (on the watching loop's thread): take the answers there,
+        as their bytes arrive, or hand the socket back to the reader thread."""
+        self._loop_reads += 1
         if not self._rlock.acquire(blocking=False):  # another thread reads and completes
             self._disarm()
             return
         try:
             self._callers_until = now_ns() + _CALLERS_NS
             while True:
-                if self._broken or self._owed or not self._loop_answer_waiting():
+                if self._broken:
                     self._disarm()
                     return
+                if self._loop_req is not None:
+                    if not self._loop_receive():
+                        return  # the rest comes later, or the link broke over it
+                    if not self._readable_now():
+                        return
+                    continue
+                if self._owed:
+                    self._disarm()
+                    return
+                next_up = self._loop_answer_next()
+                if next_up is None:
+                    self._disarm()
+                    return
+                if isinstance(next_up, _Later):
+                    return
+                if next_up.kind is FrameKind.PULL_DATA:
+                    if not self._loop_begin(next_up):
+                        self._disarm()
+                        return
+                    continue
                 if not self._read_frame_here("an event loop reading an answer"):
                     self._disarm()
                     return
@@ -1291,24 +1408,114 @@ class TcpChannel(Channel):
         finally:
             self._rlock.release()
 
-    def _loop_answer_waiting(self) -> bool:
-        """True when an answer frame of :data:`LOOP_READ_BYTES` at most is next on the
-        socket and has arrived whole (``_rlock`` held)."""
+    def _loop_begin(self, header: FrameHeader) -> bool:
+        """Start receiving the pull answer ``header`` announces on the loop (``_rlock``
+        held); False, nothing read, when the reader thread must take it instead (no such
+        request, a size that does not match, a payload for segments)."""
+        rid = header.request_id
+        with self._lock:
+            req = self._pending.get(rid)
+            if (
+                req is None
+                or req.kind is not RequestKind.PULL
+                or req.busy
+                or req.nbytes != header.payload_len
+                or not isinstance(req.dst, np.ndarray)
+            ):
+                return False
+            del self._pending[rid]
+        try:
+            _recv_view(self._fd, memoryview(self._hdr), self._stall_s)  # there, whole
+        except BaseException:
+            req.outcome = self._link_failed()
+            self._complete(req)
+            raise
+        self._served = False
+        self._loop_req, self._loop_iov, self._loop_left = req, req.dst, req.nbytes
+        loop = self._watch_loop
+        if req.deadline_ns > 0 and loop is not None:
+            self._loop_timer = loop.call_at(req.deadline_ns / 1e9, self._loop_expired, req)
+        return True
+
+    def _loop_receive(self) -> bool:
+        """Receive what arrived of the answer the loop takes, never waiting; True once it is
+        whole (its request completed), False while bytes are still due or the link broke."""
+        req, iov = self._loop_req, self._loop_iov
+        assert req is not None and iov is not None
+        if self._loop_left:
+            try:
+                sock_recvv(self._fd, iov, 1)  # a deadline in the past: takes what is there
+            except NetTimeout as exc:
+                self._loop_iov = _iov_skip(iov, exc.transferred)
+                self._loop_left -= exc.transferred
+                return False
+            except (PeerClosed, OSError) as exc:
+                self._loop_abort(self._link_failed())
+                self._break(f"receive failed: {exc}")
+                return False
+        self._loop_done()
+        req.outcome = None
+        self._complete(req)
+        if req.commit:
+            self._reader_send(_Send(_frame(FrameKind.PULL_DONE, req.rid)))
+        return True
+
+    def _loop_done(self) -> None:
+        if self._loop_timer is not None:
+            self._loop_timer.cancel()
+        self._loop_req, self._loop_iov, self._loop_left, self._loop_timer = None, None, 0, None
+
+    def _loop_abort(self, failure: LLMException) -> None:
+        """Fail the answer the loop was receiving; its rows are no longer touched, and the
+        bytes still due are owed (the reader thread discards them)."""
+        req, left = self._loop_req, self._loop_left
+        assert req is not None
+        self._loop_done()
+        self._owed += left
+        req.outcome = failure
+        self._complete(req)
+
+    def _loop_expired(self, req: _Request) -> None:
+        """The deadline of the answer the loop receives passed (on the loop): fail it and let
+        the reader thread discard the rest."""
+        if self._loop_req is not req:
+            return
+        with self._rlock:
+            if self._loop_req is req:
+                moved = req.nbytes - self._loop_left
+                self._disarm(
+                    _error(
+                        LLMStatusCode.LLM_TIMEOUT,
+                        f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
+                    )
+                )
+
+    def _loop_answer_next(self) -> FrameHeader | _Later | None:
+        """What is next on the socket for the loop (``_rlock`` held): the header of an answer
+        it takes (one of at most :data:`LOOP_READ_BYTES`; a pull's payload may still be
+        arriving, any other answer has arrived whole), :data:`_LATER` when that is not known
+        yet, or None when the reader thread must take the next frame."""
         try:
             head = self._sock.recv(_HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return _LATER
         except OSError:
-            return False
+            return None
+        if not head:
+            return None  # closed: the reader thread reports it
         if len(head) < _HEADER_SIZE:
-            return False  # closed, or a header still arriving: the reader thread waits for it
+            return _LATER  # the rest of the header follows at once
         try:
             header = decode_header(head)
         except WireError:
-            return False  # the reader thread breaks the link over it
+            return None  # the reader thread breaks the link over it
         size = _HEADER_SIZE + header.body_len + header.payload_len
         if header.kind not in _ANSWERS or size > LOOP_READ_BYTES:
-            return False
+            return None
+        if header.kind is FrameKind.PULL_DATA:
+            return header if not header.body_len else None
         arrived = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
-        return int.from_bytes(arrived, sys.byteorder) >= size
+        return header if int.from_bytes(arrived, sys.byteorder) >= size else _LATER
 
     def _read_frame_here(self, who: str) -> bool:
         """:meth:`_read_frame` in a thread other than the reader's (``_rlock`` held);
