@@ -29,6 +29,8 @@ def info(remote: int, port: int | None = None, *, local: bool = True) -> LLMClus
 class _Refuse:
     """A request handler with no memory to serve."""
 
+    serve_table = None
+
     def serve(
         self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False
     ) -> Served:

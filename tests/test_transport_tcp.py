@@ -92,6 +92,8 @@ def deadline(seconds: float = WAIT) -> int:
 class MemoryHandler:
     """Serves requests from a numpy array; the body names ``(offset, len)`` rows of it."""
 
+    serve_table = None
+
     def __init__(self, size: int = MiB, seed: int = 0) -> None:
         self.mem = random_bytes(size, seed) if seed else np.zeros(size, np.uint8)
         self.events: list[tuple[str, int, bool]] = []  # ("done"|"commit", key, ok)
@@ -1109,6 +1111,8 @@ CHILD = textwrap.dedent(
     mem = np.random.default_rng(1234).integers(0, 256, 1 << 20, dtype=np.uint8)
 
     class Handler:
+        serve_table = None
+
         def serve(self, peer, kind, body, nbytes, *, stream=False):
             reader = BodyReader(body)
             mode = reader.u8()

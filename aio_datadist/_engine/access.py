@@ -31,7 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from aio_datadist._native import wire
-from aio_datadist._transport._wire import MAX_PAYLOAD, WireError
+from aio_datadist._transport import MAX_PAYLOAD, WireError
 
 __all__ = (
     "NO_ROWS",

@@ -27,9 +27,8 @@ from aio_datadist._log import get_logger
 from aio_datadist._memory.staging import Mask, Staged, Streamed
 from aio_datadist._native import api
 from aio_datadist._native.serve import ServeTable
-from aio_datadist._transport._wire import WireError
+from aio_datadist._transport import WireError, after_s
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
-from aio_datadist._transport.deadlines import after_s
 from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
 
 __all__ = ("Server", "access_rows")

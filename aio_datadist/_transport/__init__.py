@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from aio_datadist._transport._wire import MAX_PAYLOAD, WireError
 from aio_datadist._transport.auth import LinkSecret
 from aio_datadist._transport.base import Transport
+from aio_datadist._transport.deadlines import after_s
 
-__all__ = ("DEFAULT_BUSY_POLL_US", "DEFAULT_TRANSPORT", "make_transport")
+__all__ = (
+    "DEFAULT_BUSY_POLL_US",
+    "DEFAULT_TRANSPORT",
+    "MAX_PAYLOAD",
+    "WireError",
+    "after_s",
+    "make_transport",
+)
 
 #: The transport used when the ``aio.Transport`` option is not set.
 DEFAULT_TRANSPORT = "tcp"

@@ -25,6 +25,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._native.serve import ServeTable
 from aio_datadist._transport.auth import LinkSecret
 from aio_datadist._transport.samehost import HostPresence
 from aio_datadist.enums import LLMRole
@@ -123,6 +124,12 @@ class Served:
 
 class RequestHandler(Protocol):
     """The engine's serving side, handed to the transport with every channel."""
+
+    @property
+    def serve_table(self) -> ServeTable | None:
+        """The small blocks requests the transport may answer in native code without
+        asking :meth:`serve` (``_native.serve``); None when the handler offers none."""
+        ...
 
     def serve(
         self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False

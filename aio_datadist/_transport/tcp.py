@@ -81,7 +81,7 @@ from aio_datadist._native.api import (
     sock_tune,
     sock_wait_readable,
 )
-from aio_datadist._native.serve import ServeTable, ServeWorker
+from aio_datadist._native.serve import ServeWorker
 from aio_datadist._transport import DEFAULT_BUSY_POLL_US
 from aio_datadist._transport._wire import (
     HEADER,
@@ -547,9 +547,9 @@ class TcpChannel(Channel):
         # Payload bytes of an answer nobody takes, still to discard before the next frame:
         # the reader thread drains them, so a reading caller never waits on a stalled peer.
         self._owed = 0
-        table = getattr(handler, "serve_table", None)
         # Small pulls and pushes of blocks the reader thread answers in native code.
-        self._native: ServeWorker | None = table.worker() if isinstance(table, ServeTable) else None
+        table = handler.serve_table
+        self._native: ServeWorker | None = None if table is None else table.worker()
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
         # An event loop reading the answers of the requests it awaits (see watch); its
@@ -594,6 +594,17 @@ class TcpChannel(Channel):
             self._break(reason, shutdown=False)
             self._join(after_s(1.0))
             raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, reason) from exc
+
+    @contextlib.contextmanager
+    def sends_held(self) -> Generator[None, None, None]:
+        """Hold every send of this channel (requests and answers queue) while the block
+        runs: the listener's HELLO_ACK goes out before anything else."""
+        with self._slock:
+            yield
+
+    def abort(self, reason: str) -> None:
+        """Break this end now for ``reason`` (the handshake could not be finished)."""
+        self._break(reason)
 
     # -- Channel contract --------------------------------------------------------------------
     @property
@@ -2039,9 +2050,9 @@ class TcpListener(Listener):
             busy_poll_us=transport.busy_poll_us,
         )
         channel.authenticated = transcript is not None
-        # Hold the send lock from registration to HELLO_ACK: a request the server side sends
-        # on the new channel meanwhile goes out after the acknowledgement.
-        with channel._slock:
+        # Hold the channel's sends from registration to HELLO_ACK: a request the server side
+        # sends on the new channel meanwhile goes out after the acknowledgement.
+        with channel.sends_held():
             with self._lock:
                 if self._closed:
                     refusal: LinkRefused | None = LinkRefused(
@@ -2085,7 +2096,7 @@ class TcpListener(Listener):
             else:
                 failure = None
         if failure is not None:
-            channel._break(failure)
+            channel.abort(failure)
         else:
             self._log.info(
                 "tcp.accepted",
