@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""Small pulls in a steady loop: the latency of one call through each face and route.
+
+Run: python benchmarks/bench_small_pull.py [--face sync|async] [--route link|samehost]
+                                            [--calls 3000] [--blocks 1]
+
+A prompt process (``tests/peer_prompt.py``: 4 tensors x 64 blocks of 64 KiB) serves over TCP
+on 127.0.0.1; this process links to it and pulls ``--blocks`` random blocks of one tensor per
+call, ``--calls`` times, one call after the other: the blocking ``pull_blocks`` in a plain
+loop, or the awaited one in one long-running event loop (the shared harness instead starts
+its loop for every call, which it then mostly measures). Prints the p50/p99 latency after
+100 warm-up calls, the process CPU time per call (every thread; busy polling included) and
+GB/s at the p50. Uses the public API only, so the same script measures any two builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("AIO_DATADIST_RUNTIME", "host")  # numpy memory stands in for caches
+
+from aio_datadist import (
+    AsyncLLMDataDist,
+    BlocksCacheKey,
+    CacheDesc,
+    DataType,
+    LLMClusterInfo,
+    LLMConfig,
+    LLMDataDist,
+    LLMRole,
+    Placement,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+TENSORS, BLOCKS, BLOCK = 4, 64, 64 * 1024
+WARMUP = 100
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def options(same_host: bool) -> dict[str, str]:
+    cfg = LLMConfig()
+    cfg.device_id = 0
+    cfg.enable_cache_manager = True
+    cfg.enable_remote_cache_accessible = True
+    cfg.mem_pool_cfg = json.dumps({"memory_size": 256 << 20})
+    cfg.transport = "tcp"
+    cfg.same_host = same_host
+    return dict(cfg.generate_options())
+
+
+def report(args: argparse.Namespace, lat: list[float], cpu: float) -> None:
+    ms = np.array(lat[WARMUP:]) * 1e6
+    p50 = float(np.percentile(ms, 50))
+    print(
+        f"{args.face:5} {args.route:8} blocks={args.blocks} p50 {p50:.1f} us "
+        f"p99 {np.percentile(ms, 99):.1f} us  cpu/call {cpu / len(lat) * 1e6:.1f} us  "
+        f"{args.blocks * BLOCK / p50 / 1e3:.2f} GB/s"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--face", choices=("sync", "async"), default="async")
+    parser.add_argument("--route", choices=("link", "samehost"), default="link")
+    parser.add_argument("--calls", type=int, default=3000)
+    parser.add_argument("--blocks", type=int, default=1)
+    args = parser.parse_args()
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    peer = subprocess.Popen(
+        [
+            sys.executable,
+            str(ROOT / "tests" / "peer_prompt.py"),
+            str(port),
+            str(BLOCKS),
+            str(BLOCK),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+    )
+    assert peer.stdout is not None and peer.stdout.readline().strip() == b"ready"
+    info = LLMClusterInfo()
+    info.remote_cluster_id = 1
+    info.append_local_ip_info("127.0.0.1", 0)
+    info.append_remote_ip_info("127.0.0.1", port)
+    desc = CacheDesc(TENSORS, [BLOCKS, BLOCK], DataType.DT_UINT8, Placement.DEVICE)
+    rng = np.random.default_rng(1)
+    n = args.calls + WARMUP
+    picks = [
+        (
+            rng.permutation(BLOCKS)[: args.blocks].tolist(),
+            rng.permutation(BLOCKS)[: args.blocks].tolist(),
+        )
+        for _ in range(n)
+    ]
+
+    def call_args(i: int) -> tuple[list[int], list[int], dict[str, Any]]:
+        layer = range(i % TENSORS, i % TENSORS + 1)
+        kwargs = {"src_layer_range": layer, "dst_layer_range": layer, "tensor_num_per_layer": 1}
+        return picks[i][0], picks[i][1], kwargs
+
+    try:
+        if args.face == "sync":
+            dd = LLMDataDist(LLMRole.DECODER, 2)
+            dd.init(options(args.route == "samehost"))
+            cm = dd.cache_manager
+            cache = cm.allocate_blocks_cache(desc)
+            assert dd.link_clusters([info], 5000)[0] == 0
+            lat = []
+            cpu = time.process_time()
+            for i in range(n):
+                src, dst, kwargs = call_args(i)
+                t = time.perf_counter()
+                cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                lat.append(time.perf_counter() - t)
+            report(args, lat, time.process_time() - cpu)
+            dd.finalize()
+        else:
+
+            async def run() -> None:
+                dd = AsyncLLMDataDist(LLMRole.DECODER, 2)
+                await dd.init(options(args.route == "samehost"))
+                cm = dd.cache_manager
+                cache = await cm.allocate_blocks_cache(desc)
+                assert (await dd.link_clusters([info], 5000))[0] == 0
+                lat = []
+                cpu = time.process_time()
+                for i in range(n):
+                    src, dst, kwargs = call_args(i)
+                    t = time.perf_counter()
+                    await cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                    lat.append(time.perf_counter() - t)
+                report(args, lat, time.process_time() - cpu)
+                await dd.finalize()
+
+            asyncio.run(run())
+    finally:
+        assert peer.stdin is not None
+        peer.stdin.close()
+        peer.wait(10)
+
+
+if __name__ == "__main__":
+    main()
