@@ -143,14 +143,17 @@ class _Refused(Route):
 
 def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
     """A pull or push call: start every transfer of ``plan``, then wait for each; raise
-    the first failure once all ended. A blocking caller with one request runs its round
-    trip itself (``Waiting.EXCHANGE``)."""
+    the first failure once all ended. A blocking caller starts each request in its own
+    thread (no :class:`Start` is yielded) and with one request runs its round trip itself
+    (``Waiting.EXCHANGE``)."""
     if waiting is Waiting.CALLER and len(plan.transfers) == 1:
         waiting = Waiting.EXCHANGE
     started: list[Completion] = []
+    inline = waiting is not Waiting.LOOP  # a blocking caller starts every request itself
     try:
         for transfer in plan.transfers:
-            completion = yield _start(links, transfer, plan.deadline_ns, waiting)
+            start = _start(links, transfer, plan.deadline_ns, waiting)
+            completion = start.begin() if inline else (yield start)
             plan.track(completion)
             started.append(completion)
     finally:

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
-from aio_datadist._engine.access import NO_ROWS, Access, Target
+from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry
-from aio_datadist._engine.request import Blocks, Plan, Transfer
+from aio_datadist._engine.request import Blocks, Plan, RemoteBlocks, Transfer
 from aio_datadist._native import api
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
@@ -106,7 +106,7 @@ class Planner:
         self,
         cluster_id: int,
         kind: RequestKind,
-        access: Access,
+        access: Access | RemoteBlocks,
         local: Iov | Blocks,
         entry: CacheEntry,
         *,
@@ -194,18 +194,9 @@ class Planner:
     @staticmethod
     def _blocks_access(
         key: BlocksCacheKey, remote: tuple[int, int], seg: int, blocks: Any
-    ) -> Access:
-        """The access naming whole blocks of the peer's blocks cache ``key``."""
-        return Access(
-            Target.BLOCKS_KEY,
-            ident=key.model_id,
-            tensor_start=remote[0],
-            tensor_count=remote[1],
-            seg_bytes=seg,
-            blocks=np.asarray(blocks, dtype=np.uint64),
-            rows=NO_ROWS,
-            deliver=NO_ROWS,
-        )
+    ) -> RemoteBlocks:
+        """Whole blocks of the peer's blocks cache ``key`` (its access built on demand)."""
+        return RemoteBlocks(key.model_id, remote[0], remote[1], blocks, seg)
 
     # -- pulls ----------------------------------------------------------------------------
     def pull_cache(
@@ -287,6 +278,7 @@ class Planner:
             check_blocks("dst_blocks", dst_blocks, entry.num_rows)
             remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
             seg = entry.row_bytes
+            access: Access | RemoteBlocks
             if isinstance(src_cache_key, BlocksCacheKey):
                 access = self._blocks_access(src_cache_key, remote, seg, src_blocks)
             else:

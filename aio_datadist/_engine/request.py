@@ -16,16 +16,17 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 
-from aio_datadist._engine.access import Access
+import numpy as np
+
+from aio_datadist._engine.access import NO_ROWS, Access, Target
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._native import api
 from aio_datadist._native.api import BlockLayout
 from aio_datadist._transport.base import Channel, Iov, RequestKind
 from aio_datadist.status import LLMStatusCode, LLMTimeoutError
 
-__all__ = ("DONE", "GRACE_S", "Blocks", "Completion", "Plan", "Transfer")
+__all__ = ("DONE", "GRACE_S", "Blocks", "Completion", "Plan", "RemoteBlocks", "Transfer")
 
 #: Extra time a waiter gives a transport past the deadline before reporting a timeout itself.
 GRACE_S = 5.0
@@ -47,26 +48,97 @@ class Blocks:
         self.seg = seg
 
 
-@dataclass(slots=True, eq=False)
+class RemoteBlocks:
+    """The peer's memory named compactly: ``seg`` bytes (whole blocks) of each listed block
+    of ``count`` tensors from ``start`` of its blocks cache ``model_id``. A transfer holding
+    one builds its :class:`Access` only when a route needs it."""
+
+    __slots__ = ("blocks", "count", "model_id", "seg", "start")
+
+    def __init__(
+        self, model_id: int, start: int, count: int, blocks: Sequence[int], seg: int
+    ) -> None:
+        self.model_id = model_id
+        self.start = start
+        self.count = count
+        self.blocks = blocks
+        self.seg = seg
+
+    def access(self) -> Access:
+        """The :class:`Access` naming the same memory."""
+        return Access(
+            Target.BLOCKS_KEY,
+            ident=self.model_id,
+            tensor_start=self.start,
+            tensor_count=self.count,
+            seg_bytes=self.seg,
+            blocks=np.asarray(self.blocks, dtype=np.uint64),
+            rows=NO_ROWS,
+            deliver=NO_ROWS,
+        )
+
+
 class Transfer:
     """One request: which local rows move to or from which memory of which peer.
 
     ``local`` is explicit ``(addr, len)`` rows, or :class:`Blocks` whose rows are built on
-    demand (:attr:`rows`), so that a route moving blocks natively never builds them.
+    demand (:attr:`rows`); the peer's memory is an :class:`Access`, or
+    :class:`RemoteBlocks` whose access is built on demand (:attr:`access`): a route moving
+    blocks natively builds neither.
     """
 
-    kind: RequestKind
-    cluster_id: int
-    access: Access
-    local: Iov | Blocks
-    #: The local cache holding the rows (pinned by the plan).
-    entry: CacheEntry
-    #: True when ``local`` is device memory of this engine's runtime.
-    device: bool = False
-    #: The peer commits (drops the key it was asked by) once every byte landed here.
-    commit: bool = False
-    nbytes: int = 0
-    _rows: Iov | None = None
+    __slots__ = (
+        "_access",
+        "_rows",
+        "cluster_id",
+        "commit",
+        "device",
+        "entry",
+        "kind",
+        "local",
+        "nbytes",
+        "remote",
+    )
+
+    def __init__(
+        self,
+        kind: RequestKind,
+        cluster_id: int,
+        access: Access | RemoteBlocks,
+        local: Iov | Blocks,
+        entry: CacheEntry,
+        *,
+        device: bool = False,
+        commit: bool = False,
+        nbytes: int = 0,
+    ) -> None:
+        self.kind = kind
+        self.cluster_id = cluster_id
+        #: The peer's memory in compact form, when it was named so (else None).
+        self.remote: RemoteBlocks | None = access if isinstance(access, RemoteBlocks) else None
+        self._access: Access | None = None if self.remote is not None else access  # type: ignore[assignment]
+        self.local = local
+        #: The local cache holding the rows (pinned by the plan).
+        self.entry = entry
+        #: True when ``local`` is device memory of this engine's runtime.
+        self.device = device
+        #: The peer commits (drops the key it was asked by) once every byte landed here.
+        self.commit = commit
+        self.nbytes = nbytes
+        self._rows: Iov | None = None
+
+    @property
+    def access(self) -> Access:
+        """The :class:`Access` naming the peer's memory."""
+        if self._access is None:
+            assert self.remote is not None
+            self._access = self.remote.access()
+        return self._access
+
+    @property
+    def target(self) -> Target:
+        """How the access names the peer's cache."""
+        return Target.BLOCKS_KEY if self.remote is not None else self.access.target
 
     @property
     def rows(self) -> Iov:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from enum import Enum
 
-from aio_datadist._engine.access import Target, encode_access
+from aio_datadist._engine.access import encode_access, encode_blocks_access
 from aio_datadist._engine.domain import NO_ROWS, CommRoute
 from aio_datadist._engine.onesided import PeerMemory
 from aio_datadist._engine.request import DONE, Blocks, Completion, Transfer, completed
@@ -107,29 +107,22 @@ class SameHostRoute(Route):
         self.peer = peer
 
     def accepts(self, transfer: Transfer) -> bool:
-        return (
-            not transfer.device and not transfer.commit and self.peer.serves(transfer.access.target)
-        )
+        return not transfer.device and not transfer.commit and self.peer.serves(transfer.target)
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        access, local = transfer.access, transfer.local
-        if (
-            isinstance(local, Blocks)
-            and access.target is Target.BLOCKS_KEY
-            and not access.tail_bytes
-            and access.seg_bytes == local.seg
-        ):
+        remote, local = transfer.remote, transfer.local
+        if remote is not None and isinstance(local, Blocks) and remote.seg == local.seg:
             moved = self.peer.transfer_blocks(
                 transfer.kind,
-                access.ident,
-                (access.tensor_start, access.tensor_count),
-                access.blocks,  # type: ignore[arg-type]  # a 1-D uint64 array will do
+                remote.model_id,
+                (remote.start, remote.count),
+                remote.blocks,
                 (local.layout, local.start, local.blocks),
                 local.count,
                 local.seg,
             )
         else:
-            moved = self.peer.transfer(transfer.kind, access, transfer.rows)
+            moved = self.peer.transfer(transfer.kind, transfer.access, transfer.rows)
         return DONE if moved else None
 
 
@@ -143,13 +136,23 @@ class DeviceIpcRoute(Route):
         self.peer = peer
 
     def accepts(self, transfer: Transfer) -> bool:
-        return transfer.device and not transfer.commit and self.peer.serves(transfer.access.target)
+        return transfer.device and not transfer.commit and self.peer.serves(transfer.target)
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         moved = self.peer.transfer(
             transfer.kind, transfer.access, transfer.rows, local_on_device=True
         )
         return DONE if moved else None
+
+
+def _body(transfer: Transfer) -> bytes:
+    """The request body naming the transfer's memory on the peer."""
+    remote = transfer.remote
+    if remote is not None:
+        return encode_blocks_access(
+            remote.model_id, remote.start, remote.count, remote.seg, remote.blocks
+        )
+    return encode_access(transfer.access)
 
 
 def _request(
@@ -212,7 +215,7 @@ class LinkRoute(Route):
         )
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        body = encode_access(transfer.access)
+        body = _body(transfer)
         if waiting is Waiting.EXCHANGE and not transfer.commit:
             future = self.channel.exchange(
                 transfer.kind, body, transfer.rows, transfer.nbytes, deadline_ns
@@ -226,7 +229,7 @@ class LinkRoute(Route):
     def send(self, transfer: Transfer, local: Payload, deadline_ns: int) -> Future[None]:
         """Send ``transfer``'s request with its payload from or into ``local`` (host rows,
         or segments where the channel streams)."""
-        body = encode_access(transfer.access)
+        body = _body(transfer)
         return _request(self.channel, transfer, body, local, transfer.nbytes, deadline_ns)
 
 
