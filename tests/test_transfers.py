@@ -136,6 +136,20 @@ async def expect_status(status: LLMStatusCode, coro: Any) -> LLMException:
 
 
 # -- pull_cache ---------------------------------------------------------------------------
+async def test_a_pulled_key_is_gone_for_the_very_next_pull(make_pair: PairFactory) -> None:
+    # The puller confirms (PULL_DONE) before its call returns, so the peer drops the key
+    # before it sees the next request: a repeated pull is refused, every time.
+    pair = await make_pair()
+    dst = await pair.decoder.cm.allocate_cache(batch_desc(rows=1))
+    for req_id in range(30):
+        key = CacheKey(1, req_id=100 + req_id)
+        src = await pair.prompt.cache_manager.allocate_cache(batch_desc(rows=1), [key])
+        await pair.decoder.cm.pull_cache(key, dst)
+        await expect_status(S.LLM_KV_CACHE_NOT_EXIST, pair.decoder.cm.pull_cache(key, dst))
+        await pair.prompt.cache_manager.deallocate_cache(src)
+    await pair.decoder.cm.deallocate_cache(dst)
+
+
 async def test_pull_cache_by_key_moves_bytes_and_drops_the_key(make_pair: PairFactory) -> None:
     pair = await make_pair()
     pcm = pair.prompt.cache_manager

@@ -1479,3 +1479,29 @@ async def test_a_deadline_mid_payload_on_the_loop_fails_the_pull_and_the_link_go
     assert (buf2 == 1).all()
     np.testing.assert_array_equal(buf, before)
     assert not channel.closed
+
+
+def test_a_committing_pull_confirms_before_it_completes(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    # The caller's next request must follow PULL_DONE on the link, so that the peer drops
+    # the pulled key before it sees that request: PULL_DONE is out when the pull completes.
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    buf = np.zeros(KiB, np.uint8)
+    future = channel.pull(request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline(), commit=True)
+    seen: list[bytes] = []
+
+    def on_done(_: Future[None]) -> None:  # what the peer can read at that moment
+        try:
+            seen.append(conn.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except BlockingIOError:
+            seen.append(b"")
+
+    header, _ = read_frame(conn)
+    assert header.kind is FrameKind.PULL
+    future.add_done_callback(on_done)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + bytes(KiB))
+    assert future.result(WAIT) is None
+    assert len(seen) == 1 and len(seen[0]) == HEADER.size
+    done = decode_header(seen[0])
+    assert (done.kind, done.request_id) == (FrameKind.PULL_DONE, header.request_id)

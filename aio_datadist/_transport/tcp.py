@@ -1361,9 +1361,7 @@ class TcpChannel(Channel):
                 return f"receive failed: {exc}"
             self._loop_done()
             req.outcome = None
-            self._complete(req)
-            if req.commit:
-                self._reader_send(_Send(_frame(FrameKind.PULL_DONE, req.rid)))
+            self._landed(req)
             return None
 
     def _reclaim_from_closed_loop(self) -> None:
@@ -1466,9 +1464,7 @@ class TcpChannel(Channel):
                 return False
         self._loop_done()
         req.outcome = None
-        self._complete(req)
-        if req.commit:
-            self._reader_send(_Send(_frame(FrameKind.PULL_DONE, req.rid)))
+        self._landed(req)
         return True
 
     def _loop_done(self) -> None:
@@ -1678,9 +1674,19 @@ class TcpChannel(Channel):
             self._owed = h.payload_len - moved
             return
         req.outcome = None
-        self._complete(req)
-        if req.commit:
-            self._reader_send(_Send(_frame(FrameKind.PULL_DONE, req.rid)))
+        self._landed(req)
+
+    def _landed(self, req: _Request) -> None:
+        """Every byte of pull ``req`` landed: complete it. A pull that asked the peer to
+        commit (drop the key it named) sends PULL_DONE first, and completes once that frame
+        is out: the caller's next request follows it on the link, so a pull of the same key
+        meets the key dropped."""
+        if not req.commit:
+            self._complete(req)
+            return
+        self._reader_send(
+            _Send(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: self._complete(req))
+        )
 
     def _on_error(self, h: FrameHeader, body: bytearray) -> None:
         message = decode_error_text(body)
