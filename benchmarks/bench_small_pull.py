@@ -2,7 +2,7 @@
 """Small pulls in a steady loop: the latency of one call through each face and route.
 
 Run: python benchmarks/bench_small_pull.py [--face sync|async] [--route link|samehost]
-                                            [--calls 3000] [--blocks 1]
+                                            [--calls 3000] [--blocks 1] [--concurrent N]
 
 A prompt process (``tests/peer_prompt.py``: 4 tensors x 64 blocks of 64 KiB) serves over TCP
 on 127.0.0.1; this process links to it and pulls ``--blocks`` random blocks of one tensor per
@@ -10,7 +10,9 @@ call, ``--calls`` times, one call after the other: the blocking ``pull_blocks`` 
 loop, or the awaited one in one long-running event loop (the shared harness instead starts
 its loop for every call, which it then mostly measures). Prints the p50/p99 latency after
 100 warm-up calls, the process CPU time per call (every thread; busy polling included) and
-GB/s at the p50. Uses the public API only, so the same script measures any two builds.
+GB/s at the p50. ``--concurrent N`` (async face) instead awaits N pulls at once over the one
+link, ``--calls`` times, and prints the wall time of each wave and the CPU time per transfer.
+Uses the public API only, so the same script measures any two builds.
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def options(same_host: bool) -> dict[str, str]:
+def options(same_host: bool, timeout_ms: int = 1000) -> dict[str, str]:
     cfg = LLMConfig()
+    cfg.sync_kv_timeout = timeout_ms  # a wave of concurrent calls shares the one link
     cfg.device_id = 0
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
@@ -80,6 +83,7 @@ def main() -> None:
     parser.add_argument("--route", choices=("link", "samehost"), default="link")
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--blocks", type=int, default=1)
+    parser.add_argument("--concurrent", type=int, default=0)
     args = parser.parse_args()
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -136,19 +140,42 @@ def main() -> None:
 
             async def run() -> None:
                 dd = AsyncLLMDataDist(LLMRole.DECODER, 2)
-                await dd.init(options(args.route == "samehost"))
+                await dd.init(
+                    options(args.route == "samehost", 600_000 if args.concurrent else 1000)
+                )
                 cm = dd.cache_manager
                 cache = await cm.allocate_blocks_cache(desc)
                 assert (await dd.link_clusters([info], 5000))[0] == 0
-                lat = []
-                cpu = time.process_time()
-                for i in range(n):
-                    src, dst, kwargs = call_args(i)
-                    t = time.perf_counter()
-                    await cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
-                    lat.append(time.perf_counter() - t)
-                report(args, lat, time.process_time() - cpu)
+                if args.concurrent:
+                    await waves(cm, cache)
+                else:
+                    lat = []
+                    cpu = time.process_time()
+                    for i in range(n):
+                        src, dst, kwargs = call_args(i)
+                        t = time.perf_counter()
+                        await cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                        lat.append(time.perf_counter() - t)
+                    report(args, lat, time.process_time() - cpu)
                 await dd.finalize()
+
+            async def waves(cm: Any, cache: Any) -> None:
+                width = args.concurrent
+                for wave in range(args.calls):
+                    calls = [call_args(i % n) for i in range(wave * width, (wave + 1) * width)]
+                    cpu, t = time.process_time(), time.perf_counter()
+                    await asyncio.gather(
+                        *(
+                            cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                            for src, dst, kwargs in calls
+                        )
+                    )
+                    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
+                    print(
+                        f"async {args.route:8} {width} concurrent pulls: wall {wall * 1e3:.1f} ms "
+                        f"({wall / width * 1e6:.1f} us/transfer)  "
+                        f"cpu/transfer {cpu / width * 1e6:.1f} us"
+                    )
 
             asyncio.run(run())
     finally:

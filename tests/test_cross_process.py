@@ -368,6 +368,38 @@ async def test_a_killed_peer_reads_as_a_failed_link_until_unlinked(
 
 
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)
+async def test_a_thousand_concurrent_awaited_pulls_over_one_link(
+    decoder: Any, peer_factory: Any, route: str
+) -> None:
+    # Answers of many requests in flight interleave on the socket with the loop busy
+    # starting the rest: whoever reads them, every byte lands where its request said.
+    blocks, block_bytes = 16, 64 * 1024
+    peer = peer_factory(blocks, block_bytes)
+    face = await decoder(timeout_ms=60_000)
+    await link(face, peer)
+    cache = await face.cm.allocate_blocks_cache(blocks_desc(blocks, block_bytes))
+
+    def pull(i: int) -> Any:  # one block of one tensor
+        layer = range(i % TENSORS, i % TENSORS + 1)
+        return face.cm.pull_blocks(
+            BlocksCacheKey(1, 0),
+            cache,
+            [i % blocks],
+            [i % blocks],
+            src_layer_range=layer,
+            dst_layer_range=layer,
+            tensor_num_per_layer=1,
+        )
+
+    await asyncio.gather(*(pull(i) for i in range(1000)))
+    for t, view in enumerate(cache.as_numpy()):  # block b came from tensor b % TENSORS
+        pulled = [b for b in range(blocks) if b % TENSORS == t]
+        np.testing.assert_array_equal(view[pulled], pattern(t, blocks, block_bytes)[pulled])
+    check_route(face, route)
+    await face.cm.deallocate_blocks_cache(cache)
+
+
+@pytest.mark.parametrize("face_kind", ["async"], indirect=True)
 async def test_event_loop_keeps_running_during_a_256_mib_pull(
     decoder: Any, peer_factory: Any, loop_lag: list[float]
 ) -> None:

@@ -1481,6 +1481,46 @@ async def test_a_deadline_mid_payload_on_the_loop_fails_the_pull_and_the_link_go
     assert not channel.closed
 
 
+async def test_a_loop_that_comes_back_while_the_reader_finishes_its_answer_leaves_it_there(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    # The loop began an answer, then blocked: the reader thread took the rest over. A
+    # readiness the loop sees meanwhile (its selector reports the descriptor it shares)
+    # must neither fail that answer nor let anyone read from the middle of its payload.
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    begun = loop_begins(channel)
+    loop = asyncio.get_running_loop()
+    n = 48 * KiB
+    payload = random_bytes(n, 11)
+    buf = np.zeros(n, np.uint8)
+    future = channel.pull(request([(0, n)]), rows(buf, [(0, n)]), n, deadline())
+    end = channel.watch(loop)
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=n))
+    conn.sendall(payload[: 16 * KiB].tobytes())
+    await asyncio.sleep(0.05)
+    assert begun == [n] and not future.done()
+    conn.sendall(payload[16 * KiB : 32 * KiB].tobytes())
+    limit = time.monotonic() + WAIT
+    while not channel._rlock.locked():  # the loop stays blocked: the reader thread takes over
+        assert time.monotonic() < limit
+        time.sleep(0.001)
+    channel._loop_read()  # the loop's selector fires while that thread has the answer
+    assert not future.done()
+    conn.sendall(payload[32 * KiB :].tobytes())
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    np.testing.assert_array_equal(buf, payload)
+    assert end is not None
+    end()
+    # The stream is still in step: the next answer lands whole and the link stays up.
+    buf2 = np.zeros(KiB, np.uint8)
+    future = channel.pull(request([(0, KiB)]), rows(buf2, [(0, KiB)]), KiB, deadline())
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + b"\x02" * KiB)
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert (buf2 == 2).all() and not channel.closed
+
+
 def test_a_committing_pull_confirms_before_it_completes(
     raw_server: RawServer, cleanup: Cleanup
 ) -> None:

@@ -728,7 +728,7 @@ class TcpChannel(Channel):
             return super().exchange(kind, body, local, nbytes, deadline_ns)
         if not self._rlock.acquire(blocking=False):
             return super().exchange(kind, body, local, nbytes, deadline_ns)
-        if self._owed or self.closed or not self._slock.acquire(blocking=False):
+        if not self._at_frame_start() or self.closed or not self._slock.acquire(blocking=False):
             self._rlock.release()
             return super().exchange(kind, body, local, nbytes, deadline_ns)
         return self._exchange(kind, body, local, nbytes, deadline_ns)
@@ -873,11 +873,12 @@ class TcpChannel(Channel):
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        # An answer the loop was receiving is failed by the reader thread on its way out.
         if running is loop or loop.is_closed():
-            self._disarm()
+            self._stop_watching()
             return
         with contextlib.suppress(RuntimeError):  # closed meanwhile: the selector went with it
-            loop.call_soon_threadsafe(self._disarm)
+            loop.call_soon_threadsafe(self._stop_watching)
 
     def _join(self, deadline_ns: int) -> None:
         """Wait until the reader and sender threads ended, at most until ``deadline_ns``."""
@@ -1179,6 +1180,8 @@ class TcpChannel(Channel):
                 with self._rlock:  # a caller reading its own answer has it meanwhile
                     if self._broken:
                         break
+                    if self._loop_fd >= 0:
+                        continue  # the loop began watching while this thread waited
                     # A caller may have taken what woke this thread; small pulls and
                     # pushes may be answered natively.
                     waiting = self._answer_natively()
@@ -1200,6 +1203,8 @@ class TcpChannel(Channel):
             # Only now may the descriptor go: no sender holds the lock with the link up, and
             # no caller reads from it.
             with self._rlock, self._slock, self._lock:
+                if self._loop_req is not None:  # the loop stopped watching mid-answer
+                    self._loop_abort(self._link_failed())
                 self._sock.close()
 
     def _answer_natively(self) -> bool | str:
@@ -1211,7 +1216,7 @@ class TcpChannel(Channel):
         reader sends; the rest of an answer the kernel took in part goes to the sender.
         """
         native = self._native
-        if native is None or self._owed:
+        if native is None or not self._at_frame_start():
             return self._readable_now()
         with self._qcond:
             idle = not self._sendq and not self._sender_active and not self._sender_exited
@@ -1259,7 +1264,7 @@ class TcpChannel(Channel):
             return
         self._callers_until = now_ns() + _CALLERS_NS
         try:
-            while not future.done() and not self._broken and not self._owed:
+            while not future.done() and not self._broken and self._at_frame_start():
                 limit = now_ns() + spin
                 if deadline_ns > 0:
                     limit = min(limit, deadline_ns)
@@ -1272,7 +1277,7 @@ class TcpChannel(Channel):
                     return
         finally:
             self._rlock.release()
-            if not future.done() or self._pending or self._owed:
+            if not future.done() or self._pending or not self._at_frame_start():
                 self._unpark()  # answers still to come: the reader thread takes over now
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
@@ -1316,10 +1321,17 @@ class TcpChannel(Channel):
 
     def _disarm(self, failure: LLMException | None = None) -> None:
         """Stop the loop watching the socket and send the reader thread back to it (on the
-        loop's thread). An answer the loop was receiving fails with ``failure`` (the link's
-        failure by default) and the rest of its bytes are owed to the reader thread."""
+        loop's thread, ``_rlock`` held). An answer the loop was receiving fails with
+        ``failure`` (the link's failure by default) and the rest of its bytes are owed to
+        the reader thread."""
         if self._loop_req is not None:
             self._loop_abort(failure or self._link_failed())
+        self._stop_watching()
+
+    def _stop_watching(self) -> None:
+        """Take the socket out of the loop's selector and send the reader thread back to it
+        (on the loop's thread). An answer the loop was receiving stays the loop's request:
+        whoever reads next finishes it (:meth:`_read_frame`)."""
         fd, self._loop_fd = self._loop_fd, -1
         loop = self._watch_loop
         if self._watchers == 0:
@@ -1336,33 +1348,40 @@ class TcpChannel(Channel):
         """Read the next frame in the reader thread while a blocked loop watches (the rest
         of an answer it was receiving, or any frame); why the channel must break, if so."""
         with self._rlock:
-            if self._broken:
-                return None
-            req = self._loop_req
-            if req is None:
-                return self._read_frame()
-            iov = self._loop_iov
-            assert iov is not None
-            try:
-                if self._loop_left:
-                    sock_recvv(self._fd, iov, req.deadline_ns or after_s(self._stall_s))
-            except NetTimeout as exc:
-                self._loop_left -= exc.transferred
-                moved = req.nbytes - self._loop_left
-                self._loop_abort(
-                    _error(
-                        LLMStatusCode.LLM_TIMEOUT,
-                        f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
-                    )
+            return None if self._broken else self._read_frame()
+
+    def _at_frame_start(self) -> bool:
+        """Whether the next byte on the socket starts a frame (``_rlock`` held): no answer
+        the loop receives is in flight and nothing is owed. Only :meth:`_read_frame` reads
+        anywhere else."""
+        return self._loop_req is None and not self._owed
+
+    def _finish_loop_answer(self) -> str | None:
+        """Receive the rest of the answer the loop began (``_rlock`` held, in a thread that
+        may wait: the loop stopped coming to it) and complete it; why the channel must
+        break, if so."""
+        req, iov = self._loop_req, self._loop_iov
+        assert req is not None and iov is not None
+        try:
+            if self._loop_left:
+                sock_recvv(self._fd, iov, req.deadline_ns or after_s(self._stall_s))
+        except NetTimeout as exc:
+            self._loop_left -= exc.transferred
+            moved = req.nbytes - self._loop_left
+            self._loop_abort(
+                _error(
+                    LLMStatusCode.LLM_TIMEOUT,
+                    f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
                 )
-                return None
-            except (PeerClosed, OSError) as exc:
-                self._loop_abort(self._link_failed())
-                return f"receive failed: {exc}"
-            self._loop_done()
-            req.outcome = None
-            self._landed(req)
+            )
             return None
+        except (PeerClosed, OSError) as exc:
+            self._loop_abort(self._link_failed())
+            return f"receive failed: {exc}"
+        self._loop_done()
+        req.outcome = None
+        self._landed(req)
+        return None
 
     def _reclaim_from_closed_loop(self) -> None:
         """The reader thread's check while parked for a loop: a loop that closed without
@@ -1381,7 +1400,7 @@ class TcpChannel(Channel):
         as their bytes arrive, or hand the socket back to the reader thread."""
         self._loop_reads += 1
         if not self._rlock.acquire(blocking=False):  # another thread reads and completes
-            self._disarm()
+            self._stop_watching()
             return
         try:
             self._callers_until = now_ns() + _CALLERS_NS
@@ -1487,7 +1506,11 @@ class TcpChannel(Channel):
         the reader thread discard the rest."""
         if self._loop_req is not req:
             return
-        with self._rlock:
+        if not self._rlock.acquire(blocking=False):  # held for a moment: look again soon
+            loop = asyncio.get_running_loop()
+            self._loop_timer = loop.call_later(_LOOP_PARK_S, self._loop_expired, req)
+            return
+        try:
             if self._loop_req is req:
                 moved = req.nbytes - self._loop_left
                 self._disarm(
@@ -1496,6 +1519,8 @@ class TcpChannel(Channel):
                         f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
                     )
                 )
+        finally:
+            self._rlock.release()
 
     def _loop_answer_next(self) -> FrameHeader | _Later | None:
         """What is next on the socket for the loop (``_rlock`` held): the header of an answer
@@ -1554,6 +1579,8 @@ class TcpChannel(Channel):
     def _read_frame(self) -> str | None:
         """Read and handle one frame (``_rlock`` held), after discarding what is owed; why
         the channel must break, if so."""
+        if self._loop_req is not None:
+            return self._finish_loop_answer()
         try:
             if self._owed:
                 owed, self._owed = self._owed, 0
