@@ -11,6 +11,7 @@ itself). Local copies run inline when small and on a worker thread when large.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Callable, Coroutine
 from functools import partial
@@ -72,6 +73,14 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
+
+
+def _loop_idle() -> bool:
+    """True when nothing but the running callback is ready on the running loop, so that a
+    busy-poll of a few microseconds delays no other task. Known for asyncio's own loops
+    (their ready queue); any other loop counts as busy."""
+    ready = getattr(asyncio.get_running_loop(), "_ready", None)
+    return isinstance(ready, collections.deque) and not ready
 
 
 def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
@@ -195,6 +204,8 @@ class _Driver:
             if op is None:
                 return
             if isinstance(op, Start) and not (op.nbytes > INLINE_BYTES and op.in_caller()):
+                if op.waiting is Waiting.LOOP_EXCHANGE and not _loop_idle():
+                    op.waiting = Waiting.LOOP  # others are ready to run: never busy-poll
                 self._watch(op)
                 self._begun(op.begin())
             elif isinstance(op, Wait) and op.completion.done():
@@ -212,6 +223,7 @@ class _Driver:
                     return
                 try:
                     if isinstance(op, Start):
+                        op.waiting = Waiting.LOOP  # moved on a worker thread
                         self._watch(op)
                         self._begun(await run_native(op.begin, nbytes=op.nbytes))
                     elif isinstance(op, Wait):

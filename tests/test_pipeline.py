@@ -4,6 +4,7 @@ all ended, the pins go only when the last request completed)."""
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Future
 from typing import Any
 
@@ -28,6 +29,7 @@ from aio_datadist._engine.routes import (
     without_communicator,
 )
 from aio_datadist._transport.base import RequestKind
+from aio_datadist.aio import _Driver
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.sync import drive
 
@@ -56,12 +58,14 @@ class Recorded(Route):
         self.takes = takes
         self.outcome = outcome
         self.started: list[Transfer] = []
+        self.waiting: list[Waiting] = []
 
     def accepts(self, t: Transfer) -> bool:
         return self.takes
 
     def start(self, t: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         self.started.append(t)
+        self.waiting.append(waiting)
         if self.outcome == "decline":
             return None
         if isinstance(self.outcome, LLMException):
@@ -161,3 +165,28 @@ def test_the_blocking_face_drives_a_call_to_its_end() -> None:
     with pytest.raises(LLMException) as info:
         drive(run_call(plan, Links([refused]), Waiting.CALLER))  # type: ignore[arg-type]
     assert info.value.status_code == S.LLM_PARAM_INVALID and released == [True, True]
+
+
+def test_a_blocking_call_of_one_request_runs_its_round_trip_in_the_caller() -> None:
+    route = Recorded("a")
+    for n, waiting in ((1, Waiting.EXCHANGE), (2, Waiting.CALLER)):
+        plan = Plan([transfer() for _ in range(n)], 10**18, lambda: None)
+        drive(run_call(plan, Links([route]), Waiting.CALLER))  # type: ignore[arg-type]
+        assert route.waiting[-n:] == [waiting] * n
+
+
+async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_ready() -> None:
+    async def call(n: int) -> None:
+        plan = Plan([transfer() for _ in range(n)], 10**18, lambda: None)
+        await _Driver(run_call(plan, Links([route]), Waiting.LOOP)).finish()  # type: ignore[arg-type]
+
+    route = Recorded("a")
+    await call(1)
+    await call(2)
+    assert route.waiting == [Waiting.LOOP_EXCHANGE, Waiting.LOOP, Waiting.LOOP]
+    route.waiting.clear()
+    # Another task ready to run: this one never holds the loop to busy-poll.
+    other = asyncio.get_running_loop().create_task(asyncio.sleep(0))
+    await call(1)
+    await other
+    assert route.waiting == [Waiting.LOOP]

@@ -39,6 +39,7 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
+from aio_datadist._transport import tcp
 from aio_datadist._transport.tcp import TcpChannel
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
@@ -323,12 +324,20 @@ async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
 ) -> None:
     readers: list[str] = []  # the thread that completed each request
     complete = TcpChannel._complete
+    take_answer = tcp.sock_take_answer
 
     def spy(channel: TcpChannel, req: Any) -> None:
         readers.append(threading.current_thread().name)
         complete(channel, req)
 
+    def spy_take(*args: Any, **kwargs: Any) -> bool:
+        taken = take_answer(*args, **kwargs)
+        if taken:  # an exchange took its answer whole in the call
+            readers.append(threading.current_thread().name)
+        return taken
+
     monkeypatch.setattr(TcpChannel, "_complete", spy)
+    monkeypatch.setattr(tcp, "sock_take_answer", spy_take)
     pair = await make_pair(same_host=False, remote_accessible=True)
     desc = CacheDesc(2, [8, 256], DataType.DT_FLOAT, Placement.DEVICE)
     p_arrays = pair.arrays(2, 8, 256, seed=4)
@@ -342,8 +351,9 @@ async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
         await push_blocks(pair.decoder, BlocksCacheKey(1, 0), d_cache, [i % 8], [i % 8])
     for p, d in zip(p_arrays, d_cache.as_numpy(), strict=True):
         np.testing.assert_array_equal(d.view(np.float32).reshape(8, 256), p)
-    # The loop read the answers itself (a pull's payload straight into its rows): all but
-    # the few the reader thread met first while the loop was not watching yet.
+    # The loop read the answers itself (a pull's payload straight into its rows, in the
+    # call or at its readiness): all but the few the reader thread met first while the
+    # loop was not watching yet.
     loop_thread = threading.current_thread().name
     assert len(readers) == 40 and readers.count(loop_thread) >= 30, readers
     await pair.decoder.cm.deallocate_blocks_cache(d_cache)

@@ -1545,3 +1545,90 @@ def test_a_committing_pull_confirms_before_it_completes(
     assert len(seen) == 1 and len(seen[0]) == HEADER.size
     done = decode_header(seen[0])
     assert (done.kind, done.request_id) == (FrameKind.PULL_DONE, header.request_id)
+
+
+def answer_in_parts(
+    conn: socket.socket, payload: U8, first: int, pause_s: float
+) -> threading.Thread:
+    """A peer thread: read one pull, answer with its header and ``first`` payload bytes,
+    then the rest after ``pause_s``."""
+
+    def run() -> None:
+        header, _ = read_frame(conn)
+        n = len(payload)
+        conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=n))
+        conn.sendall(payload[:first].tobytes())
+        time.sleep(pause_s)
+        conn.sendall(payload[first:].tobytes())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+async def test_an_exchange_on_the_loop_takes_a_prompt_answer_inline(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=2_000_000)
+    end = channel.watch(asyncio.get_running_loop())
+    assert end is not None
+    n = 8 * KiB
+    payload = random_bytes(n, 21)
+    buf = np.zeros(n, np.uint8)
+    peer = answer_in_parts(conn, payload, n, 0.0)
+    future = channel.exchange(
+        RequestKind.PULL, request([(0, n)]), rows(buf, [(0, n)]), n, deadline(), on_loop=True
+    )
+    assert future is None  # taken in the call, within its busy-poll time
+    np.testing.assert_array_equal(buf, payload)
+    peer.join(WAIT)
+    end()
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["arrives", "deadline"])
+async def test_an_exchange_on_the_loop_leaves_a_slow_payload_to_the_loop(
+    raw_server: RawServer, cleanup: Cleanup, late: bool
+) -> None:
+    # The loop may busy-poll for its answer, never wait on it: a payload still arriving when
+    # the busy-poll time ends arrives on the loop, which stays free meanwhile.
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=50_000)
+    loop = asyncio.get_running_loop()
+    end = channel.watch(loop)
+    assert end is not None
+    n = 64 * KiB
+    payload = random_bytes(n, 22)
+    buf = np.zeros(n, np.uint8)
+    pause = 0.6 if late else 0.3
+    peer = answer_in_parts(conn, payload, 16 * KiB, pause)
+    started = time.monotonic()
+    future = channel.exchange(
+        RequestKind.PULL,
+        request([(0, n)]),
+        rows(buf, [(0, n)]),
+        n,
+        after_s(0.3) if late else deadline(),
+        on_loop=True,
+    )
+    assert future is not None and not future.done()
+    assert time.monotonic() - started < 0.25  # back on the loop before the rest came
+    ticks = 0
+    while not future.done():
+        await asyncio.sleep(0.01)
+        ticks += 1
+    assert ticks >= 5  # the loop ran while the payload arrived
+    if late:
+        with pytest.raises(LLMException) as info:
+            future.result()
+        assert info.value.status_code is LLMStatusCode.LLM_TIMEOUT
+    else:
+        assert future.result() is None
+        np.testing.assert_array_equal(buf, payload)
+    peer.join(WAIT)
+    end()
+    # The stream is still in step: the next answer lands whole and the link stays up.
+    buf2 = np.zeros(KiB, np.uint8)
+    future = channel.pull(request([(0, KiB)]), rows(buf2, [(0, KiB)]), KiB, deadline())
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + b"\x03" * KiB)
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert (buf2 == 3).all() and not channel.closed

@@ -74,13 +74,8 @@ class Start:
         return None if end is None else (channel, end)
 
     def begin(self) -> Completion:
-        """Start the transfer on the first route that takes it; a failure in the caller
-        becomes a failed completion (so every transfer of a call starts, and the call
-        reports the first failure)."""
-        try:
-            return start_on(self.routes, self.transfer, self.deadline_ns, self.waiting)
-        except LLMException as exc:
-            return _failed(exc, self.deadline_ns)
+        """Start the transfer on the first route that takes it (see :func:`_begin`)."""
+        return _begin(self.routes, self.transfer, self.deadline_ns, self.waiting)
 
 
 class Wait:
@@ -114,13 +109,29 @@ def _failed(error: LLMException, deadline_ns: int) -> Completion:
     return Completion(future, deadline_ns)
 
 
-def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Start:
-    """The start of ``transfer`` on the routes of its link (none: it fails at once)."""
+def _begin(
+    routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
+) -> Completion:
+    """Start ``transfer`` on the first of ``routes`` that takes it; a failure in the caller
+    becomes a failed completion (so every transfer of a call starts, and the call reports
+    the first failure)."""
     try:
-        routes: Sequence[Route] = links.route(transfer.cluster_id).routes
+        return start_on(routes, transfer, deadline_ns, waiting)
     except LLMException as exc:
-        routes = (_Refused(exc),)
-    return Start(routes, transfer, deadline_ns, waiting)
+        return _failed(exc, deadline_ns)
+
+
+def _routes(links: LinkTable, cluster_id: int) -> Sequence[Route]:
+    """The routes of the link to ``cluster_id`` (none: one that fails every transfer)."""
+    try:
+        return links.route(cluster_id).routes
+    except LLMException as exc:
+        return (_Refused(exc),)
+
+
+def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Start:
+    """The start of ``transfer`` on the routes of its link."""
+    return Start(_routes(links, transfer.cluster_id), transfer, deadline_ns, waiting)
 
 
 class _Refused(Route):
@@ -144,16 +155,19 @@ class _Refused(Route):
 def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
     """A pull or push call: start every transfer of ``plan``, then wait for each; raise
     the first failure once all ended. A blocking caller starts each request in its own
-    thread (no :class:`Start` is yielded) and with one request runs its round trip itself
-    (``Waiting.EXCHANGE``)."""
-    if waiting is Waiting.CALLER and len(plan.transfers) == 1:
-        waiting = Waiting.EXCHANGE
+    thread (no :class:`Start` is yielded); a call of one request may run its round trip in
+    the waiting thread (``Waiting.alone``)."""
+    if len(plan.transfers) == 1:
+        waiting = waiting.alone()
     started: list[Completion] = []
-    inline = waiting is not Waiting.LOOP  # a blocking caller starts every request itself
+    inline = not waiting.on_loop  # a blocking caller starts every request itself
     try:
         for transfer in plan.transfers:
-            start = _start(links, transfer, plan.deadline_ns, waiting)
-            completion = start.begin() if inline else (yield start)
+            if inline:
+                routes = _routes(links, transfer.cluster_id)
+                completion = _begin(routes, transfer, plan.deadline_ns, waiting)
+            else:
+                completion = yield _start(links, transfer, plan.deadline_ns, waiting)
             plan.track(completion)
             started.append(completion)
     finally:

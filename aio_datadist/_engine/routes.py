@@ -61,13 +61,28 @@ class Waiting(Enum):
 
     ``EXCHANGE``: a blocking caller with one request runs its whole round trip in its own
     thread where the link can (``Channel.exchange``). ``CALLER``: a blocking caller sends,
-    then reads answers itself while it waits (``Channel.read_for``). ``LOOP``: an event loop
-    awaits, and may read the small answers of a link it watches (``Channel.watch``).
+    then reads answers itself while it waits (``Channel.read_for``). ``LOOP_EXCHANGE``: an
+    event loop with one small request and nothing else ready to run does as ``EXCHANGE``,
+    busy-polling at most the link's busy-poll time (a payload still arriving then arrives
+    on the loop). ``LOOP``: an event loop awaits, and may read the small answers of a link
+    it watches (``Channel.watch``).
     """
 
     EXCHANGE = "exchange"
     CALLER = "caller"
+    LOOP_EXCHANGE = "loop-exchange"
     LOOP = "loop"
+
+    @property
+    def on_loop(self) -> bool:
+        """True for the event loop's ways of waiting."""
+        return self is Waiting.LOOP or self is Waiting.LOOP_EXCHANGE
+
+    def alone(self) -> Waiting:
+        """How to wait for a call of a single request."""
+        if self is Waiting.CALLER:
+            return Waiting.EXCHANGE
+        return Waiting.LOOP_EXCHANGE if self is Waiting.LOOP else self
 
 
 class Route(ABC):
@@ -216,9 +231,16 @@ class LinkRoute(Route):
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         body = _body(transfer)
-        if waiting is Waiting.EXCHANGE and not transfer.commit:
+        if (
+            waiting is Waiting.EXCHANGE or waiting is Waiting.LOOP_EXCHANGE
+        ) and not transfer.commit:
             future = self.channel.exchange(
-                transfer.kind, body, transfer.rows, transfer.nbytes, deadline_ns
+                transfer.kind,
+                body,
+                transfer.rows,
+                transfer.nbytes,
+                deadline_ns,
+                on_loop=waiting is Waiting.LOOP_EXCHANGE,
             )
         else:
             future = _request(

@@ -199,16 +199,25 @@ class Channel(ABC):
         """
 
     def exchange(
-        self, kind: RequestKind, body: bytes, local: Payload, nbytes: int, deadline_ns: int
+        self,
+        kind: RequestKind,
+        body: bytes,
+        local: Payload,
+        nbytes: int,
+        deadline_ns: int,
+        *,
+        on_loop: bool = False,
     ) -> Future[None] | None:
-        """Start a request whose caller then waits for it in this thread (the blocking
-        face): :meth:`pull` into ``local`` or :meth:`push` from it.
+        """Start a request whose caller waits for it next: :meth:`pull` into ``local`` or
+        :meth:`push` from it.
 
         Returns None when the request already completed in the calling thread, or its
         future (then use :meth:`read_for` and wait as usual).
 
         A transport that can read its own answers (TCP) runs a small request's whole round
-        trip here when nothing else is reading. The default just starts the request.
+        trip here when nothing else is reading. ``on_loop``: the caller is an event loop
+        that watches this link (:meth:`watch`); it never waits for a payload past the
+        busy-poll time (the rest arrives on the loop). The default just starts the request.
 
         :raises LLMException: the request failed in the calling thread.
         """

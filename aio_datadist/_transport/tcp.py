@@ -208,6 +208,16 @@ def _status(value: int) -> LLMStatusCode:
     return LLMStatusCode.LLM_FAILED if code is LLMStatusCode.LLM_SUCCESS else code
 
 
+def _on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
+    """Whether the calling thread runs ``loop``."""
+    if loop is None:
+        return False
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
+
+
 def _new_future() -> Future[None]:
     # Running futures cannot be cancelled: a cancelled one would report "done" while the
     # transport may still write into its memory.
@@ -710,7 +720,14 @@ class TcpChannel(Channel):
             self._break(broke)
 
     def exchange(
-        self, kind: RequestKind, body: bytes, local: Payload, nbytes: int, deadline_ns: int
+        self,
+        kind: RequestKind,
+        body: bytes,
+        local: Payload,
+        nbytes: int,
+        deadline_ns: int,
+        *,
+        on_loop: bool = False,
     ) -> Future[None] | None:
         """Run a small request's whole round trip in the calling thread when no other thread
         reads or sends on the link: send it, busy-poll for its answer and take the answer in
@@ -722,19 +739,31 @@ class TcpChannel(Channel):
         While it holds the read lock it never waits on the socket or the send lock: two
         ends exchanging at once must each keep reading the other. A request the socket
         cannot take at once whole is registered, the read lock let go, and the rest sent
-        as for any request.
+        as for any request. An event loop (``on_loop``, watching this link) exchanges
+        requests of at most :data:`LOOP_READ_BYTES` and receives a payload still arriving
+        when the busy-poll time ends as it receives any answer (:meth:`watch`).
         """
         if self._spin_ns <= 0 or not isinstance(local, np.ndarray):
+            return super().exchange(kind, body, local, nbytes, deadline_ns)
+        if on_loop and (
+            nbytes > LOOP_READ_BYTES or self._loop_fd < 0 or not _on_loop(self._watch_loop)
+        ):
             return super().exchange(kind, body, local, nbytes, deadline_ns)
         if not self._rlock.acquire(blocking=False):
             return super().exchange(kind, body, local, nbytes, deadline_ns)
         if not self._at_frame_start() or self.closed or not self._slock.acquire(blocking=False):
             self._rlock.release()
             return super().exchange(kind, body, local, nbytes, deadline_ns)
-        return self._exchange(kind, body, local, nbytes, deadline_ns)
+        return self._exchange(kind, body, local, nbytes, deadline_ns, on_loop)
 
     def _exchange(
-        self, kind: RequestKind, body: bytes, local: Iov, nbytes: int, deadline_ns: int
+        self,
+        kind: RequestKind,
+        body: bytes,
+        local: Iov,
+        nbytes: int,
+        deadline_ns: int,
+        on_loop: bool,
     ) -> Future[None] | None:
         """:meth:`exchange` from the point where it holds both the read and the send lock;
         it lets both go."""
@@ -778,7 +807,7 @@ class TcpChannel(Channel):
                 raise self._link_failed() from None
             self._slock.release()
             sending = False
-            future = self._take_answer(kind, rid, local, nbytes, deadline_ns)
+            future = self._take_answer(kind, rid, local, nbytes, deadline_ns, on_loop)
             return future
         finally:
             if sending:
@@ -789,12 +818,24 @@ class TcpChannel(Channel):
                     self._unpark()  # the answer is the reader thread's to take now
 
     def _take_answer(
-        self, kind: RequestKind, rid: int, local: Iov, nbytes: int, deadline_ns: int
+        self,
+        kind: RequestKind,
+        rid: int,
+        local: Iov,
+        nbytes: int,
+        deadline_ns: int,
+        on_loop: bool,
     ) -> Future[None] | None:
         """Busy-poll for the answer of the request ``rid`` just sent (read lock held) and
-        take it here; else register the request. None when the answer was taken."""
+        take it here; else register the request. None when the answer was taken. On a loop
+        a payload still arriving when the busy-poll time ends goes on arriving on the loop."""
         pull = kind is RequestKind.PULL
         answer, into = (FrameKind.PULL_DATA, local) if pull else (FrameKind.PUSH_ACK, _NONE)
+        patience_ns = deadline_ns
+        if on_loop:  # the loop never waits for bytes past its busy-poll time
+            patience_ns = now_ns() + self._spin_ns
+            if 0 < deadline_ns < patience_ns:
+                patience_ns = deadline_ns
         try:
             if sock_take_answer(
                 self._fd,
@@ -803,11 +844,13 @@ class TcpChannel(Channel):
                 into,
                 nbytes if pull else 0,
                 spin_ns=self._spin_ns,
-                deadline_ns=deadline_ns,
+                deadline_ns=patience_ns,
             ):
                 return None
-        except NetTimeout as exc:  # the payload stopped at the deadline: drop the rest
-            self._owed = nbytes - exc.transferred
+        except NetTimeout as exc:
+            if patience_ns != deadline_ns:  # the loop takes the rest as its bytes arrive
+                return self._loop_continue(rid, local, nbytes, deadline_ns, exc.transferred)
+            self._owed = nbytes - exc.transferred  # the deadline passed: drop the rest
             raise _error(
                 LLMStatusCode.LLM_TIMEOUT,
                 f"{kind.value} {rid}: deadline passed after {exc.transferred} of {nbytes} bytes",
@@ -1458,12 +1501,26 @@ class TcpChannel(Channel):
             req.outcome = self._link_failed()
             self._complete(req)
             raise
+        self._loop_receiving(req, req.dst, req.nbytes)
+        return True
+
+    def _loop_receiving(self, req: _Request, iov: Iov, left: int) -> None:
+        """The loop receives the rest of ``req``'s answer, ``left`` bytes into ``iov``, as
+        they arrive (``_rlock`` held; the header was read)."""
         self._served = False
-        self._loop_req, self._loop_iov, self._loop_left = req, req.dst, req.nbytes
+        self._loop_req, self._loop_iov, self._loop_left = req, iov, left
         loop = self._watch_loop
         if req.deadline_ns > 0 and loop is not None:
             self._loop_timer = loop.call_at(req.deadline_ns / 1e9, self._loop_expired, req)
-        return True
+
+    def _loop_continue(
+        self, rid: int, local: Iov, nbytes: int, deadline_ns: int, moved: int
+    ) -> Future[None]:
+        """An exchange on the loop took the header and ``moved`` payload bytes of pull
+        ``rid``'s answer: the loop receives the rest (``_rlock`` held)."""
+        req = _Request(rid, RequestKind.PULL, local, nbytes, deadline_ns)
+        self._loop_receiving(req, _iov_skip(local, moved), nbytes - moved)
+        return req.future
 
     def _loop_receive(self) -> bool:
         """Receive what arrived of the answer the loop takes, never waiting; True once it is
