@@ -109,6 +109,12 @@ def _failed(error: LLMException, deadline_ns: int) -> Completion:
     return Completion(future, deadline_ns)
 
 
+#: How to wait for a call of a single request (its round trip in the waiting thread).
+_ALONE = {Waiting.CALLER: Waiting.EXCHANGE, Waiting.LOOP: Waiting.LOOP_EXCHANGE}
+#: The blocking face's ways of waiting: it starts every request itself.
+_IN_CALLER = frozenset({Waiting.CALLER, Waiting.EXCHANGE})
+
+
 def _begin(
     routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
 ) -> Completion:
@@ -158,9 +164,9 @@ def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
     thread (no :class:`Start` is yielded); a call of one request may run its round trip in
     the waiting thread (``Waiting.alone``)."""
     if len(plan.transfers) == 1:
-        waiting = waiting.alone()
+        waiting = _ALONE.get(waiting, waiting)
     started: list[Completion] = []
-    inline = not waiting.on_loop  # a blocking caller starts every request itself
+    inline = waiting in _IN_CALLER  # a blocking caller starts every request itself
     try:
         for transfer in plan.transfers:
             if inline:

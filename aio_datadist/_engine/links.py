@@ -271,7 +271,8 @@ class LinkTable:
         :raises LLMException: ``LLM_LINK_FAILED`` naming who closed it and when, for a link
             that closed without this side asking; ``LLM_NOT_YET_LINK`` when there is none.
         """
-        link = self.get(cluster_id)
+        with self._lock:
+            link = self._live(cluster_id)
         if link is not None:
             return link
         broken = self.broken(cluster_id)

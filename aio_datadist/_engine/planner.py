@@ -191,13 +191,6 @@ class Planner:
             return Access(Target.REQ_KEY, ident=key.req_id, model_id=key.model_id, **fields)
         return Access(Target.PREFIX_KEY, ident=key.prefix_id, model_id=key.model_id, **fields)
 
-    @staticmethod
-    def _blocks_access(
-        key: BlocksCacheKey, remote: tuple[int, int], seg: int, blocks: Any
-    ) -> RemoteBlocks:
-        """Whole blocks of the peer's blocks cache ``key`` (its access built on demand)."""
-        return RemoteBlocks(key.model_id, remote[0], remote[1], blocks, seg)
-
     # -- pulls ----------------------------------------------------------------------------
     def pull_cache(
         self, cache_key: Any, cache: Any, batch_index: Any, size: Any, kwargs: dict[str, Any]
@@ -280,7 +273,7 @@ class Planner:
             seg = entry.row_bytes
             access: Access | RemoteBlocks
             if isinstance(src_cache_key, BlocksCacheKey):
-                access = self._blocks_access(src_cache_key, remote, seg, src_blocks)
+                access = RemoteBlocks(src_cache_key.model_id, *remote, src_blocks, seg)
             else:
                 access = self._key_access(
                     src_cache_key,
@@ -292,7 +285,7 @@ class Planner:
                 src_cache_key.cluster_id,
                 RequestKind.PULL,
                 access,
-                local_blocks(entry, local, dst_blocks, seg),
+                Blocks(entry.layout, *local, dst_blocks, seg),
                 entry,
             )
             return self.plan([transfer], [entry])
@@ -392,8 +385,8 @@ class Planner:
             transfer = self.transfer(
                 dst_cache_key.cluster_id,
                 RequestKind.PUSH,
-                self._blocks_access(dst_cache_key, remote, seg, dst_blocks),
-                local_blocks(entry, local, src_blocks, seg),
+                RemoteBlocks(dst_cache_key.model_id, *remote, dst_blocks, seg),
+                Blocks(entry.layout, *local, src_blocks, seg),
                 entry,
             )
             return self.plan([transfer], [entry])

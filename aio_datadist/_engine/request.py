@@ -249,7 +249,7 @@ class Plan:
         self.deadline_ns = deadline_ns
         self.release = release
         self._pending = 1
-        self._lock = threading.Lock()
+        self._lock: threading.Lock | None = None  # made by the first track that waits
 
     @property
     def nbytes(self) -> int:
@@ -257,18 +257,24 @@ class Plan:
         return sum(t.nbytes for t in self.transfers)
 
     def track(self, completion: Completion) -> None:
-        """Hold the pins until ``completion`` completes."""
+        """Hold the pins until ``completion`` completes (called by the starting thread)."""
         if completion is DONE or completion.done():
             return
+        if self._lock is None:
+            self._lock = threading.Lock()
         with self._lock:
             self._pending += 1
         completion.add_done_callback(self._one_done)
 
     def seal(self) -> None:
         """No more transfers will start: release the pins once the started ones completed."""
+        if self._lock is None:  # every request completed in the caller
+            self.release()
+            return
         self._one_done(None)
 
     def _one_done(self, _: object) -> None:
+        assert self._lock is not None
         with self._lock:
             self._pending -= 1
             last = self._pending == 0

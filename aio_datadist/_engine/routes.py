@@ -73,17 +73,6 @@ class Waiting(Enum):
     LOOP_EXCHANGE = "loop-exchange"
     LOOP = "loop"
 
-    @property
-    def on_loop(self) -> bool:
-        """True for the event loop's ways of waiting."""
-        return self is Waiting.LOOP or self is Waiting.LOOP_EXCHANGE
-
-    def alone(self) -> Waiting:
-        """How to wait for a call of a single request."""
-        if self is Waiting.CALLER:
-            return Waiting.EXCHANGE
-        return Waiting.LOOP_EXCHANGE if self is Waiting.LOOP else self
-
 
 class Route(ABC):
     """One way to move a transfer's bytes to or from its peer."""
