@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.caches import CacheService, PoolStats
 from aio_datadist._engine.driver import (
     Call,
     Start,
@@ -39,7 +39,6 @@ from aio_datadist._engine.plan import CopyPlan
 from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.request import Completion, Plan
 from aio_datadist._engine.routes import Waiting
-from aio_datadist._memory.pool import PoolStats
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus

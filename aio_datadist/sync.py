@@ -13,7 +13,7 @@ import atexit
 import threading
 from typing import Any, ClassVar
 
-from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.caches import CacheService, PoolStats
 from aio_datadist._engine.driver import Call, Start, Wait, run_call, run_layers
 from aio_datadist._engine.engine import Engine
 from aio_datadist._engine.layerwise import plan_layer_job
@@ -22,7 +22,6 @@ from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.request import Plan
 from aio_datadist._engine.routes import Waiting
 from aio_datadist._log import get_logger
-from aio_datadist._memory.pool import PoolStats
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus

@@ -37,7 +37,7 @@ from aio_datadist.types import (
     check_blocks_key_range,
 )
 
-__all__ = ("CacheService", "key_identity")
+__all__ = ("CacheService", "PoolStats", "key_identity")
 
 _KINDS = {
     (Placement.HOST, Placement.HOST): CopyKind.HOST_TO_HOST,
