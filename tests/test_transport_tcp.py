@@ -1403,6 +1403,17 @@ def test_reaper_runs_due_callbacks_in_order_and_skips_cancelled() -> None:
     assert len(reaper) < 3000
 
 
+async def assert_in_step(channel: TcpChannel, conn: socket.socket, byte: int) -> None:
+    """The stream is still in step: the next answer lands whole and the link stays up."""
+    buf = np.zeros(KiB, np.uint8)
+    future = channel.pull(request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline())
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    answer = frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB)
+    conn.sendall(answer + bytes([byte]) * KiB)
+    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+    assert (buf == byte).all() and not channel.closed
+
+
 def loop_begins(channel: TcpChannel) -> list[int]:
     """The payload sizes of the answers an event loop began to take on ``channel``."""
     begun: list[int] = []
@@ -1512,13 +1523,7 @@ async def test_a_loop_that_comes_back_while_the_reader_finishes_its_answer_leave
     np.testing.assert_array_equal(buf, payload)
     assert end is not None
     end()
-    # The stream is still in step: the next answer lands whole and the link stays up.
-    buf2 = np.zeros(KiB, np.uint8)
-    future = channel.pull(request([(0, KiB)]), rows(buf2, [(0, KiB)]), KiB, deadline())
-    header, _ = await asyncio.to_thread(read_frame, conn)
-    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + b"\x02" * KiB)
-    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
-    assert (buf2 == 2).all() and not channel.closed
+    await assert_in_step(channel, conn, 2)
 
 
 def test_a_committing_pull_confirms_before_it_completes(
@@ -1625,10 +1630,4 @@ async def test_an_exchange_on_the_loop_leaves_a_slow_payload_to_the_loop(
         np.testing.assert_array_equal(buf, payload)
     peer.join(WAIT)
     end()
-    # The stream is still in step: the next answer lands whole and the link stays up.
-    buf2 = np.zeros(KiB, np.uint8)
-    future = channel.pull(request([(0, KiB)]), rows(buf2, [(0, KiB)]), KiB, deadline())
-    header, _ = await asyncio.to_thread(read_frame, conn)
-    conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + b"\x03" * KiB)
-    await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
-    assert (buf2 == 3).all() and not channel.closed
+    await assert_in_step(channel, conn, 3)
