@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -1631,3 +1632,50 @@ async def test_an_exchange_on_the_loop_leaves_a_slow_payload_to_the_loop(
     peer.join(WAIT)
     end()
     await assert_in_step(channel, conn, 3)
+
+
+@pytest.mark.parametrize("part", ["header", "error-body"])
+async def test_the_loop_never_waits_on_the_start_of_a_frame_it_cannot_take(
+    raw_server: RawServer, cleanup: Cleanup, monkeypatch: pytest.MonkeyPatch, part: str
+) -> None:
+    # The start of a frame sits unread on the socket: the loop must not peek at it again
+    # and again until the rest comes (with the receive buffer full the rest never comes,
+    # and the loop spun at full CPU). The reader thread takes such a frame as it arrives.
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    looks = 0
+    look = channel._loop_answer_next
+
+    def counting() -> Any:
+        nonlocal looks
+        looks += 1
+        return look()
+
+    monkeypatch.setattr(channel, "_loop_answer_next", counting)
+    n = KiB
+    buf = np.zeros(n, np.uint8)
+    future = channel.pull(request([(0, n)]), rows(buf, [(0, n)]), n, deadline())
+    end = channel.watch(asyncio.get_running_loop())
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    rid = header.request_id
+    if part == "header":
+        whole = frame(FrameKind.PULL_DATA, rid, payload_len=n) + b"\x05" * n
+        cut = 16
+    else:  # a refusal whose body has not all arrived
+        text = b"no such cache " * 20
+        whole = frame(FrameKind.ERROR, rid, text, status=int(LLMStatusCode.LLM_KV_CACHE_NOT_EXIST))
+        cut = len(whole) - 10
+    conn.sendall(whole[:cut])
+    await asyncio.sleep(0.2)
+    assert looks <= 3, f"the loop looked {looks} times at a frame it could not take"
+    assert not future.done()
+    conn.sendall(whole[cut:])
+    if part == "header":
+        await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+        assert (buf == 5).all()
+    else:
+        with pytest.raises(LLMException) as info:
+            await asyncio.wait_for(asyncio.wrap_future(future), WAIT)
+        assert info.value.status_code is LLMStatusCode.LLM_KV_CACHE_NOT_EXIST
+    assert end is not None
+    end()
+    await assert_in_step(channel, conn, 6)

@@ -154,7 +154,7 @@ _LOOP_PARK_MAX_S = 0.1
 
 
 class _Later(enum.Enum):
-    """What the loop learns of a frame whose start has not fully arrived: ask again later."""
+    """What the loop learns when the socket had nothing after all: ask again later."""
 
     LATER = enum.auto()
 
@@ -885,7 +885,7 @@ class TcpChannel(Channel):
             failure = _error(LLMStatusCode.LLM_TIMEOUT, f"{call}: {what} not sent by the deadline")
             return failure, (f"a {call} was cut off by its deadline" if exc.transferred else "")
         except _IO_ERRORS as exc:
-            return self._link_failed(), f"send failed: {exc}"
+            return self._link_failed(f"send failed: {exc}"), f"send failed: {exc}"
         except LLMException as exc:  # rows the native layer refused; nothing was sent
             return exc, ""
         except _CutFrame as exc:
@@ -964,8 +964,11 @@ class TcpChannel(Channel):
         return told or not notify_peer
 
     # -- requests: bookkeeping ---------------------------------------------------------------
-    def _link_failed(self) -> LLMException:
-        why = f": {self._reason}" if self._reason else ""
+    def _link_failed(self, breaking: str | None = None) -> LLMException:
+        """The failure of a request on this closed link; ``breaking``: why it is about to
+        break (for a failure made before :meth:`_break` records it)."""
+        reason = self._reason or breaking
+        why = f": {reason}" if reason else ""
         return _error(
             LLMStatusCode.LLM_LINK_FAILED,
             f"link to cluster {self.peer.cluster_id} at {self.remote} is closed{why}",
@@ -1467,7 +1470,12 @@ class TcpChannel(Channel):
                 if isinstance(next_up, _Later):
                     return
                 if next_up.kind is FrameKind.PULL_DATA:
-                    if not self._loop_begin(next_up):
+                    try:
+                        begun = self._loop_begin(next_up)
+                    except Exception as exc:  # the stream is out of step: the link goes
+                        self._break(f"receive failed: {exc!r}")
+                        continue
+                    if not begun:
                         self._disarm()
                         return
                     continue
@@ -1497,8 +1505,8 @@ class TcpChannel(Channel):
             del self._pending[rid]
         try:
             _recv_view(self._fd, memoryview(self._hdr), self._stall_s)  # there, whole
-        except BaseException:
-            req.outcome = self._link_failed()
+        except BaseException as exc:
+            req.outcome = self._link_failed(f"receive failed: {exc!r}")
             self._complete(req)
             raise
         self._loop_receiving(req, req.dst, req.nbytes)
@@ -1582,8 +1590,9 @@ class TcpChannel(Channel):
     def _loop_answer_next(self) -> FrameHeader | _Later | None:
         """What is next on the socket for the loop (``_rlock`` held): the header of an answer
         it takes (one of at most :data:`LOOP_READ_BYTES`; a pull's payload may still be
-        arriving, any other answer has arrived whole), :data:`_LATER` when that is not known
-        yet, or None when the reader thread must take the next frame."""
+        arriving, any other answer has arrived whole), :data:`_LATER` when nothing is there
+        after all, or None when the reader thread must take the next frame (anything else,
+        or a frame that has not arrived whole up to where the loop would take it)."""
         try:
             head = self._sock.recv(_HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except BlockingIOError:
@@ -1592,8 +1601,11 @@ class TcpChannel(Channel):
             return None
         if not head:
             return None  # closed: the reader thread reports it
+        # The loop never waits on bytes it does not take: with the receive buffer full, the
+        # peer cannot send the rest of a frame whose start sits unread (the selector would
+        # report it readable forever). The reader thread takes such a frame as it arrives.
         if len(head) < _HEADER_SIZE:
-            return _LATER  # the rest of the header follows at once
+            return None
         try:
             header = decode_header(head)
         except WireError:
@@ -1604,7 +1616,7 @@ class TcpChannel(Channel):
         if header.kind is FrameKind.PULL_DATA:
             return header if not header.body_len else None
         arrived = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
-        return header if int.from_bytes(arrived, sys.byteorder) >= size else _LATER
+        return header if int.from_bytes(arrived, sys.byteorder) >= size else None
 
     def _read_frame_here(self, who: str) -> bool:
         """:meth:`_read_frame` in a thread other than the reader's (``_rlock`` held);
@@ -1737,8 +1749,8 @@ class TcpChannel(Channel):
 
         try:
             moved, error = _move(recv, req.dst)
-        except BaseException:
-            req.outcome = self._link_failed()
+        except BaseException as exc:
+            req.outcome = self._link_failed(f"receive failed: {exc!r}")
             self._complete(req)
             raise
         if isinstance(error, NetTimeout):
@@ -1750,7 +1762,7 @@ class TcpChannel(Channel):
         elif isinstance(error, LLMException):  # rows the native layer refused, or staging
             req.outcome = error
         elif error is not None:
-            req.outcome = self._link_failed()
+            req.outcome = self._link_failed(f"receive failed: {error!r}")
             self._complete(req)
             raise error
         if error is not None:
