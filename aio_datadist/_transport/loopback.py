@@ -38,6 +38,7 @@ from aio_datadist._transport.base import (
     RequestKind,
     Transport,
 )
+from aio_datadist._transport.future import RequestFuture
 from aio_datadist._transport.handshake import hello_to_wire
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -112,7 +113,7 @@ class LoopbackChannel(Channel):
     def _request(
         self, kind: RequestKind, body: bytes, local: Iov, nbytes: int, commit: bool
     ) -> Future[None]:
-        future: Future[None] = Future()
+        future: Future[None] = RequestFuture()
         other = self.other
         try:
             if self._closed or other is None or other._closed:

@@ -124,6 +124,7 @@ from aio_datadist._transport.base import (
     Transport,
 )
 from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
+from aio_datadist._transport.future import RequestFuture
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
 from aio_datadist._transport.rendezvous import Handoff, RouteKey, share
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -219,11 +220,9 @@ def _on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
 
 
 def _new_future() -> Future[None]:
-    # Running futures cannot be cancelled: a cancelled one would report "done" while the
+    # Running from birth and never cancelled: a cancelled one would report "done" while the
     # transport may still write into its memory.
-    future: Future[None] = Future()
-    future.set_running_or_notify_cancel()
-    return future
+    return RequestFuture()
 
 
 def _failed(future: Future[None], status: LLMStatusCode, message: str) -> Future[None]:
