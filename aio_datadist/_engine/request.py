@@ -235,12 +235,16 @@ def completed(future: Future[None] | None, deadline_ns: int, channel: Channel | 
     return Completion(future, deadline_ns, channel)
 
 
+#: Guards the pending counts of every plan (held for one decrement: no plan needs its own).
+_COUNTS = threading.Lock()
+
+
 class Plan:
     """The transfers of one call, its deadline, and the local pins they hold until every
     started request completed (whoever waits, so a caller that gives up never frees
     memory a request still writes)."""
 
-    __slots__ = ("_lock", "_pending", "deadline_ns", "release", "transfers")
+    __slots__ = ("_pending", "_tracking", "deadline_ns", "release", "transfers")
 
     def __init__(
         self, transfers: list[Transfer], deadline_ns: int, release: Callable[[], None]
@@ -249,7 +253,7 @@ class Plan:
         self.deadline_ns = deadline_ns
         self.release = release
         self._pending = 1
-        self._lock: threading.Lock | None = None  # made by the first track that waits
+        self._tracking = False  # a request that did not complete in the caller is tracked
 
     @property
     def nbytes(self) -> int:
@@ -260,22 +264,20 @@ class Plan:
         """Hold the pins until ``completion`` completes (called by the starting thread)."""
         if completion is DONE or completion.done():
             return
-        if self._lock is None:
-            self._lock = threading.Lock()
-        with self._lock:
+        self._tracking = True
+        with _COUNTS:
             self._pending += 1
         completion.add_done_callback(self._one_done)
 
     def seal(self) -> None:
         """No more transfers will start: release the pins once the started ones completed."""
-        if self._lock is None:  # every request completed in the caller
+        if not self._tracking:  # every request completed in the caller
             self.release()
             return
         self._one_done(None)
 
     def _one_done(self, _: object) -> None:
-        assert self._lock is not None
-        with self._lock:
+        with _COUNTS:
             self._pending -= 1
             last = self._pending == 0
         if last:
