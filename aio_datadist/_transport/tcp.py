@@ -155,7 +155,7 @@ _LOOP_PARK_MAX_S = 0.1
 
 
 class _Later(enum.Enum):
-    """What the loop learns when the socket had nothing after all: ask again later."""
+    """What the loop learns when no more of the next frame is there yet: ask again later."""
 
     LATER = enum.auto()
 
@@ -552,6 +552,9 @@ class TcpChannel(Channel):
         self._sender_stop = False
         self._sender_exited = False
         self._hdr = bytearray(_HEADER_SIZE)
+        # Bytes of the next frame's header already taken off the socket (by the loop, which
+        # never waits for the rest: whoever reads next goes on from there).
+        self._hdr_have = 0
         self._scratch: bytearray | None = None
         # Payload bytes of an answer nobody takes, still to discard before the next frame:
         # the reader thread drains them, so a reading caller never waits on a stalled peer.
@@ -572,7 +575,9 @@ class TcpChannel(Channel):
         self._loop_iov: Iov | None = None
         self._loop_left = 0
         self._loop_timer: asyncio.TimerHandle | None = None
-        self._loop_reads = 0  # times the loop came to read: the reader thread sees it is alive
+        # Times the loop came to read, to start or to end a call: the reader thread sees it
+        # is alive (a loop busy starting or finishing thousands of calls reads after).
+        self._loop_reads = 0
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -1213,10 +1218,10 @@ class TcpChannel(Channel):
                     self._park.clear()
                     readable = self._readable_now()
                 else:
-                    owed = self._owed
+                    owed = self._owed or self._hdr_have
                     wait_s = self._stall_s if owed else _IDLE_S
                     readable = sock_wait_readable(self._fd, after_s(wait_s), spin_ns=spin)
-                    if not readable and owed and self._owed:
+                    if not readable and owed and (self._owed or self._hdr_have):
                         reason = f"the peer stalled mid-frame for {self._stall_s} s"
                         break
                 spin = 0
@@ -1341,26 +1346,41 @@ class TcpChannel(Channel):
         """
         if self._watch_loop is not None and self._watch_loop is not loop:
             return None  # another loop watches this link; this one waits as usual
-        if self._loop_fd < 0:
-            with self._lock:  # the descriptor closes only after _broken is set, under _lock
-                if self._broken:
-                    return None
-                fd = os.dup(self._fd)
-            try:
-                loop.add_reader(fd, self._loop_read)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._loop_fd = fd
+        if self._loop_fd < 0 and not self._start_watching(loop):
+            return None
         self._watch_loop = loop
         self._watchers += 1
+        self._loop_reads += 1
         self._callers_until = now_ns() + _CALLERS_NS
         return self._unwatch
+
+    def _start_watching(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Put (a duplicate of) the socket in ``loop``'s selector; False once broken."""
+        with self._lock:  # the descriptor closes only after _broken is set, under _lock
+            if self._broken:
+                return False
+            fd = os.dup(self._fd)
+        try:
+            loop.add_reader(fd, self._loop_read)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._loop_fd = fd
+        return True
+
+    def _watch_again(self) -> None:
+        """(On the loop, a moment after another thread held the read lock.) Watch the socket
+        again while calls on this loop still wait, so that a frame the reader thread took
+        (a loop paused by the collector, say) does not leave it every answer after."""
+        loop = self._watch_loop
+        if self._watchers and self._loop_fd < 0 and loop is not None and _on_loop(loop):
+            self._start_watching(loop)
 
     def _unwatch(self) -> None:
         # The loop keeps watching: its next request finds the socket in its selector and
         # the reader thread parked. The first frame not for it ends the watch.
         self._watchers -= 1
+        self._loop_reads += 1
         if self._watchers == 0 and self._loop_fd < 0:
             self._watch_loop = None
 
@@ -1397,9 +1417,9 @@ class TcpChannel(Channel):
 
     def _at_frame_start(self) -> bool:
         """Whether the next byte on the socket starts a frame (``_rlock`` held): no answer
-        the loop receives is in flight and nothing is owed. Only :meth:`_read_frame` reads
-        anywhere else."""
-        return self._loop_req is None and not self._owed
+        the loop receives is in flight, no header is half taken and nothing is owed. Only
+        :meth:`_read_frame` reads anywhere else."""
+        return self._loop_req is None and not self._owed and not self._hdr_have
 
     def _finish_loop_answer(self) -> str | None:
         """Receive the rest of the answer the loop began (``_rlock`` held, in a thread that
@@ -1445,7 +1465,10 @@ class TcpChannel(Channel):
         as their bytes arrive, or hand the socket back to the reader thread."""
         self._loop_reads += 1
         if not self._rlock.acquire(blocking=False):  # another thread reads and completes
+            loop = self._watch_loop
             self._stop_watching()
+            if self._watchers and loop is not None:
+                loop.call_later(_LOOP_PARK_S, self._watch_again)
             return
         try:
             self._callers_until = now_ns() + _CALLERS_NS
@@ -1469,12 +1492,7 @@ class TcpChannel(Channel):
                 if isinstance(next_up, _Later):
                     return
                 if next_up.kind is FrameKind.PULL_DATA:
-                    try:
-                        begun = self._loop_begin(next_up)
-                    except Exception as exc:  # the stream is out of step: the link goes
-                        self._break(f"receive failed: {exc!r}")
-                        continue
-                    if not begun:
+                    if not self._loop_begin(next_up):
                         self._disarm()
                         return
                     continue
@@ -1502,12 +1520,7 @@ class TcpChannel(Channel):
             ):
                 return False
             del self._pending[rid]
-        try:
-            _recv_view(self._fd, memoryview(self._hdr), self._stall_s)  # there, whole
-        except BaseException as exc:
-            req.outcome = self._link_failed(f"receive failed: {exc!r}")
-            self._complete(req)
-            raise
+        self._hdr_have = 0  # the header was taken by _loop_answer_next
         self._loop_receiving(req, req.dst, req.nbytes)
         return True
 
@@ -1589,24 +1602,29 @@ class TcpChannel(Channel):
     def _loop_answer_next(self) -> FrameHeader | _Later | None:
         """What is next on the socket for the loop (``_rlock`` held): the header of an answer
         it takes (one of at most :data:`LOOP_READ_BYTES`; a pull's payload may still be
-        arriving, any other answer has arrived whole), :data:`_LATER` when nothing is there
-        after all, or None when the reader thread must take the next frame (anything else,
-        or a frame that has not arrived whole up to where the loop would take it)."""
+        arriving, any other answer has arrived whole), :data:`_LATER` while its header is
+        still arriving, or None when the reader thread must take the next frame (anything
+        else, or an answer whose body has not all arrived)."""
+        # The header is taken off the socket as it arrives (never peeked at until whole:
+        # with the receive buffer full, the peer could not send the rest of a frame whose
+        # start sat unread, and the selector would report it readable forever).
+        have = self._hdr_have
+        if have < _HEADER_SIZE:
+            try:
+                n = self._sock.recv_into(
+                    memoryview(self._hdr)[have:], _HEADER_SIZE - have, socket.MSG_DONTWAIT
+                )
+            except BlockingIOError:
+                return _LATER
+            except OSError:
+                return None
+            if n == 0:
+                return None  # closed: the reader thread reports it
+            self._hdr_have = have = have + n
+            if have < _HEADER_SIZE:
+                return _LATER
         try:
-            head = self._sock.recv(_HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return _LATER
-        except OSError:
-            return None
-        if not head:
-            return None  # closed: the reader thread reports it
-        # The loop never waits on bytes it does not take: with the receive buffer full, the
-        # peer cannot send the rest of a frame whose start sits unread (the selector would
-        # report it readable forever). The reader thread takes such a frame as it arrives.
-        if len(head) < _HEADER_SIZE:
-            return None
-        try:
-            header = decode_header(head)
+            header = decode_header(self._hdr)
         except WireError:
             return None  # the reader thread breaks the link over it
         size = _HEADER_SIZE + header.body_len + header.payload_len
@@ -1615,7 +1633,8 @@ class TcpChannel(Channel):
         if header.kind is FrameKind.PULL_DATA:
             return header if not header.body_len else None
         arrived = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
-        return header if int.from_bytes(arrived, sys.byteorder) >= size else None
+        rest = header.body_len + header.payload_len
+        return header if int.from_bytes(arrived, sys.byteorder) >= rest else None
 
     def _read_frame_here(self, who: str) -> bool:
         """:meth:`_read_frame` in a thread other than the reader's (``_rlock`` held);
@@ -1654,7 +1673,10 @@ class TcpChannel(Channel):
                 owed, self._owed = self._owed, 0
                 self._drain(owed)
                 return None
-            _recv_view(self._fd, memoryview(self._hdr), self._stall_s)
+            have = self._hdr_have
+            if have < _HEADER_SIZE:
+                _recv_view(self._fd, memoryview(self._hdr)[have:], self._stall_s)
+            self._hdr_have = 0
             header = decode_header(self._hdr)
             self._served = header.kind not in _ANSWERS
             self._dispatch(header)
