@@ -1679,3 +1679,37 @@ async def test_the_loop_never_waits_on_the_start_of_a_frame_it_cannot_take(
     assert end is not None
     end()
     await assert_in_step(channel, conn, 6)
+
+
+def test_unanswered_requests_time_out_at_their_own_deadlines(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    channel, _conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    n = KiB
+    bufs = [np.zeros(n, np.uint8) for _ in range(3)]
+    late = channel.pull(request([(0, n)]), rows(bufs[0], [(0, n)]), n, after_s(30.0))
+    started = time.monotonic()
+    # Registered after a later one, due first: the link's one timer comes forward for it.
+    soon = channel.pull(request([(0, n)]), rows(bufs[1], [(0, n)]), n, after_s(0.2))
+    sooner = channel.pull(request([(0, n)]), rows(bufs[2], [(0, n)]), n, after_s(0.1))
+    for future in (sooner, soon):
+        with pytest.raises(LLMException) as info:
+            future.result(WAIT)
+        assert info.value.status_code is LLMStatusCode.LLM_TIMEOUT
+    assert time.monotonic() - started < 2.0
+    assert not late.done() and not channel.closed
+
+
+def test_answered_requests_leave_no_deadlines_behind(
+    raw_server: RawServer, cleanup: Cleanup
+) -> None:
+    # 5,000 requests with a long deadline, answered one by one: the link keeps the
+    # deadlines of about the requests still pending, not of every request it ever sent.
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    buf = np.zeros(64, np.uint8)
+    for _ in range(5000):
+        future = channel.pull(request([(0, 64)]), rows(buf, [(0, 64)]), 64, after_s(600.0))
+        header, _ = read_frame(conn)
+        conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=64) + bytes(64))
+        future.result(WAIT)
+    assert len(channel._deadlines) <= 1100

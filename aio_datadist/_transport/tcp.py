@@ -53,6 +53,7 @@ import enum
 import errno
 import fcntl
 import functools
+import heapq
 import ipaddress
 import itertools
 import os
@@ -425,7 +426,6 @@ class _Request:
         "nbytes",
         "outcome",
         "rid",
-        "timer",
     )
 
     def __init__(
@@ -450,7 +450,6 @@ class _Request:
         self.busy = busy
         self.has_outcome = False
         self.outcome: LLMException | None = None
-        self.timer: Timer | None = None
 
 
 class _Send:
@@ -535,6 +534,12 @@ class TcpChannel(Channel):
         self._slock = threading.Lock()  # one frame at a time on the socket
         self._lock = threading.Lock()  # state below
         self._pending: dict[int, _Request] = {}
+        # Deadlines of the pending requests, (deadline, rid), earliest first (entries of
+        # answered requests stay until they come up); one reaper timer for the link fires at
+        # the earliest (``_expiry_at``, 0: none).
+        self._deadlines: list[tuple[int, int]] = []
+        self._expiry_at = 0
+        self._expiry_timer: Timer | None = None
         self._commits: dict[int, _Commit] = {}
         self._callbacks: list[Callable[[Channel], None]] = []
         self._broken = False
@@ -985,18 +990,63 @@ class TcpChannel(Channel):
                 _error(LLMStatusCode.LLM_TIMEOUT, "the deadline passed before the request")
             )
             return False
+        deadline = req.deadline_ns
+        wake = False
         with self._lock:
             if self._closing or self._broken:
                 refused = True
             else:
                 refused = False
                 self._pending[req.rid] = req
+                if deadline > 0:
+                    wake = self._add_deadline(deadline, req.rid)
         if refused:
             req.future.set_exception(self._link_failed())
             return False
-        if req.deadline_ns > 0:
-            req.timer = reaper.schedule(req.deadline_ns, functools.partial(self._expire, req.rid))
+        if wake:
+            self._schedule_expiry(deadline)
         return True
+
+    def _add_deadline(self, deadline_ns: int, rid: int) -> bool:
+        """Note request ``rid``'s deadline (``_lock`` held); True when it is earlier than the
+        link's expiry timer, which must then be brought forward."""
+        heap = self._deadlines
+        if len(heap) > 2 * len(self._pending) + 1024:  # mostly answered: drop those
+            heap[:] = [(r.deadline_ns, r.rid) for r in self._pending.values() if r.deadline_ns]
+            heapq.heapify(heap)
+        else:
+            heapq.heappush(heap, (deadline_ns, rid))
+        if self._expiry_at and self._expiry_at <= deadline_ns:
+            return False
+        self._expiry_at = deadline_ns
+        return True
+
+    def _schedule_expiry(self, when_ns: int) -> None:
+        """Run :meth:`_expire_due` at ``when_ns`` (one timer per link, not per request)."""
+        timer = reaper.schedule(when_ns, self._expire_due)
+        with self._lock:
+            if when_ns != self._expiry_at or self._broken:  # superseded meanwhile
+                stale: Timer | None = timer
+            else:
+                stale, self._expiry_timer = self._expiry_timer, timer
+        if stale is not None:
+            stale.cancel()
+
+    def _expire_due(self) -> None:
+        """(Reaper thread.) Fail every request whose deadline passed with ``LLM_TIMEOUT``;
+        then wait for the next deadline."""
+        now = now_ns()
+        due: list[int] = []
+        with self._lock:
+            heap = self._deadlines
+            while heap and heap[0][0] <= now:
+                due.append(heapq.heappop(heap)[1])
+            self._expiry_at = heap[0][0] if heap else 0
+            nxt = self._expiry_at
+        for rid in due:
+            self._expire(rid)
+        if nxt:
+            self._schedule_expiry(nxt)
 
     def _acquire_send(self, deadline_ns: int) -> bool:
         if deadline_ns <= 0:
@@ -1037,8 +1087,6 @@ class TcpChannel(Channel):
             return req
 
     def _complete(self, req: _Request) -> None:
-        if req.timer is not None:
-            req.timer.cancel()
         with contextlib.suppress(InvalidStateError):
             if req.outcome is None:
                 req.future.set_result(None)
@@ -1058,6 +1106,11 @@ class TcpChannel(Channel):
             callbacks, self._callbacks = ([] if local else self._callbacks), []
             pending, self._pending = self._pending, {}
             self._commits.clear()
+            self._deadlines.clear()
+            self._expiry_at = 0
+            expiry, self._expiry_timer = self._expiry_timer, None
+            if expiry is not None:
+                expiry.cancel()
             # Wakes the reader and any sender; the reader closes the descriptor on its way out.
             if shutdown:
                 with contextlib.suppress(OSError):
