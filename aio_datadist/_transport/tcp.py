@@ -36,7 +36,9 @@ sends its payload there too).
 
 Deadlines: a request carries an absolute ``monotonic_ns()`` deadline (0: none); the
 process-wide reaper (``deadlines``) fails a request nobody answered in time with
-``LLM_TIMEOUT``. A payload that arrives too late fails its request with ``LLM_TIMEOUT`` and
+``LLM_TIMEOUT``, through one timer per link at its earliest pending deadline. A request
+completes a :class:`~aio_datadist._transport.future.RequestFuture` (light enough for tens of
+thousands in flight). A payload that arrives too late fails its request with ``LLM_TIMEOUT`` and
 is drained into scratch memory, so the stream stays in sync and the link stays up. Frames
 in progress are bounded by a stall timeout (no byte moved for ``stall_timeout`` seconds):
 a stalled peer breaks the channel, which fails every pending request with
