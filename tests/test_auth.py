@@ -54,7 +54,7 @@ from aio_datadist._transport.auth import (
 from aio_datadist._transport.base import LinkRefused
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
 from aio_datadist._transport.samehost import decode_extensions
-from aio_datadist._transport.tcp import TcpTransport
+from aio_datadist._transport.tcp_connect import TcpTransport
 from tests.conftest import Cleanup, Face, make_options, pool_cfg
 from tests.peer_prompt import TENSORS, pattern
 from tests.test_cross_process import Peer

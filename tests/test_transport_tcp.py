@@ -50,7 +50,8 @@ from aio_datadist._transport.base import (
     Served,
 )
 from aio_datadist._transport.deadlines import Reaper, after_s, now_ns
-from aio_datadist._transport.tcp import LOOP_READ_BYTES, TcpChannel, TcpTransport
+from aio_datadist._transport.tcp import LOOP_READ_BYTES, TcpChannel
+from aio_datadist._transport.tcp_connect import TcpTransport
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
 from tests.conftest import Cleanup
@@ -1106,7 +1107,8 @@ CHILD = textwrap.dedent(
     import numpy as np
     from aio_datadist._transport.base import Hello, Served
     from aio_datadist._transport._wire import BodyReader
-    from aio_datadist._transport.tcp import TcpChannel, TcpTransport
+    from aio_datadist._transport.tcp import TcpChannel
+    from aio_datadist._transport.tcp_connect import TcpTransport
     from aio_datadist.enums import LLMRole
 
     mem = np.random.default_rng(1234).integers(0, 256, 1 << 20, dtype=np.uint8)

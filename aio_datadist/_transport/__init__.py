@@ -38,7 +38,7 @@ def make_transport(
 
         return LoopbackTransport(secret=secret)
     if name == "tcp":
-        from aio_datadist._transport.tcp import TcpTransport
+        from aio_datadist._transport.tcp_connect import TcpTransport
 
         return TcpTransport(secret=secret, busy_poll_us=busy_poll_us)
     raise ValueError(f"unknown transport {name!r}")

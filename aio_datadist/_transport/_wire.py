@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 
 from aio_datadist._native import wire
+from aio_datadist.status import LLMStatusCode
 
 __all__ = (
     "HEADER",
@@ -48,6 +49,7 @@ __all__ = (
     "encode_extension_record",
     "encode_header",
     "encode_hello",
+    "status_from_wire",
     "pack_header",
 )
 
@@ -115,6 +117,16 @@ def encode_header(header: FrameHeader) -> bytes:
         flags=header.flags,
         version=header.version,
     )
+
+
+def status_from_wire(value: int) -> LLMStatusCode:
+    """The code of a received status field; unknown or success values (a refusal or failure
+    must not read as success) read as ``LLM_FAILED``."""
+    try:
+        code = LLMStatusCode(value)
+    except ValueError:
+        return LLMStatusCode.LLM_FAILED
+    return LLMStatusCode.LLM_FAILED if code is LLMStatusCode.LLM_SUCCESS else code
 
 
 def pack_header(
