@@ -1303,10 +1303,12 @@ class TcpChannel(Channel):
         receiving its payload straight into the request's rows as the bytes arrive (never
         waiting: it goes on at the next readiness) and completing the request there: no
         reader-thread wake-up and no hand-over to the loop, which on a virtual machine cost
-        more than the answer. The loop keeps watching between its requests. The first frame
-        of anything else (the peer's requests, a bigger answer, a payload for segments)
-        sends the reader thread back to the socket at that frame's start, and the loop stops
-        watching until its next request.
+        more than the answer; headers too are taken as their bytes arrive. The loop keeps
+        watching between its requests. The first frame of anything else (the peer's
+        requests, a bigger answer, a payload for segments) sends the reader thread back to
+        the socket at that frame, and the loop stops watching until its next request. When
+        another thread held the read lock (it took a frame while the loop was paused), the
+        loop watches again :data:`_LOOP_PARK_S` later while its calls still wait.
         """
         if self._watch_loop is not None and self._watch_loop is not loop:
             return None  # another loop watches this link; this one waits as usual
