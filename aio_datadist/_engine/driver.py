@@ -28,7 +28,7 @@ from typing import Any
 
 from aio_datadist._engine.layerwise import LayerJob
 from aio_datadist._engine.links import LinkTable
-from aio_datadist._engine.request import Completion, Plan, Transfer
+from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
 from aio_datadist._engine.routes import Route, Waiting, first_accepting, start_on
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
@@ -162,7 +162,7 @@ def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
     """A pull or push call: start every transfer of ``plan``, then wait for each; raise
     the first failure once all ended. A blocking caller starts each request in its own
     thread (no :class:`Start` is yielded); a call of one request may run its round trip in
-    the waiting thread (``Waiting.alone``)."""
+    the waiting thread (``Waiting.EXCHANGE``, ``Waiting.LOOP_EXCHANGE``)."""
     if len(plan.transfers) == 1:
         waiting = _ALONE.get(waiting, waiting)
     started: list[Completion] = []
@@ -180,8 +180,10 @@ def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
         plan.seal()
     first: LLMException | None = None
     for completion in started:
+        if completion is DONE:  # completed in the caller (a one-sided copy, say)
+            continue
         try:
-            if completion.done():  # nothing to wait for (a one-sided copy, say)
+            if completion.done():  # nothing to wait for
                 completion.raise_failure()
             else:
                 yield Wait(completion)
