@@ -82,6 +82,16 @@ def _loop_idle() -> bool:
     return isinstance(ready, collections.deque) and not ready
 
 
+def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[bool], _: object) -> None:
+    """A request ``waiter`` awaits completed: settle it on ``loop`` (at once when the loop
+    itself completed it, having read the answer)."""
+    if _on_loop(loop):
+        _settle_waiter(waiter, True)
+        return
+    with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+        loop.call_soon_threadsafe(_settle_waiter, waiter, True)
+
+
 def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
     if not waiter.done():
         waiter.set_result(completed)
@@ -97,15 +107,7 @@ async def _wait(completion: Completion) -> None:
     if not future.done():
         loop = asyncio.get_running_loop()
         waiter: asyncio.Future[bool] = loop.create_future()
-
-        def wake(_: object) -> None:
-            if _on_loop(loop):  # completed by the loop itself (it read the answer)
-                _settle_waiter(waiter, True)
-                return
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_settle_waiter, waiter, True)
-
-        future.add_done_callback(wake)
+        future.add_done_callback(partial(_wake, loop, waiter))
         timer = loop.call_later(completion.timeout_s(), _settle_waiter, waiter, False)
         try:
             completed = await waiter
@@ -293,12 +295,13 @@ class AsyncCacheManager(_LoopBound):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _transfer(self, plan: Plan) -> None:
-        """Run a pull or push call: inline as far as it goes, then awaited."""
+    def _begin(self, plan: Plan) -> _Driver:
+        """Run a pull or push call inline as far as it goes; the caller awaits
+        ``finish()`` unless it is ``done`` (no coroutine of its own: thousands of awaited
+        calls in flight each hold one object less)."""
         driver = _Driver(run_call(plan, self._links, Waiting.LOOP))
         driver.advance()
-        if not driver.done:
-            await driver.finish()
+        return driver
 
     async def _run(self, plan: CopyPlan) -> None:
         try:
@@ -396,7 +399,9 @@ class AsyncCacheManager(_LoopBound):
     ) -> None:
         """As ``CacheManager.pull_cache``."""
         self._check_loop()
-        await self._transfer(self._planner.pull_cache(cache_key, cache, batch_index, size, kwargs))
+        driver = self._begin(self._planner.pull_cache(cache_key, cache, batch_index, size, kwargs))
+        if not driver.done:
+            await driver.finish()
 
     async def pull_blocks(
         self,
@@ -408,9 +413,11 @@ class AsyncCacheManager(_LoopBound):
     ) -> None:
         """As ``CacheManager.pull_blocks``."""
         self._check_loop()
-        await self._transfer(
+        driver = self._begin(
             self._planner.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         )
+        if not driver.done:
+            await driver.finish()
 
     async def push_cache(
         self,
@@ -424,7 +431,7 @@ class AsyncCacheManager(_LoopBound):
     ) -> None:
         """As ``CacheManager.push_cache``."""
         self._check_loop()
-        await self._transfer(
+        driver = self._begin(
             self._planner.push_cache(
                 dst_cache_key,
                 src_cache,
@@ -435,6 +442,8 @@ class AsyncCacheManager(_LoopBound):
                 tensor_num_per_layer,
             )
         )
+        if not driver.done:
+            await driver.finish()
 
     def push_blocks(
         self,
