@@ -1723,3 +1723,30 @@ def test_answered_requests_leave_no_deadlines_behind(
         conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=64) + bytes(64))
         future.result(WAIT)
     assert len(channel._deadlines) <= 1100
+
+
+@pytest.mark.parametrize("split", [0, 16], ids=["whole", "in-two"])
+async def test_a_peer_frame_the_loop_does_not_take_is_served_at_once(
+    raw_server: RawServer, cleanup: Cleanup, split: int
+) -> None:
+    # The peer's own frame (here a PING) reaches a link the loop watches; its header may
+    # come in two pieces, which the loop takes as they arrive. The reader thread serves
+    # the frame at once, whatever the loop took of it: no byte more needs to come.
+    channel, conn = eager_raw_link(raw_server, cleanup, busy_poll_us=0)
+    end = channel.watch(asyncio.get_running_loop())
+    assert end is not None
+    ping = frame(FrameKind.PING, 77)
+    if split:
+        conn.sendall(ping[:split])
+        await asyncio.sleep(0.05)  # the loop takes the first piece
+        conn.sendall(ping[split:])
+    else:
+        conn.sendall(ping)
+    started = time.monotonic()
+    header, _ = await asyncio.to_thread(read_frame, conn)
+    assert header.kind is FrameKind.PONG and header.request_id == 77
+    assert time.monotonic() - started < 1.0  # not at the stall timeout (2 s here)
+    await asyncio.sleep(0.01)
+    assert not channel.closed
+    end()
+    await assert_in_step(channel, conn, 7)

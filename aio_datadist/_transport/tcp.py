@@ -1160,6 +1160,12 @@ class TcpChannel(Channel):
                     self._park.wait(tick)
                     self._park.clear()
                     self._reclaim_from_closed_loop()
+                    if self._hdr_have == _HEADER_SIZE:  # a frame the loop began and left
+                        failure = self._read_for_stalled_loop()
+                        if failure is not None:
+                            reason = failure
+                            break
+                        continue
                     if self._loop_fd < 0 or not self._readable_now():
                         stalled = -1
                         tick = min(2 * tick, _LOOP_PARK_MAX_S)  # an idle link: look less often
@@ -1180,7 +1186,9 @@ class TcpChannel(Channel):
                 if now_ns() < self._callers_until:
                     self._park.wait(_PARK_TICK_S)
                     self._park.clear()
-                    readable = self._readable_now()
+                    readable = self._frame_waiting()
+                elif self._hdr_have == _HEADER_SIZE:
+                    readable = True  # a frame the loop began and left: no bytes need come
                 else:
                     owed = self._owed or self._hdr_have
                     wait_s = self._stall_s if owed else _IDLE_S
@@ -1231,7 +1239,7 @@ class TcpChannel(Channel):
         """
         native = self._native
         if native is None or not self._at_frame_start():
-            return self._readable_now()
+            return self._frame_waiting()
         with self._qcond:
             idle = not self._sendq and not self._sender_active and not self._sender_exited
         if not idle or not self._slock.acquire(blocking=False):
@@ -1571,36 +1579,68 @@ class TcpChannel(Channel):
         arriving, any other answer has arrived whole), :data:`_LATER` while its header is
         still arriving, or None when the reader thread must take the next frame (anything
         else, or an answer whose body has not all arrived)."""
-        # The header is taken off the socket as it arrives (never peeked at until whole:
-        # with the receive buffer full, the peer could not send the rest of a frame whose
-        # start sat unread, and the selector would report it readable forever).
+        # A header seen whole is taken only for an answer the loop takes; a header still
+        # arriving is taken as it arrives (never waited for unread: with the receive buffer
+        # full, the peer could not send the rest, and the selector would report the socket
+        # ready forever).
         have = self._hdr_have
-        if have < _HEADER_SIZE:
+        if have == 0:
             try:
-                n = self._sock.recv_into(
-                    memoryview(self._hdr)[have:], _HEADER_SIZE - have, socket.MSG_DONTWAIT
-                )
+                head = self._sock.recv(_HEADER_SIZE, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return _LATER
             except OSError:
                 return None
-            if n == 0:
+            if not head:
                 return None  # closed: the reader thread reports it
-            self._hdr_have = have = have + n
-            if have < _HEADER_SIZE:
-                return _LATER
+            if len(head) == _HEADER_SIZE:
+                try:
+                    header = decode_header(head)
+                except WireError:
+                    return None  # the reader thread breaks the link over it
+                if not self._loop_takes(header, _HEADER_SIZE):
+                    return None  # left on the socket for the reader thread
+                _recv_view(self._fd, memoryview(self._hdr), self._stall_s)  # there, whole
+                self._hdr_have = _HEADER_SIZE
+                return header
+        try:
+            n = self._sock.recv_into(
+                memoryview(self._hdr)[have:], _HEADER_SIZE - have, socket.MSG_DONTWAIT
+            )
+        except BlockingIOError:
+            return _LATER
+        except OSError:
+            return None
+        if n == 0:
+            return None
+        self._hdr_have = have = have + n
+        if have < _HEADER_SIZE:
+            return _LATER
         try:
             header = decode_header(self._hdr)
         except WireError:
-            return None  # the reader thread breaks the link over it
+            return None
+        # Taken whole only now: the reader thread goes on from it at once if the loop
+        # does not take the frame (_frame_waiting).
+        return header if self._loop_takes(header, 0) else None
+
+    def _loop_takes(self, header: FrameHeader, unread: int) -> bool:
+        """Whether the loop takes the frame ``header`` starts, with ``unread`` bytes of the
+        header still on the socket: an answer of at most :data:`LOOP_READ_BYTES`, a pull's
+        payload as it arrives, any other answer only once it has arrived whole."""
         size = _HEADER_SIZE + header.body_len + header.payload_len
         if header.kind not in _ANSWERS or size > LOOP_READ_BYTES:
-            return None
+            return False
         if header.kind is FrameKind.PULL_DATA:
-            return header if not header.body_len else None
+            return not header.body_len
         arrived = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
-        rest = header.body_len + header.payload_len
-        return header if int.from_bytes(arrived, sys.byteorder) >= rest else None
+        rest = unread + header.body_len + header.payload_len
+        return int.from_bytes(arrived, sys.byteorder) >= rest
+
+    def _frame_waiting(self) -> bool:
+        """Whether a frame waits for a reader (``_rlock`` held, or a glance): a header taken
+        whole that the loop left, or bytes on the socket."""
+        return self._hdr_have == _HEADER_SIZE or self._readable_now()
 
     def _read_frame_here(self, who: str) -> bool:
         """:meth:`_read_frame` in a thread other than the reader's (``_rlock`` held);
