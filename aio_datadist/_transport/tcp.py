@@ -1311,7 +1311,7 @@ class TcpChannel(Channel):
         receiving its payload straight into the request's rows as the bytes arrive (never
         waiting: it goes on at the next readiness) and completing the request there: no
         reader-thread wake-up and no hand-over to the loop, which on a virtual machine cost
-        more than the answer; headers too are taken as their bytes arrive. The loop keeps
+        more than the answer; a header still arriving is taken as its bytes come. The loop keeps
         watching between its requests. The first frame of anything else (the peer's
         requests, a bigger answer, a payload for segments) sends the reader thread back to
         the socket at that frame, and the loop stops watching until its next request. When
