@@ -1546,18 +1546,21 @@ def test_a_committing_pull_confirms_before_it_completes(
     buf = np.zeros(KiB, np.uint8)
     future = channel.pull(request([(0, KiB)]), rows(buf, [(0, KiB)]), KiB, deadline(), commit=True)
     seen: list[bytes] = []
+    looked = threading.Event()
 
     def on_done(_: Future[None]) -> None:  # what the peer can read at that moment
         try:
             seen.append(conn.recv(HEADER.size, socket.MSG_PEEK | socket.MSG_DONTWAIT))
         except BlockingIOError:
             seen.append(b"")
+        looked.set()
 
     header, _ = read_frame(conn)
     assert header.kind is FrameKind.PULL
     future.add_done_callback(on_done)
     conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=KiB) + bytes(KiB))
     assert future.result(WAIT) is None
+    assert looked.wait(WAIT)  # (the callback runs in the completing thread)
     assert len(seen) == 1 and len(seen[0]) == HEADER.size
     done = decode_header(seen[0])
     assert (done.kind, done.request_id) == (FrameKind.PULL_DONE, header.request_id)
