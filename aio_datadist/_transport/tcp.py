@@ -111,7 +111,7 @@ from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
 from aio_datadist._transport.future import RequestFuture
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("LOOP_READ_BYTES", "STALL_TIMEOUT", "TcpChannel")
+__all__ = ("IO_ERRORS", "LOOP_READ_BYTES", "STALL_TIMEOUT", "TcpChannel")
 
 #: Seconds without a byte moving, mid-frame, after which the channel breaks.
 STALL_TIMEOUT = 30.0
@@ -158,7 +158,8 @@ _NO_BODY = (
     FrameKind.PING,
     FrameKind.PONG,
 )
-_IO_ERRORS = (NetTimeout, PeerClosed, OSError)
+#: The errors of socket I/O through the native layer (a link fails over any of them).
+IO_ERRORS = (NetTimeout, PeerClosed, OSError)
 #: Why a link closed, as its channel tells: the peer unlinked or finalized and said so
 #: (BYE, whose header status says which: LLM_SUCCESS or LLM_ENGINE_FINALIZED)...
 _PEER_UNLINKED = "the peer unlinked"
@@ -722,7 +723,7 @@ class TcpChannel(Channel):
                 )
                 self._sent(req, failure, broke)
                 return req.future
-            except _IO_ERRORS as exc:
+            except IO_ERRORS as exc:
                 self._break(f"send failed: {exc}")
                 raise self._link_failed() from None
             self._slock.release()
@@ -804,7 +805,7 @@ class TcpChannel(Channel):
         except NetTimeout as exc:
             failure = _error(LLMStatusCode.LLM_TIMEOUT, f"{call}: {what} not sent by the deadline")
             return failure, (f"a {call} was cut off by its deadline" if exc.transferred else "")
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             return self._link_failed(f"send failed: {exc}"), f"send failed: {exc}"
         except LLMException as exc:  # rows the native layer refused; nothing was sent
             return exc, ""
@@ -867,7 +868,7 @@ class TcpChannel(Channel):
                     if not self._broken:
                         sock_send_bytes(self._fd, _frame(FrameKind.BYE, status=bye), deadline)
                         sent = True
-                except _IO_ERRORS as exc:
+                except IO_ERRORS as exc:
                     self._log.info("tcp.bye_failed", reason=str(exc))
                 finally:
                     self._slock.release()
@@ -1130,7 +1131,7 @@ class TcpChannel(Channel):
                     elif error is not None:
                         raise error
                 ok = not failure
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             failure = f"send failed: {exc}"
         finally:
             self._slock.release()

@@ -65,10 +65,7 @@ from aio_datadist._transport.base import (
 from aio_datadist._transport.deadlines import after_s
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
 from aio_datadist._transport.rendezvous import Handoff, RouteKey, share
-from aio_datadist._transport.tcp import (
-    STALL_TIMEOUT,
-    TcpChannel,
-)
+from aio_datadist._transport.tcp import IO_ERRORS, STALL_TIMEOUT, TcpChannel
 from aio_datadist.status import LLMStatusCode
 
 __all__ = ("HANDSHAKE_TIMEOUT", "TcpListener", "TcpTransport")
@@ -77,9 +74,6 @@ __all__ = ("HANDSHAKE_TIMEOUT", "TcpListener", "TcpTransport")
 HANDSHAKE_TIMEOUT = 5.0
 #: Seconds a refused handshake waits for the client to close before dropping it.
 _LINGER_S = 1.0
-
-_HEADER_SIZE = HEADER.size
-_IO_ERRORS = (NetTimeout, PeerClosed, OSError)
 
 
 def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
@@ -92,7 +86,7 @@ def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
 
 def _recv_handshake_frame(fd: int, deadline_ns: int) -> tuple[FrameHeader, bytearray]:
     """One handshake frame (no payload, a bounded body) and its body, by the deadline."""
-    h = decode_header(_recv_exact(fd, _HEADER_SIZE, deadline_ns))
+    h = decode_header(_recv_exact(fd, HEADER.size, deadline_ns))
     if h.payload_len or h.body_len > MAX_HELLO_BODY:
         raise WireError(f"oversized {h.kind.name} frame in the handshake")
     return h, _recv_exact(fd, h.body_len, deadline_ns)
@@ -240,7 +234,7 @@ class TcpListener(Listener):
         handed_over = False
         try:
             handed_over = self._run_handshake(conn, remote, hello)
-        except _IO_ERRORS as exc:
+        except IO_ERRORS as exc:
             self._log.info("tcp.handshake_failed", remote=remote, reason=str(exc))
         except Exception:
             self._log.warning("tcp.handshake_failed", remote=remote, exc_info=True)
@@ -254,7 +248,7 @@ class TcpListener(Listener):
         """Answer ERROR, then wait briefly for the client to close (so it reads the answer)."""
         fd = conn.fileno()
         deadline = after_s(_LINGER_S)
-        with contextlib.suppress(*_IO_ERRORS):
+        with contextlib.suppress(*IO_ERRORS):
             sock_send_bytes(fd, _error_frame(message, status), deadline)
             conn.shutdown(socket.SHUT_WR)
             scratch = bytearray(4096)
@@ -299,7 +293,7 @@ class TcpListener(Listener):
     def _read_hello(self, conn: socket.socket, remote: str, deadline: int) -> bytes | None:
         """The client's HELLO body; None after refusing a connection that sent no HELLO."""
         fd = conn.fileno()
-        raw = _recv_exact(fd, _HEADER_SIZE, deadline)
+        raw = _recv_exact(fd, HEADER.size, deadline)
         try:
             h = decode_header(raw)
             if h.kind is not FrameKind.HELLO or h.payload_len or h.body_len > MAX_HELLO_BODY:
@@ -416,7 +410,7 @@ class TcpListener(Listener):
                     bound = replace(transcript, server_hello=body)
                     answer += _auth_frame(transport.secret.prove(Side.SERVER, bound))
                 sock_send_bytes(fd, answer, deadline)
-            except (*_IO_ERRORS, WireError) as exc:
+            except (*IO_ERRORS, WireError) as exc:
                 failure: str | None = f"handshake answer failed: {exc}"
             else:
                 failure = None
@@ -613,7 +607,7 @@ class TcpTransport(Transport):
                 bound = replace(transcript, server_hello=bytes(answer))
                 reason = None if secret.verify(Side.SERVER, bound, proof) else WRONG_SERVER_PROOF
             if reason is not None:
-                with contextlib.suppress(*_IO_ERRORS):
+                with contextlib.suppress(*IO_ERRORS):
                     sock_send_bytes(fd, _error_frame(reason), deadline)
                 raise LinkRefused(LLMStatusCode.LLM_LINK_FAILED, f"link to {where}: {reason}")
         peer, _ = hello_from_wire(answer)
