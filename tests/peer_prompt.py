@@ -7,12 +7,18 @@ of BLOCK_BYTES under ``BlocksCacheKey(CLUSTER_ID, 0)`` (tensor ``t`` filled by
 :func:`pattern`), allocates a batch cache (id 2) with ``CacheKey(CLUSTER_ID, req_id=1)``
 bound to row 0, prints ``ready`` and serves until stdin closes. Remote caches are
 accessible, so peers may also push into it.
+
+With ``AIO_TEST_THREAD_BUDGET=N`` in the environment it then runs as user ``nobody`` (when
+started as root) with ``RLIMIT_NPROC`` set so that at most N more threads can start.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import resource
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -39,6 +45,32 @@ def pattern(t: int, blocks: int, block_bytes: int) -> np.ndarray:
     return words.view(np.uint8).reshape(blocks, block_bytes)
 
 
+def tasks_of(uid: int) -> int:
+    """Threads of every process of ``uid`` (what ``RLIMIT_NPROC`` counts)."""
+    count = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            owner = int(status.split("\nUid:", 1)[1].split()[0])
+            if owner == uid:
+                count += len(os.listdir(proc / "task"))
+        except (OSError, IndexError, ValueError):
+            continue
+    return count
+
+
+def limit_threads(budget: int) -> None:
+    """Let at most ``budget`` more threads of this user start."""
+    if os.getuid() == 0:
+        os.setgroups([])
+        os.setgid(65534)
+        os.setuid(65534)
+    limit = tasks_of(os.getuid()) + budget
+    resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
+
+
 def main() -> None:
     port, blocks, block_bytes = (int(a) for a in sys.argv[1:4])
     cluster_id = int(sys.argv[4]) if len(sys.argv) > 4 else 1
@@ -61,6 +93,9 @@ def main() -> None:
     )
     for t, view in enumerate(rows.as_numpy()):
         view[...] = t + 7
+    budget = os.environ.get("AIO_TEST_THREAD_BUDGET")
+    if budget is not None:
+        limit_threads(int(budget))
     print("ready", flush=True)
     sys.stdin.read()
     dd.finalize()

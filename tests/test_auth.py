@@ -359,9 +359,9 @@ def test_a_client_that_never_proves_is_dropped(answer_challenge: bool, cleanup: 
     assert len(acceptor.accepted) == 1
     conn.close()
     deadline = time.monotonic() + WAIT
-    while listener._handshaking and time.monotonic() < deadline:
+    while listener.pending_handshakes and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not listener._handshaking
+    assert not listener.pending_handshakes
     # the honest link's two sockets are the only descriptors left over
     assert open_fds() <= before + 2
 

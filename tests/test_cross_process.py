@@ -60,12 +60,17 @@ class Peer:
         *,
         cluster_id: int = 1,
         port: int | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.blocks, self.block_bytes = blocks, block_bytes
         self.cluster_id = cluster_id
         self.port = free_port() if port is None else port
         root = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **(env or {}),
+        )
         self.proc = subprocess.Popen(
             [
                 sys.executable,

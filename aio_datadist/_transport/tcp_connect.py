@@ -12,12 +12,10 @@ bounded by ``handshake_timeout``.
 from __future__ import annotations
 
 import contextlib
-import errno
 import ipaddress
 import socket
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import replace
 
 from aio_datadist._log import get_logger
@@ -64,6 +62,15 @@ from aio_datadist._transport.base import (
 )
 from aio_datadist._transport.deadlines import after_s
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
+from aio_datadist._transport.handshakes import (
+    LINGER,
+    LINGER_S,
+    MAX_PENDING_HANDSHAKES,
+    Handshakes,
+    Read,
+    Steps,
+    Wait,
+)
 from aio_datadist._transport.rendezvous import Handoff, RouteKey, share
 from aio_datadist._transport.tcp import IO_ERRORS, STALL_TIMEOUT, TcpChannel
 from aio_datadist.status import LLMStatusCode
@@ -72,8 +79,6 @@ __all__ = ("HANDSHAKE_TIMEOUT", "TcpListener", "TcpTransport")
 
 #: Seconds a new connection has to complete its handshake.
 HANDSHAKE_TIMEOUT = 5.0
-#: Seconds a refused handshake waits for the client to close before dropping it.
-_LINGER_S = 1.0
 
 
 def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
@@ -146,8 +151,9 @@ _Router = Callable[[Hello], "_Target | Handoff | None"]
 
 
 class TcpListener(Listener):
-    """A listening TCP socket; every accepted connection is handshaken on its own thread
-    with the engine its HELLO is routed to.
+    """A listening TCP socket; accepted connections are handshaken (``handshakes``: one
+    selector thread and a few workers, never a thread per connection) with the engine
+    their HELLO is routed to.
 
     Without a socket it only finishes the handshakes of connections handed to it
     (:meth:`take`), as a shared endpoint's member process does.
@@ -160,100 +166,50 @@ class TcpListener(Listener):
         router: _Router,
         *,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        max_pending: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
         host, port = address
         self.address = (host, int(sock.getsockname()[1]) if sock is not None else port)
         self._sock = sock
         self._router = router
-        self._handshake_timeout = handshake_timeout
         self._lock = threading.Lock()
         self._closed = False
-        self._handshaking: set[socket.socket] = set()
         self._log = get_logger("tcp", listen=f"{host}:{self.address[1]}")
-        self._thread: threading.Thread | None = None
-        if sock is not None:
-            self._thread = threading.Thread(
-                target=self._accept_loop,
-                name=f"aio-dd-tcp-accept-{self.address[1]}",
-                daemon=True,
-            )
-            self._thread.start()
+        self._handshakes = Handshakes(
+            f"aio-dd-tcp-accept-{self.address[1]}",
+            sock,
+            self._steps,
+            timeout=handshake_timeout,
+            max_pending=max_pending,
+        )
+
+    @property
+    def pending_handshakes(self) -> int:
+        """Connections in their handshake now."""
+        return self._handshakes.pending
 
     def close(self) -> None:
         with self._lock:
             if self._closed:
                 return
             self._closed = True
-            for conn in self._handshaking:  # abort handshakes in progress
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+        self._handshakes.close()
         if self._sock is not None:
-            with contextlib.suppress(OSError):
-                self._sock.shutdown(socket.SHUT_RDWR)  # wakes accept()
-            if self._thread is not None and threading.current_thread() is not self._thread:
-                self._thread.join(5.0)
             self._sock.close()
         self._log.info("tcp.listen_closed")
 
-    def _accept_loop(self) -> None:
-        assert self._sock is not None
-        while not self._closed:
-            try:
-                conn, addr = self._sock.accept()
-            except OSError as exc:
-                if self._closed:
-                    return
-                self._log.warning("tcp.accept_failed", reason=str(exc))
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    time.sleep(0.1)  # out of descriptors or memory: let some go first
-                continue
-            self.take(conn, f"{addr[0]}:{addr[1]}", None)
-
     def take(self, conn: socket.socket, remote: str, hello: bytes | None) -> None:
-        """Handshake ``conn`` on a thread of its own; ``hello``: its HELLO body, when another
-        process read it already."""
-        with self._lock:
-            if self._closed:
-                conn.close()
-                return
-            self._handshaking.add(conn)
-        try:
-            threading.Thread(
-                target=self._handshake,
-                args=(conn, remote, hello),
-                name=f"aio-dd-tcp-hello-{remote}",
-                daemon=True,
-            ).start()
-        except RuntimeError as exc:  # no thread to be had: this connection goes
-            self._log.warning("tcp.handshake_failed", remote=remote, reason=str(exc))
-            with self._lock:
-                self._handshaking.discard(conn)
-            conn.close()
+        """Handshake ``conn``; ``hello``: its HELLO body, when another process read it
+        already."""
+        self._handshakes.take(conn, remote, hello)
 
-    def _handshake(self, conn: socket.socket, remote: str, hello: bytes | None) -> None:
-        handed_over = False
-        try:
-            handed_over = self._run_handshake(conn, remote, hello)
-        except IO_ERRORS as exc:
-            self._log.info("tcp.handshake_failed", remote=remote, reason=str(exc))
-        except Exception:
-            self._log.warning("tcp.handshake_failed", remote=remote, exc_info=True)
-        finally:
-            with self._lock:
-                self._handshaking.discard(conn)
-                if not handed_over:
-                    conn.close()
-
-    def _refuse(self, conn: socket.socket, status: LLMStatusCode, message: str) -> None:
-        """Answer ERROR, then wait briefly for the client to close (so it reads the answer)."""
-        fd = conn.fileno()
-        deadline = after_s(_LINGER_S)
+    def _refusal(self, conn: socket.socket, status: LLMStatusCode, message: str) -> Steps:
+        """Answer ERROR, then let the client close (so it reads the answer) for a moment."""
         with contextlib.suppress(*IO_ERRORS):
-            sock_send_bytes(fd, _error_frame(message, status), deadline)
+            sock_send_bytes(conn.fileno(), _error_frame(message, status), after_s(LINGER_S))
             conn.shutdown(socket.SHUT_WR)
-            scratch = bytearray(4096)
-            while True:
-                sock_recv_into(fd, scratch, deadline)
+            yield LINGER
+        return False
 
     def _authenticate(
         self,
@@ -263,20 +219,20 @@ class TcpListener(Listener):
         hello: bytes,
         nonce: bytes | None,
         deadline: int,
-    ) -> Transcript | None:
+    ) -> Generator[Wait, bytes, Transcript | None]:
         """Run the listener's half of authentication before the acceptor sees the client.
 
         Returns the transcript the server's proof is bound to, or None when neither end
-        has a secret. Raises :class:`_ClientRefused` when the client was refused.
+        has a secret. Raises :class:`_ClientRefused` when the client was refused (after
+        telling it why).
         """
         secret = transport.secret
         reason = refusal_reason(client_secret=nonce is not None, server_secret=secret is not None)
         if reason is None and secret is not None and nonce is not None:
-            fd = conn.fileno()
             server_nonce = new_nonce()
-            sock_send_bytes(fd, _auth_frame(server_nonce), deadline)
+            sock_send_bytes(conn.fileno(), _auth_frame(server_nonce), deadline)
             try:
-                proof = _auth_body(*_recv_handshake_frame(fd, deadline), PROOF_BYTES)
+                proof = _auth_body(*(yield from _handshake_frame()), PROOF_BYTES)
             except WireError as exc:
                 self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
                 raise _ClientRefused from None
@@ -287,13 +243,12 @@ class TcpListener(Listener):
         if reason is None:
             return None
         self._log.warning("link.auth_failed", remote=remote, reason=reason)
-        self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, reason)
+        yield from self._refusal(conn, LLMStatusCode.LLM_LINK_FAILED, reason)
         raise _ClientRefused
 
-    def _read_hello(self, conn: socket.socket, remote: str, deadline: int) -> bytes | None:
+    def _read_hello(self, conn: socket.socket, remote: str) -> Generator[Wait, bytes, bytes | None]:
         """The client's HELLO body; None after refusing a connection that sent no HELLO."""
-        fd = conn.fileno()
-        raw = _recv_exact(fd, HEADER.size, deadline)
+        raw = yield Read(HEADER.size)
         try:
             h = decode_header(raw)
             if h.kind is not FrameKind.HELLO or h.payload_len or h.body_len > MAX_HELLO_BODY:
@@ -301,24 +256,28 @@ class TcpListener(Listener):
         except WireError as exc:
             self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
             if raw[:4] == MAGIC:  # one of ours, of another version: tell it why
-                self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}")
+                yield from self._refusal(
+                    conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}"
+                )
             return None
-        return bytes(_recv_exact(fd, h.body_len, deadline))
+        return bytes((yield Read(h.body_len)))
 
-    def _run_handshake(self, conn: socket.socket, remote: str, hello: bytes | None) -> bool:
+    def _steps(self, conn: socket.socket, remote: str, hello: bytes | None, deadline: int) -> Steps:
         """Handshake one connection; True when a channel (or another process) took the
         socket over."""
-        deadline = after_s(self._handshake_timeout)
         if hello is None:
-            hello = self._read_hello(conn, remote, deadline)
+            hello = yield from self._read_hello(conn, remote)
             if hello is None:
                 return False
         try:
             peer, nonce = hello_from_wire(hello)
         except WireError as exc:
             self._log.warning("tcp.handshake_rejected", remote=remote, reason=str(exc))
-            self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}")
-            return False
+            return (
+                yield from self._refusal(
+                    conn, LLMStatusCode.LLM_LINK_FAILED, f"handshake refused: {exc}"
+                )
+            )
         target = self._router(peer)
         if target is None:
             reason = (
@@ -327,21 +286,32 @@ class TcpListener(Listener):
                 else "this address is a rank endpoint: link_clusters cannot link here"
             )
             self._log.info("tcp.link_refused", remote=remote, reason=reason)
-            self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, reason)
-            return False
+            return (yield from self._refusal(conn, LLMStatusCode.LLM_LINK_FAILED, reason))
         if isinstance(target, Handoff):
+            if not self._handshakes.detach(conn):  # (a shutdown would reach the other copy)
+                return False
             try:
                 target(conn, remote, hello)
             except OSError as exc:
                 self._log.info("tcp.handoff_failed", remote=remote, reason=str(exc))
-                self._refuse(conn, LLMStatusCode.LLM_LINK_FAILED, "the domain's member is gone")
+                yield from self._refusal(
+                    conn, LLMStatusCode.LLM_LINK_FAILED, "the domain's member is gone"
+                )
             return False  # the other process holds its own copy of the socket
         transport, acceptor = target
-        return self._serve_handshake(
-            transport, acceptor, conn, remote, hello, peer, nonce, deadline
-        )
+        _tune(conn, transport.sndbuf, transport.rcvbuf)
+        try:
+            transcript = yield from self._authenticate(
+                transport, conn, remote, hello, nonce, deadline
+            )
+        except _ClientRefused:
+            return False
+        refusal = self._serve(transport, acceptor, conn, remote, hello, peer, transcript, deadline)
+        if refusal is None:
+            return True
+        return (yield from self._refusal(conn, refusal.status, str(refusal)))
 
-    def _serve_handshake(
+    def _serve(
         self,
         transport: TcpTransport,
         acceptor: Acceptor,
@@ -349,17 +319,11 @@ class TcpListener(Listener):
         remote: str,
         hello: bytes,
         peer: Hello,
-        nonce: bytes | None,
+        transcript: Transcript | None,
         deadline: int,
-    ) -> bool:
-        """Authenticate, register with ``acceptor`` and answer HELLO_ACK; True when the new
-        channel took the socket over."""
-        _tune(conn, transport.sndbuf, transport.rcvbuf)
-        fd = conn.fileno()
-        try:
-            transcript = self._authenticate(transport, conn, remote, hello, nonce, deadline)
-        except _ClientRefused:
-            return False
+    ) -> LinkRefused | None:
+        """Register the link with ``acceptor`` and answer HELLO_ACK; None when the new
+        channel took the socket over, else the refusal to answer."""
         channel = TcpChannel(
             conn,
             peer,
@@ -372,44 +336,30 @@ class TcpListener(Listener):
         # Hold the channel's sends from registration to HELLO_ACK: a request the server side
         # sends on the new channel meanwhile goes out after the acknowledgement.
         with channel.sends_held():
-            with self._lock:
-                if self._closed:
-                    refusal: LinkRefused | None = LinkRefused(
-                        LLMStatusCode.LLM_LINK_FAILED, "the listener is closing"
-                    )
-                else:
-                    refusal = None
-                    self._handshaking.discard(conn)
-            if refusal is None:
-                try:
-                    local = acceptor.accept(peer, channel)
-                except LinkRefused as exc:
-                    refusal = exc
-                except Exception as exc:
-                    self._log.warning("tcp.accept_failed", remote=remote, exc_info=True)
-                    refusal = LinkRefused(LLMStatusCode.LLM_FAILED, f"accept failed: {exc!r}")
-            if refusal is not None:
+            if not self._handshakes.detach(conn):
+                return LinkRefused(LLMStatusCode.LLM_LINK_FAILED, "the listener is closing")
+            try:
+                local = acceptor.accept(peer, channel)
+            except LinkRefused as exc:
                 self._log.info(
-                    "tcp.link_refused",
-                    remote=remote,
-                    status=str(refusal.status),
-                    reason=str(refusal),
+                    "tcp.link_refused", remote=remote, status=str(exc.status), reason=str(exc)
                 )
-                self._refuse(conn, refusal.status, str(refusal))
-                return False
+                return exc
+            except Exception as exc:
+                self._log.warning("tcp.accept_failed", remote=remote, exc_info=True)
+                return LinkRefused(LLMStatusCode.LLM_FAILED, f"accept failed: {exc!r}")
             try:
                 channel.start()
             except LinkRefused as exc:  # the channel broke (its link is a broken link now)
                 self._log.warning("tcp.accept_failed", remote=remote, reason=str(exc))
-                self._refuse(conn, exc.status, str(exc))
-                return False
+                return exc
             try:
                 body = hello_to_wire(local)
                 answer = pack_header(FrameKind.HELLO_ACK, body_len=len(body)) + body
                 if transcript is not None and transport.secret is not None:
                     bound = replace(transcript, server_hello=body)
                     answer += _auth_frame(transport.secret.prove(Side.SERVER, bound))
-                sock_send_bytes(fd, answer, deadline)
+                sock_send_bytes(conn.fileno(), answer, deadline)
             except (*IO_ERRORS, WireError) as exc:
                 failure: str | None = f"handshake answer failed: {exc}"
             else:
@@ -423,14 +373,24 @@ class TcpListener(Listener):
                 remote_cluster_id=peer.cluster_id,
                 authenticated=channel.authenticated,
             )
-        return True
+        return None
+
+
+def _handshake_frame() -> Generator[Wait, bytes, tuple[FrameHeader, bytearray]]:
+    """The listener's read of one handshake frame (no payload, a bounded body)."""
+    h = decode_header((yield Read(HEADER.size)))
+    if h.payload_len or h.body_len > MAX_HELLO_BODY:
+        raise WireError(f"oversized {h.kind.name} frame in the handshake")
+    body = bytearray((yield Read(h.body_len))) if h.body_len else bytearray()
+    return h, body
 
 
 class TcpTransport(Transport):
     """Links over TCP: one connection per link, payloads by scatter-gather native calls.
 
     ``sndbuf``/``rcvbuf`` (bytes, 0: the kernel's auto-tuning) size the socket buffers;
-    ``handshake_timeout`` bounds a server-side handshake (authentication included),
+    ``handshake_timeout`` bounds a server-side handshake (authentication included) and
+    ``max_pending_handshakes`` how many a listener keeps at once (``handshakes``),
     ``stall_timeout`` a frame that stops moving. With ``secret`` every link is authenticated
     (``auth``); without one, a listener on an address other than loopback logs the warning
     ``link.unauthenticated``.
@@ -447,12 +407,14 @@ class TcpTransport(Transport):
         rcvbuf: int = 0,
         secret: LinkSecret | None = None,
         busy_poll_us: int = DEFAULT_BUSY_POLL_US,
+        max_pending_handshakes: int = MAX_PENDING_HANDSHAKES,
     ) -> None:
         if busy_poll_us < 0:
             raise ValueError(f"busy_poll_us must be >= 0, got {busy_poll_us}")
         self.secret = secret
         self.busy_poll_us = busy_poll_us
         self.handshake_timeout = handshake_timeout
+        self.max_pending_handshakes = max_pending_handshakes
         self.stall_timeout = stall_timeout
         self.sndbuf = sndbuf
         self.rcvbuf = rcvbuf
@@ -490,6 +452,7 @@ class TcpTransport(Transport):
             (host, port),
             lambda _: target,
             handshake_timeout=self.handshake_timeout,
+            max_pending=self.max_pending_handshakes,
         )
 
     def listen_shared(
@@ -504,7 +467,13 @@ class TcpTransport(Transport):
         target: _Target = (self, acceptor)
 
         def make_listener(sock: socket.socket | None, router: _Router) -> TcpListener:
-            return TcpListener(sock, (host, port), router, handshake_timeout=self.handshake_timeout)
+            return TcpListener(
+                sock,
+                (host, port),
+                router,
+                handshake_timeout=self.handshake_timeout,
+                max_pending=self.max_pending_handshakes,
+            )
 
         return share(
             (str(ip), port),
