@@ -10,7 +10,7 @@ from aio_datadist._memory import views
 from aio_datadist._validate import check_int_list, check_type
 from aio_datadist.enums import Placement
 from aio_datadist.status import LLMStatusCode, ParamInvalidError
-from aio_datadist.types import CacheDesc
+from aio_datadist.types import CacheDesc, CacheLayout
 
 if TYPE_CHECKING:
     from aio_datadist._engine.caches import CacheService
@@ -23,15 +23,19 @@ class Cache:
 
     Returned by the cache manager's allocate and register calls (users do not construct it),
     or wrapped around host buffers by :meth:`create_cpu_cache` for ``swap_blocks``.
+
+    The cache keeps its own frozen copy of the descriptor it was made from (its
+    ``CacheLayout``); views and every operation on the cache use that copy, so changing the
+    caller's descriptor afterwards (``update_dim``) cannot move the cache's bounds.
     """
 
     __slots__ = (
-        "_cache_desc",
         "_cache_id",
         "_cache_manager",
         "_is_blocks_cache",
         "_is_registered",
         "_keepalive",
+        "_layout",
         "_owner",
         "_tensor_addrs",
     )
@@ -39,15 +43,19 @@ class Cache:
     def __init__(
         self,
         cache_id: int,
-        cache_desc: CacheDesc,
+        cache_desc: CacheDesc | CacheLayout,
         tensor_addrs: list[int],
         cache_manager: Any = None,
         is_registered: bool = False,
         is_blocks_cache: bool = False,
     ) -> None:
         self._cache_id = cache_id
-        self._cache_desc = cache_desc
-        self._tensor_addrs = list(tensor_addrs)
+        self._layout = (
+            cache_desc
+            if isinstance(cache_desc, CacheLayout)
+            else CacheLayout.of(cache_desc, is_blocks=is_blocks_cache)
+        )
+        self._tensor_addrs: tuple[int, ...] = tuple(tensor_addrs)
         self._cache_manager = cache_manager
         self._is_registered = is_registered
         self._is_blocks_cache = is_blocks_cache
@@ -61,13 +69,18 @@ class Cache:
 
     @property
     def cache_desc(self) -> CacheDesc:
-        """Descriptor of the cache's tensors."""
-        return self._cache_desc
+        """Descriptor of the cache's tensors as the cache was made: a new copy on each access.
+
+        The copy is the caller's to change; the cache keeps its own layout whatever is done
+        to it (or to the descriptor passed to the allocate or register call).
+        """
+        return self._layout.to_desc()
 
     @property
     def tensor_addrs(self) -> list[int]:
-        """One address per tensor; ``[]`` once the cache was deallocated or unregistered."""
-        return self._tensor_addrs
+        """One address per tensor (a new list); ``[]`` once the cache was deallocated or
+        unregistered."""
+        return list(self._tensor_addrs)
 
     @property
     def is_blocks_cache(self) -> bool:
@@ -101,12 +114,15 @@ class Cache:
         return cls(-1, cache_desc, addrs, None, False, True)
 
     def _host_addressable(self) -> bool:
-        if self._cache_desc.placement is Placement.HOST:
+        if self._layout.placement is Placement.HOST:
             return True
         return self._owner is not None and self._owner.runtime.device_memory_is_host
 
     def as_numpy(self) -> list[np.ndarray[Any, np.dtype[Any]]]:
-        """Numpy arrays over the cache's tensors (shape ``cache_desc.shape``), sharing memory.
+        """Numpy arrays over the cache's tensors, sharing memory.
+
+        Their shape is the descriptor's shape when the cache was allocated or registered
+        (``cache_desc.shape``); a later ``update_dim`` on any descriptor does not change it.
 
         Writing to them writes the cache. BF16 tensors appear as raw ``uint16`` words. The arrays
         stay safe to touch after the cache or engine is released (the memory is kept mapped while
@@ -126,9 +142,9 @@ class Cache:
                 "view: copy it to a HOST cache (copy_cache, swap_blocks) to read it",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
-        desc = self._cache_desc
+        layout = self._layout
         return [
-            views.numpy_view(addr, tuple(desc.shape), desc.data_type, self._keepalive)
+            views.numpy_view(addr, layout.shape, layout.data_type, self._keepalive)
             for addr in self._tensor_addrs
         ]
 
@@ -140,7 +156,7 @@ class Cache:
         :raises ImportError: torch is not installed.
         :raises LLMException: as :meth:`as_numpy`.
         """
-        return [views.torch_view(a, self._cache_desc.data_type) for a in self.as_numpy()]
+        return [views.torch_view(a, self._layout.data_type) for a in self.as_numpy()]
 
     def __str__(self) -> str:
         return (

@@ -9,6 +9,7 @@ These are plain data holders that validate their arguments the way the reference
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from aio_datadist._validate import (
@@ -26,6 +27,7 @@ __all__ = (
     "MAX_DIMS",
     "BlocksCacheKey",
     "CacheDesc",
+    "CacheLayout",
     "CacheKey",
     "CacheKeyByIdAndIndex",
     "KvCache",
@@ -34,6 +36,7 @@ __all__ = (
     "TransferWithCacheKeyConfig",
     "check_blocks_key_range",
     "is_valid_id",
+    "tensor_size",
 )
 
 MAX_DIMS = 32
@@ -99,7 +102,11 @@ class CacheDesc:
     dimensions (checked here, at construction, rather than later when the size is needed).
     A negative dimension is accepted here, as the reference accepts it; ``size`` (and so
     every allocate/register call) refuses it, naming the dimension. The shape is copied into
-    a list.
+    a list, and ``shape`` hands out a copy of it.
+
+    A cache takes its layout from the descriptor when it is allocated or registered (a
+    :class:`CacheLayout`); changing the descriptor afterwards (``update_dim``) changes
+    nothing about that cache.
     """
 
     __slots__ = (
@@ -174,8 +181,8 @@ class CacheDesc:
 
     @property
     def shape(self) -> list[int]:
-        """Shape of every tensor (the descriptor's own list; change it with ``update_dim``)."""
-        return self._shape
+        """Shape of every tensor, as a new list each time (change it with ``update_dim``)."""
+        return list(self._shape)
 
     @property
     def data_type(self) -> DataType:
@@ -216,20 +223,7 @@ class CacheDesc:
         message names the first such dimension and its index) or the size does not fit in
         int64.
         """
-        for i, dim in enumerate(self._shape):
-            if dim < 0:
-                param_invalid(
-                    f"Failed to calc tensor size, shape = {self._shape}, "
-                    f"data_type = {self._data_type}: dimension {i} is {dim}, and a cache "
-                    "dimension must not be negative"
-                )
-        size = math.prod(self._shape) * element_size(self._data_type)
-        if size > _INT64_MAX:
-            param_invalid(
-                f"Failed to calc tensor size, shape = {self._shape}, "
-                f"data_type = {self._data_type}: {size} bytes overflows int64"
-            )
-        return size
+        return tensor_size(self._shape, self._data_type)
 
     def update_dim(self, dim_index: int, dim_value: int) -> None:
         """Set ``shape[dim_index] = dim_value`` in place; ``size`` follows, ``batch_size`` does not.
@@ -242,6 +236,86 @@ class CacheDesc:
         if not 0 <= dim_index < len(self._shape):
             param_invalid(f"dim_index {dim_index} out of range, [0, {len(self._shape)})")
         self._shape[dim_index] = dim_value
+
+
+def tensor_size(shape: tuple[int, ...] | list[int], data_type: DataType) -> int:
+    """Bytes of one tensor of ``shape`` and ``data_type``: product(shape) x element size.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when a dimension is negative (the message
+        names the first one) or the size does not fit in int64.
+    """
+    for i, dim in enumerate(shape):
+        if dim < 0:
+            param_invalid(
+                f"Failed to calc tensor size, shape = {list(shape)}, "
+                f"data_type = {data_type}: dimension {i} is {dim}, and a cache "
+                "dimension must not be negative"
+            )
+    size = math.prod(shape) * element_size(data_type)
+    if size > _INT64_MAX:
+        param_invalid(
+            f"Failed to calc tensor size, shape = {list(shape)}, "
+            f"data_type = {data_type}: {size} bytes overflows int64"
+        )
+    return size
+
+
+@dataclass(frozen=True, slots=True)
+class CacheLayout:
+    """The layout of a cache, fixed when it was allocated, registered or wrapped.
+
+    An immutable copy of the :class:`CacheDesc` the cache was made from: views, copies,
+    transfers and the bounds that serve remote peers read this, never the caller's
+    descriptor, so nothing done to a descriptor object later moves a cache's bounds.
+    """
+
+    num_tensors: int
+    shape: tuple[int, ...]
+    data_type: DataType
+    placement: Placement
+    batch_dim: int
+    #: ``shape[batch_dim]`` when the descriptor was built (see ``CacheDesc.batch_size``).
+    batch_size: int
+    seq_len_dim_index: int
+    kv_tensor_format: str | None
+    is_blocks: bool
+
+    @classmethod
+    def of(cls, desc: CacheDesc, *, is_blocks: bool = False) -> CacheLayout:
+        """Freeze ``desc`` as it is now (one read of its shape)."""
+        return cls(
+            num_tensors=desc._num_tensors,
+            shape=tuple(desc._shape),
+            data_type=desc._data_type,
+            placement=desc._placement,
+            batch_dim=desc._batch_dim,
+            batch_size=desc._batch_size,
+            seq_len_dim_index=desc._seq_len_dim_index,
+            kv_tensor_format=desc._kv_tensor_format,
+            is_blocks=is_blocks,
+        )
+
+    @property
+    def tensor_bytes(self) -> int:
+        """Bytes of one tensor (``CacheDesc.size`` of the frozen shape).
+
+        :raises LLMException: ``LLM_PARAM_INVALID`` as :func:`tensor_size`.
+        """
+        return tensor_size(self.shape, self.data_type)
+
+    def to_desc(self) -> CacheDesc:
+        """A new :class:`CacheDesc` equal to this layout; changing it changes nothing here."""
+        desc = CacheDesc.__new__(CacheDesc)
+        desc._num_tensors = self.num_tensors
+        desc._shape = list(self.shape)
+        desc._data_type = self.data_type
+        desc._placement = self.placement
+        desc._batch_dim = self.batch_dim
+        desc._batch_size = self.batch_size
+        desc._seq_len_dim_index = self.seq_len_dim_index
+        desc._kv_tensor_format = self.kv_tensor_format
+        desc._is_blocks = self.is_blocks
+        return desc
 
 
 class CacheKey(_KeyValue):

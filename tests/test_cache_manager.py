@@ -47,7 +47,8 @@ async def test_allocate_cache_layout_and_page_rounding(face: Face) -> None:
     desc = CacheDesc(3, [2, 100], DataType.DT_FLOAT16)  # 400 bytes per tensor
     cache = await face.cm.allocate_cache(desc)
     assert cache.cache_id == 1 and not cache.is_blocks_cache
-    assert cache.cache_desc is desc
+    # The cache describes itself with its own copy of the descriptor it was made from.
+    assert cache.cache_desc is not desc and repr(cache.cache_desc) == repr(desc)
     addrs = cache.tensor_addrs
     assert len(addrs) == 3 and all(a % PAGE == 0 for a in addrs)
     assert len(set(addrs)) == 3 and addrs == sorted(addrs)

@@ -33,6 +33,7 @@ from aio_datadist.types import (
     BlocksCacheKey,
     CacheDesc,
     CacheKey,
+    CacheLayout,
     MemInfo,
     check_blocks_key_range,
 )
@@ -134,7 +135,15 @@ class CacheService:
         return entry
 
     # -- allocation -----------------------------------------------------------------------
-    def _pool_for(self, desc: CacheDesc, call: str) -> MemoryPool:
+    @staticmethod
+    def _freeze(desc: CacheDesc, *, is_blocks: bool) -> CacheLayout:
+        """The caller's descriptor, read once: everything after works on this copy."""
+        if is_blocks:
+            # The reference marks the descriptor a blocks API took.
+            desc._is_blocks = True
+        return CacheLayout.of(desc, is_blocks=is_blocks)
+
+    def _pool_for(self, desc: CacheLayout, call: str) -> MemoryPool:
         pool = self.pools.get(desc.placement)
         if pool is None:
             option = "mem_pool_cfg" if desc.placement is Placement.DEVICE else "host_mem_pool_cfg"
@@ -144,15 +153,15 @@ class CacheService:
         return pool
 
     @staticmethod
-    def _tensor_bytes(desc: CacheDesc) -> int:
+    def _tensor_bytes(desc: CacheLayout) -> int:
         if desc.num_tensors <= 0:
             raise _invalid(f"num_tensors must be > 0, but got {desc.num_tensors}")
-        size = desc.size
+        size = desc.tensor_bytes
         if size <= 0:
             raise _invalid(f"cache size must be > 0, but shape {list(desc.shape)} gives {size}")
         return size
 
-    def _row_keys(self, desc: CacheDesc, cache_keys: Any) -> list[tuple[KeyIdentity, int]]:
+    def _row_keys(self, desc: CacheLayout, cache_keys: Any) -> list[tuple[KeyIdentity, int]]:
         check_type("cache_keys", cache_keys, list, tuple)
         for i, key in enumerate(cache_keys):
             check_type(f"cache_keys[{i}]", key, CacheKey)
@@ -188,7 +197,7 @@ class CacheService:
             raise _invalid(f"blocks cache key {key} is already bound to a live cache")
 
     def _names(
-        self, desc: CacheDesc, keys: Any, blocks_key: Any, is_blocks: bool
+        self, desc: CacheLayout, keys: Any, blocks_key: Any, is_blocks: bool
     ) -> list[tuple[KeyIdentity, int]]:
         """Check the names a new cache will take: row keys (batch) or a blocks key."""
         if is_blocks:
@@ -198,7 +207,7 @@ class CacheService:
 
     def _insert(
         self,
-        desc: CacheDesc,
+        desc: CacheLayout,
         addrs: list[int],
         rows: list[tuple[KeyIdentity, int]],
         blocks_key: BlocksCacheKey | None,
@@ -211,8 +220,6 @@ class CacheService:
     ) -> Cache:
         """Create the ``Cache`` and its registry entry; the caller holds the registry lock."""
         cache_id = self.registry.next_id()
-        if is_blocks:
-            desc._is_blocks = True
         cache = Cache(cache_id, desc, list(addrs), None, pool is None, is_blocks)
         cache._owner = self
         cache._keepalive = None if pool is None else pool.arena
@@ -244,15 +251,16 @@ class CacheService:
         if is_blocks:
             self._check_blocks_key_arg(blocks_key)
         self.check_open()
-        tensor_bytes = self._tensor_bytes(desc)
-        pool = self._pool_for(desc, call)
+        layout = self._freeze(desc, is_blocks=is_blocks)
+        tensor_bytes = self._tensor_bytes(layout)
+        pool = self._pool_for(layout, call)
         stride = pool.round_up(tensor_bytes)
         with self.registry.lock:
-            rows = self._names(desc, keys, blocks_key, is_blocks)
-            allocation = pool.allocate(stride * desc.num_tensors)
-            addrs = [allocation.addr + i * stride for i in range(desc.num_tensors)]
+            rows = self._names(layout, keys, blocks_key, is_blocks)
+            allocation = pool.allocate(stride * layout.num_tensors)
+            addrs = [allocation.addr + i * stride for i in range(layout.num_tensors)]
             cache = self._insert(
-                desc,
+                layout,
                 addrs,
                 rows,
                 blocks_key,
@@ -265,7 +273,7 @@ class CacheService:
         self._log.debug(
             "cache.allocated",
             cache_id=cache.cache_id,
-            placement=str(desc.placement),
+            placement=str(layout.placement),
             nbytes=allocation.nbytes,
             keys=len(rows),
             blocks=is_blocks,
@@ -338,23 +346,24 @@ class CacheService:
         if is_blocks:
             self._check_blocks_key_arg(blocks_key)
         self.check_open()
-        tensor_bytes = self._tensor_bytes(desc)
+        layout = self._freeze(desc, is_blocks=is_blocks)
+        tensor_bytes = self._tensor_bytes(layout)
         if not addrs:
             raise _invalid("addrs must not be empty")
-        if len(addrs) != desc.num_tensors:
+        if len(addrs) != layout.num_tensors:
             raise _invalid(
-                f"addrs has {len(addrs)} entries but cache_desc.num_tensors is {desc.num_tensors}"
+                f"addrs has {len(addrs)} entries but cache_desc.num_tensors is {layout.num_tensors}"
             )
         if 0 in addrs:
             raise _invalid("addrs must not contain a null address")
         if remote_accessible is None:
-            remote_accessible = desc.placement is Placement.DEVICE and not self.two_sided_linked
+            remote_accessible = layout.placement is Placement.DEVICE and not self.two_sided_linked
         elif remote_accessible and self.two_sided_linked:
             raise _invalid("remote_accessible=True is refused after a two-sided link()")
         with self.registry.lock:
-            rows = self._names(desc, keys, blocks_key, is_blocks)
+            rows = self._names(layout, keys, blocks_key, is_blocks)
             cache = self._insert(
-                desc,
+                layout,
                 addrs,
                 rows,
                 blocks_key,
@@ -536,7 +545,7 @@ class CacheService:
         for src_block, dst_block in src_to_dst.items():
             check_int("src_to_dst key", src_block, "uint64")
             check_int(f"src_to_dst[{src_block}]", dst_block, "uint64")
-        pair = (src_cache.cache_desc.placement, dst_cache.cache_desc.placement)
+        pair = (src_cache._layout.placement, dst_cache._layout.placement)
         if pair not in ((Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)):
             raise _invalid(
                 f"swap_blocks moves blocks between HOST and DEVICE, but got {pair[0]!s} -> "
@@ -565,10 +574,13 @@ class CacheService:
         if not cache.is_blocks_cache:
             raise _invalid(f"swap_blocks needs blocks caches, {name} is not one")
         if cache._owner is None and cache.cache_id == -1:
-            desc = cache.cache_desc
-            if not cache.tensor_addrs:
+            layout = cache._layout
+            if not cache._tensor_addrs:
                 raise _not_exist(f"{name} has no tensor addresses")
-            return cache.tensor_addrs, desc.batch_size, desc.size // desc.batch_size, None
+            if layout.batch_size <= 0:
+                raise _invalid(f"{name} has {layout.batch_size} blocks")
+            block_bytes = layout.tensor_bytes // layout.batch_size
+            return cache._tensor_addrs, layout.batch_size, block_bytes, None
         entry = self.entry(cache, name)
         return entry.addrs, entry.num_rows, entry.row_bytes, entry
 

@@ -312,7 +312,7 @@ def plan_layer_job(
 ) -> LayerJob:
     """Validate a ``transfer_cache_async`` call (synchronously) and build its job."""
     check_type("src_cache", src_cache, Cache)
-    if src_cache.cache_desc.placement is Placement.HOST:
+    if src_cache._layout.placement is Placement.HOST:
         raise _invalid("transfer_cache_async does not take a HOST source cache")
     src_blocks = [] if src_block_indices is None else src_block_indices
     dst_blocks = [] if dst_block_indices is None else dst_block_indices

@@ -15,7 +15,7 @@ from aio_datadist._memory.pool import Allocation, MemoryPool
 from aio_datadist._native.api import BlockLayout
 from aio_datadist.cache import Cache
 from aio_datadist.enums import Placement
-from aio_datadist.types import BlocksCacheKey, CacheDesc
+from aio_datadist.types import BlocksCacheKey, CacheLayout
 
 __all__ = ("CacheEntry", "CacheRegistry", "KeyIdentity")
 
@@ -28,7 +28,8 @@ class CacheEntry:
 
     cache_id: int
     cache: Cache
-    desc: CacheDesc
+    #: The layout fixed when the cache was made (the ``Cache``'s own frozen copy).
+    desc: CacheLayout
     addrs: tuple[int, ...]
     is_blocks: bool
     registered: bool
@@ -40,8 +41,7 @@ class CacheEntry:
     blocks_key: BlocksCacheKey | None = None
     released: bool = False
     pins: int = 0
-    #: Bytes of one tensor, fixed when the cache was made (a later edit of ``desc`` by its
-    #: owner changes nothing here).
+    #: Bytes of one tensor.
     tensor_bytes: int = field(init=False)
     #: Batch rows (or blocks) of each tensor.
     num_rows: int = field(init=False)
@@ -53,7 +53,7 @@ class CacheEntry:
     layout: BlockLayout = field(init=False)
 
     def __post_init__(self) -> None:
-        self.tensor_bytes = self.desc.size
+        self.tensor_bytes = self.desc.tensor_bytes
         self.num_rows = self.desc.batch_size
         self.row_bytes = self.tensor_bytes // self.num_rows if self.num_rows else 0
         self.placement = self.desc.placement
@@ -148,7 +148,7 @@ class CacheRegistry:
         if entry.released:
             return
         entry.released = True
-        entry.cache._tensor_addrs = []
+        entry.cache._tensor_addrs = ()
         if entry.blocks_key is not None:
             self._blocks_keys.pop(entry.blocks_key.model_id, None)
         self._changed()
@@ -188,7 +188,7 @@ class CacheRegistry:
         """Forget everything (finalize); ``free`` is called for each entry still holding memory."""
         with self.lock:
             for entry in self._entries.values():
-                entry.cache._tensor_addrs = []
+                entry.cache._tensor_addrs = ()
                 if free is not None:
                     free(entry)
             self._entries.clear()
