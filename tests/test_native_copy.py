@@ -86,6 +86,30 @@ def test_single_copy_bad_arguments(dst: int, src: int, n: int) -> None:
         api.copy(dst, src, n)
 
 
+# --- fill -------------------------------------------------------------------------------
+
+
+def test_fill_sets_exactly_the_range() -> None:
+    buf = np.full(10_000, 0xAB, np.uint8)
+    api.fill(addr(buf) + 3, 0, 9000)
+    assert not buf[3:9003].any()
+    assert bool((buf[:3] == 0xAB).all()) and bool((buf[9003:] == 0xAB).all())
+    api.fill(addr(buf), 0x5C, 2)
+    assert buf[:3].tolist() == [0x5C, 0x5C, 0xAB]
+    api.fill(0, 0, 0)  # nothing to set
+
+
+@pytest.mark.parametrize(
+    ("at", "value", "n"),
+    [(0, 0, 8), (8, -1, 8), (8, 256, 8), (-1, 0, 8), (8, 0, -1), (2**64 - 4, 0, 8)],
+)
+def test_fill_bad_arguments(at: int, value: int, n: int) -> None:
+    with pytest.raises(ParamInvalidError):
+        api.fill(at, value, n)
+    with pytest.raises(TypeError):
+        api.fill(8, 0.0, 8)  # type: ignore[arg-type]
+
+
 # --- copy_batch against the reference ----------------------------------------------------
 
 SLOT = 256

@@ -275,6 +275,31 @@ class AclDevice:
         if rc != 0:
             _fail(rc, f"synchronizing device {self.device_id}")
 
+    def memset(self, addr: int, value: int, nbytes: int) -> bool:
+        """Set ``nbytes`` of device memory at ``addr`` to the byte ``value`` (``aclrtMemset``).
+
+        Returns False, doing nothing, when the library has no ``aclrtMemset``.
+
+        :raises TypeError: an argument is not an int.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for a null or wrapping range, a value
+            outside 0..255 or an address ACL rejects; ``LLM_FAILED`` when ACL fails
+            otherwise or after ``close``.
+        """
+        _addr(addr)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"value must be an int, got {type(value).__name__}")
+        if not 0 <= value <= 255:
+            raise_for_status(LLMStatusCode.LLM_PARAM_INVALID, f"memset byte value {value}")
+        if nbytes == 0:
+            return True
+        _size(nbytes, "memset")
+        rc = lib.dd_acl_memset(self._ptr, addr, value, nbytes)
+        if rc == lib.DD_ACL_ENOLIB:
+            return False
+        if rc != 0:
+            _fail(rc, f"memset of {nbytes} bytes at {addr:#x} on device {self.device_id}")
+        return True
+
     def close(self) -> None:
         """Destroy the stream and give the device back once no allocation is left. Idempotent.
 

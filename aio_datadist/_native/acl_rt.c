@@ -45,6 +45,7 @@ typedef struct {
     dd_aclrtCreateStream_fn create_stream;
     dd_aclrtDestroyStream_fn destroy_stream;
     dd_aclrtSynchronizeStream_fn synchronize_stream;
+    dd_aclrtMemset_fn memset_device; /* optional */
 } acl_table;
 
 typedef struct {
@@ -142,6 +143,7 @@ static int resolve(void *h, const char *path, acl_table *t, char *err, size_t ca
     RESOLVE(h, t, create_stream, "aclrtCreateStream", 1);
     RESOLVE(h, t, destroy_stream, "aclrtDestroyStream", 1);
     RESOLVE(h, t, synchronize_stream, "aclrtSynchronizeStream", 1);
+    RESOLVE(h, t, memset_device, "aclrtMemset", 0);
     return DD_OK;
 }
 
@@ -551,6 +553,27 @@ int dd_acl_synchronize(dd_acl_rt *rt) {
             if (r != DD_ACL_SUCCESS)
                 rc = fail(&rt->fn, "aclrtSynchronizeStream", r);
         }
+    }
+    pthread_mutex_unlock(&rt->batch);
+    return rc;
+}
+
+int dd_acl_memset(dd_acl_rt *rt, uint64_t addr, int32_t value, uint64_t nbytes) {
+    clear_error();
+    if (!rt || value < 0 || value > 255 || (nbytes && !addr) || addr + nbytes < addr ||
+        nbytes > SIZE_MAX)
+        return DD_EINVAL;
+    if (nbytes == 0)
+        return DD_OK;
+    if (!rt->fn.memset_device)
+        return DD_ACL_ENOLIB;
+    pthread_mutex_lock(&rt->batch);
+    int rc = rt->closing ? DD_ECLOSED : bind(rt);
+    if (rc == DD_OK) {
+        aclError r = rt->fn.memset_device((void *)(uintptr_t)addr, (size_t)nbytes, value,
+                                          (size_t)nbytes);
+        if (r != DD_ACL_SUCCESS)
+            rc = fail(&rt->fn, "aclrtMemset", r);
     }
     pthread_mutex_unlock(&rt->batch);
     return rc;

@@ -94,6 +94,11 @@ int dd_acl_copy_batch(dd_acl_rt *rt, const uint64_t *ops, size_t n, int kind,
                       uint64_t *async_rows);
 /* aclrtSynchronizeStream on the runtime's stream, when it has one. */
 int dd_acl_synchronize(dd_acl_rt *rt);
+/* Set nbytes of device memory at addr to the byte value with aclrtMemset (synchronous;
+ * serialised with the runtime's batches). DD_ACL_ENOLIB when the loaded library has no
+ * aclrtMemset (it is optional here), DD_EINVAL for a null addr, a wrapping range or a value
+ * outside 0..255, DD_ECLOSED after dd_acl_close. */
+int dd_acl_memset(dd_acl_rt *rt, uint64_t addr, int32_t value, uint64_t nbytes);
 /* The calling thread's last ACL failure: code 0 and "" when the last call did not fail. */
 int dd_acl_last_error(int32_t *code, char *msg, size_t cap);
 /* aclFinalize, when this process initialised ACL and no runtime is open; afterwards every
@@ -191,6 +196,8 @@ typedef aclError (*dd_aclrtMemcpyAsync_fn)(void *dst, size_t destMax, const void
 typedef aclError (*dd_aclrtCreateStream_fn)(aclrtStream *stream);
 typedef aclError (*dd_aclrtDestroyStream_fn)(aclrtStream stream);
 typedef aclError (*dd_aclrtSynchronizeStream_fn)(aclrtStream stream);
+typedef aclError (*dd_aclrtMemset_fn)(void *devPtr, size_t maxCount, int32_t value,
+                                      size_t count);
 
 /* ---- HCCL types and prototypes (hccl.h / hccl_types.h), resolved with dlsym ---- */
 

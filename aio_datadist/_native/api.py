@@ -41,6 +41,7 @@ __all__ = (
     "copy_batch",
     "copy_threads",
     "deadline_after",
+    "fill",
     "host_alloc",
     "host_free",
     "host_page_size",
@@ -301,6 +302,25 @@ def copy(dst: int, src: int, nbytes: int) -> None:
     _u64(src, "src")
     _u64(nbytes, "nbytes")
     _check(lib.dd_copy(dst, src, nbytes), f"copy of {nbytes} bytes")
+
+
+def fill(addr: int, value: int, nbytes: int) -> None:
+    """Set ``nbytes`` of host memory at ``addr`` to the byte ``value`` (memset, GIL released).
+
+    ``nbytes == 0`` does nothing.
+
+    Raises:
+        TypeError: an argument is not an int.
+        ParamInvalidError: a null address with ``nbytes > 0``, a range that wraps, a
+            negative value, or ``value`` outside 0..255.
+    """
+    _u64(addr, "addr")
+    _u64(nbytes, "nbytes")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"value must be an int, got {type(value).__name__}")
+    if not 0 <= value <= 255:
+        _check(lib.DD_EINVAL, f"fill with byte value {value}")
+    _check(lib.dd_fill(addr, value, nbytes), f"fill of {nbytes} bytes at {addr:#x}")
 
 
 def _ops_table(ops: object, threads: object) -> int:

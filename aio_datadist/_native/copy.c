@@ -86,6 +86,18 @@ int dd_copy(uint64_t dst, uint64_t src, uint64_t nbytes)
     return DD_OK;
 }
 
+int dd_fill(uint64_t addr, int value, uint64_t nbytes)
+{
+    if (value < 0 || value > 255)
+        return DD_EINVAL;
+    if (nbytes == 0)
+        return DD_OK;
+    if (addr == 0 || nbytes > SIZE_MAX || addr + nbytes < addr)
+        return DD_EINVAL;
+    memset((void *)(uintptr_t)addr, value, (size_t)nbytes);
+    return DD_OK;
+}
+
 /* Move the gathered ranges of a cross-process slice; false (j->err set) on failure. */
 static bool vm_flush(job_t *j, struct iovec *loc, struct iovec *rem, size_t k)
 {

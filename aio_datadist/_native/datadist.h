@@ -64,6 +64,9 @@ int dd_pool_get_stats(dd_pool *pool, dd_pool_stats *out);
 
 /* Copy nbytes from src to dst; the ranges must not overlap. */
 int dd_copy(uint64_t dst, uint64_t src, uint64_t nbytes);
+/* Set nbytes of host memory at addr to the byte value (memset); DD_EINVAL for a null addr
+ * with nbytes > 0, a range that wraps, or a value outside 0..255. */
+int dd_fill(uint64_t addr, int value, uint64_t nbytes);
 /* ops holds n rows of (dst, src, nbytes). Rows may not overlap one another's destinations
  * nor any source. nthreads == 0 means dd_copy_get_threads(). */
 int dd_copy_batch(const uint64_t *ops, size_t n, unsigned nthreads);

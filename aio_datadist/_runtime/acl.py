@@ -64,6 +64,11 @@ class AclRuntime(DeviceRuntime):
     def synchronize(self) -> None:
         self._device.synchronize()
 
+    def zero_device(self, addr: int, nbytes: int) -> None:
+        """``aclrtMemset``; through a zeroed pinned buffer where the library lacks it."""
+        if not self._device.memset(addr, 0, nbytes):
+            super().zero_device(addr, nbytes)
+
     def open_communicator(self, rank_table_path: str, rank: int) -> HcclCommunicator | None:
         """This rank's HCCL communicator of the rank table; None without libhccl's rank-table
         and one-sided calls."""

@@ -14,9 +14,21 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._native import api
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("Communicator", "CopyKind", "DeviceRuntime", "RuntimeUnavailable", "StageRing")
+__all__ = (
+    "ZERO_CHUNK_BYTES",
+    "Communicator",
+    "CopyKind",
+    "DeviceRuntime",
+    "RuntimeUnavailable",
+    "StageRing",
+)
+
+#: Bytes of the zeroed pinned buffer through which :meth:`DeviceRuntime.zero_device` writes
+#: device memory on a runtime without a device memset.
+ZERO_CHUNK_BYTES = 4 << 20
 
 
 class RuntimeUnavailable(RuntimeError):
@@ -126,6 +138,40 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until every copy this runtime started has completed."""
+
+    def zero_host(self, addr: int, nbytes: int) -> None:
+        """Set ``nbytes`` of host memory at ``addr`` (from :meth:`alloc_host`) to zero.
+
+        One native memset with the GIL released.
+        """
+        api.fill(addr, 0, nbytes)
+
+    def zero_device(self, addr: int, nbytes: int) -> None:
+        """Set ``nbytes`` of device memory at ``addr`` to zero; done on return.
+
+        Device memory that is host memory is set directly; otherwise this default writes it
+        through :meth:`copy_batch` from a zeroed pinned buffer of :data:`ZERO_CHUNK_BYTES`.
+        Runtimes with a device memset override it.
+
+        :raises LLMException: the runtime refused the copy.
+        """
+        if nbytes <= 0:
+            return
+        if self.device_memory_is_host:
+            api.fill(addr, 0, nbytes)
+            return
+        chunk = min(nbytes, ZERO_CHUNK_BYTES)
+        buffer = self.alloc_host(chunk)
+        try:
+            api.fill(buffer, 0, chunk)
+            starts = np.arange(0, nbytes, chunk, dtype=np.uint64)
+            ops = np.empty((len(starts), 3), dtype=np.uint64)
+            ops[:, 0] = np.uint64(addr) + starts
+            ops[:, 1] = buffer
+            ops[:, 2] = np.minimum(np.uint64(nbytes) - starts, np.uint64(chunk))
+            self.copy_batch(ops, CopyKind.HOST_TO_DEVICE)
+        finally:
+            self.free_host(buffer, chunk)
 
     def stage_ring(self, iov: npt.NDArray[np.uint64], kind: CopyKind) -> StageRing | None:
         """A native ring streaming the device rows ``(addr, nbytes)`` of ``iov`` through

@@ -268,6 +268,14 @@ class CudaRuntime(DeviceRuntime):
         """Fill ``nbytes`` of device memory at ``addr`` with the byte ``value``."""
         self._ctx.memset(addr, value, nbytes)
 
+    def zero_device(self, addr: int, nbytes: int) -> None:
+        """``cudaMemsetAsync`` on a lane's stream, waited for; through a zeroed pinned buffer
+        where this CUDA runtime lacks it."""
+        if "memset" in self._ctx.features:
+            self.memset(addr, 0, nbytes)
+        else:
+            super().zero_device(addr, nbytes)
+
     def download(self, addr: int, nbytes: int) -> bytes:
         """Copy ``nbytes`` of device memory at ``addr`` to a new ``bytes`` (for tests, tools)."""
         out = np.empty(nbytes, dtype=np.uint8)

@@ -14,6 +14,9 @@
  *     the current device; aclrtMemcpyAsync also refuses HOST_TO_HOST, addresses not 64-byte
  *     aligned, a stream of another context, and host memory not from aclrtMallocHost; it
  *     queues the copy, which only aclrtSynchronizeStream performs.
+ *   - aclrtMemset checks count <= maxCount and that the range lies in one device allocation
+ *     of the current device or in aclrtMallocHost memory; built without it when
+ *     FAKE_ACL_NO_MEMSET is defined (the symbol is optional for the runtime).
  * Device memory is a PROT_NONE reservation (the host faults on touching it) backed by a
  * separate mapping that the fake copies through.
  *
@@ -565,6 +568,32 @@ aclError aclrtSynchronizeStream(void *stream_handle) {
     pthread_mutex_unlock(&mu);
     return finish("aclrtSynchronizeStream", rc);
 }
+
+#ifndef FAKE_ACL_NO_MEMSET
+aclError aclrtMemset(void *dev_ptr, size_t max_count, int32_t value, size_t count) {
+    pthread_mutex_lock(&mu);
+    aclError rc = injected("aclrtMemset");
+    char *d = NULL;
+    if (!rc && !inited)
+        rc = UNINITIALIZE;
+    if (!rc && !ctx_live())
+        rc = RT_CONTEXT_NULL;
+    if (!rc && (!dev_ptr || count > max_count))
+        rc = INVALID_PARAM;
+    if (!rc) {
+        d = device_block_of((uintptr_t)dev_ptr) ? device_bytes((uintptr_t)dev_ptr, count)
+            : pinned(dev_ptr, count)           ? (char *)dev_ptr
+                                               : NULL;
+        if (!d)
+            rc = RT_PARAM_INVALID;
+    }
+    if (!rc)
+        memset(d, value, count);
+    note("aclrtMemset count=%zu maxCount=%zu value=%d -> %d", count, max_count, value, rc);
+    pthread_mutex_unlock(&mu);
+    return finish("aclrtMemset", rc);
+}
+#endif
 
 /* ---- test helpers, not part of ACL ---- */
 
