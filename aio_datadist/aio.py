@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from aio_datadist._engine.caches import CacheService, PoolStats
+from aio_datadist._engine.caches import CacheService, PoolStats, Reservation
 from aio_datadist._engine.driver import (
     Call,
     Start,
@@ -309,10 +309,23 @@ class AsyncCacheManager(_LoopBound):
         finally:
             self._service.release(plan)
 
+    async def _allocate(self, reservation: Reservation) -> Cache:
+        """Zero a reservation's memory (off the loop when large), then make its cache."""
+        if reservation.zero_bytes:
+            try:
+                await run_native(
+                    lambda: self._service.clear(reservation), nbytes=reservation.zero_bytes
+                )
+            except BaseException:
+                self._service.abandon(reservation)
+                raise
+        return self._service.commit(reservation)
+
     async def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
-        """As ``CacheManager.allocate_cache``."""
+        """As ``CacheManager.allocate_cache``; with ``zero_on_alloc``, a large cache is
+        zeroed on a worker thread."""
         self._check_loop()
-        return self._service.allocate_cache(cache_desc, cache_keys)
+        return await self._allocate(self._service.reserve_cache(cache_desc, cache_keys))
 
     async def deallocate_cache(self, cache: Any) -> None:
         """As ``CacheManager.deallocate_cache``."""
@@ -325,9 +338,11 @@ class AsyncCacheManager(_LoopBound):
         self._service.remove_cache_key(cache_key)
 
     async def allocate_blocks_cache(self, cache_desc: Any, blocks_cache_key: Any = None) -> Cache:
-        """As ``CacheManager.allocate_blocks_cache``."""
+        """As ``CacheManager.allocate_blocks_cache`` (zeroing as :meth:`allocate_cache`)."""
         self._check_loop()
-        return self._service.allocate_blocks_cache(cache_desc, blocks_cache_key)
+        return await self._allocate(
+            self._service.reserve_blocks_cache(cache_desc, blocks_cache_key)
+        )
 
     async def deallocate_blocks_cache(self, cache: Any) -> None:
         """As ``CacheManager.deallocate_blocks_cache``."""

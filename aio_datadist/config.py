@@ -59,6 +59,7 @@ __all__ = (
     "OPTION_COMM_BASE_PORT",
     "OPTION_SAME_HOST",
     "OPTION_BUSY_POLL_US",
+    "OPTION_ZERO_ON_ALLOC",
     "MAX_BUSY_POLL_US",
     "DEFAULT_BUSY_POLL_US",
     "DEFAULT_MEM_UTILIZATION",
@@ -113,6 +114,8 @@ OPTION_SAME_HOST = "aio.SameHost"
 OPTION_LINK_SECRET = "aio.LinkSecret"
 #: Microseconds a TCP link busy-polls for an expected frame before sleeping (0: never).
 OPTION_BUSY_POLL_US = "aio.BusyPollUs"
+#: "1" or "0" (default): zero every cache's memory when the pool hands it out.
+OPTION_ZERO_ON_ALLOC = "aio.ZeroOnAlloc"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -139,6 +142,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "same_host": OPTION_SAME_HOST,
     "link_secret": OPTION_LINK_SECRET,
     "busy_poll_us": OPTION_BUSY_POLL_US,
+    "zero_on_alloc": OPTION_ZERO_ON_ALLOC,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -215,6 +219,7 @@ class LLMConfig:
         "_sync_kv_timeout",
         "_transfer_backend",
         "_transport",
+        "_zero_on_alloc",
     )
 
     def __init__(self) -> None:
@@ -244,6 +249,7 @@ class LLMConfig:
         self._same_host: bool | None = None
         self._link_secret: str | bytes | None = None
         self._busy_poll_us: int | None = None
+        self._zero_on_alloc: bool | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -312,6 +318,8 @@ class LLMConfig:
             opts[OPTION_LINK_SECRET] = encode_secret_option(self._link_secret)
         if self._busy_poll_us is not None:
             opts[OPTION_BUSY_POLL_US] = str(self._busy_poll_us)
+        if self._zero_on_alloc is not None:
+            opts[OPTION_ZERO_ON_ALLOC] = _bool_opt(self._zero_on_alloc)
         return opts
 
     @property
@@ -642,6 +650,25 @@ class LLMConfig:
         self._busy_poll_us = busy_poll_us
 
     @property
+    def zero_on_alloc(self) -> bool | None:
+        """Zero every cache's memory when it is allocated (key ``aio.ZeroOnAlloc``).
+
+        Pool memory is reused: without this, a cache allocated where an earlier cache lived
+        holds that cache's bytes until it is written, and a linked peer that reads it first
+        (a pull, or a same-host one-sided read) sees them. True zeroes host and device pool
+        memory of ``allocate_cache`` and ``allocate_blocks_cache`` before the cache exists
+        for anyone, at a cost that grows with the cache (``docs/benchmarks.md``); registered
+        memory is the caller's and is never touched. None (the default) and False mean
+        off. Not part of the reference API.
+        """
+        return self._zero_on_alloc
+
+    @zero_on_alloc.setter
+    def zero_on_alloc(self, zero_on_alloc: bool | None) -> None:
+        _check_optional("zero_on_alloc", zero_on_alloc, bool)
+        self._zero_on_alloc = zero_on_alloc
+
+    @property
     def link_secret(self) -> str | bytes | None:
         """The shared secret that authenticates links (key ``aio.LinkSecret``).
 
@@ -790,7 +817,8 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     a bad ``ge.flowGraphMemMaxSize``, ``llm.LocalCommRes`` or ``llm.TransferBackend`` outside
     CacheManager mode, ``llm.TransferBackend`` without remote cache access or
     ``llm.listenIpInfo``, a malformed ``llm.listenIpInfo`` (a host name instead of an IPv4
-    address included) or an unknown ``aio.Transport``.
+    address included), an unknown ``aio.Transport`` or an ``aio.ZeroOnAlloc`` other than
+    ``"1"`` / ``"0"``.
     """
     check_type("options", options, dict)
     check_type("role", role, LLMRole)
@@ -841,4 +869,7 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     transport = result.get(OPTION_TRANSPORT)
     if transport is not None and transport not in TRANSPORTS:
         param_invalid(f"{OPTION_TRANSPORT} must be one of {list(TRANSPORTS)}, got {transport!r}")
+    zero = result.get(OPTION_ZERO_ON_ALLOC)
+    if zero is not None and zero not in ("1", "0"):
+        param_invalid(f'{OPTION_ZERO_ON_ALLOC} must be "1" or "0", got {zero!r}')
     return result

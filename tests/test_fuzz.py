@@ -242,7 +242,7 @@ CONFIG_FIELDS = [
     "device_id", "sync_kv_timeout", "enable_cache_manager", "enable_remote_cache_accessible",
     "listen_ip_info", "mem_pool_cfg", "host_mem_pool_cfg", "mem_utilization", "buf_pool_cfg",
     "local_comm_res", "transfer_backend", "link_total_time", "link_retry_count", "transport",
-    "same_host", "cluster_id",
+    "same_host", "cluster_id", "zero_on_alloc",
 ]  # fmt: skip
 
 

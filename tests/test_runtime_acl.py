@@ -29,8 +29,8 @@ from aio_datadist import (
 from aio_datadist._native import acl
 from aio_datadist._runtime import RuntimeUnavailable, select_runtime
 from aio_datadist._runtime.acl import AclRuntime, open_runtime
-from aio_datadist._runtime.base import CopyKind, DeviceRuntime
-from aio_datadist.config import OPTION_DEVICE_ID, OPTION_SESSION_DEVICE_ID
+from aio_datadist._runtime.base import ZERO_CHUNK_BYTES, CopyKind, DeviceRuntime
+from aio_datadist.config import OPTION_DEVICE_ID, OPTION_SESSION_DEVICE_ID, OPTION_ZERO_ON_ALLOC
 from tests.acl_fake import FAKE_VARS, FakeAcl, read_device, run_script, write_device
 from tests.conftest import Face, make_options, pool_cfg
 from tests.fakelibs import build
@@ -731,3 +731,55 @@ def test_pool_config_json_reaches_acl(fake: FakeAcl) -> None:
         assert "aclrtMallocHost" not in fake.calls()  # no host pool configured
     finally:
         dd.finalize()
+
+
+# -- zero_on_alloc ---------------------------------------------------------------------------
+async def test_zero_on_alloc_sets_device_memory_with_acl_memset(
+    fake: FakeAcl, face_kind: str
+) -> None:
+    face = Face(face_kind)
+    options = pooled()
+    options[OPTION_ZERO_ON_ALLOC] = "1"
+    await face.init(options)
+    try:
+        desc = {p: CacheDesc(2, [4, 4096], DataType.DT_UINT8, p) for p in Placement}
+        old = await face.cm.allocate_cache(desc[Placement.DEVICE])
+        fill_device(face, old, 7)
+        old_host = await face.cm.allocate_cache(desc[Placement.HOST])
+        for view in old_host.as_numpy():
+            view[...] = 0xAB
+        await face.cm.deallocate_cache(old)
+        await face.cm.deallocate_cache(old_host)
+        fake.clear_log()
+        new = await face.cm.allocate_cache(desc[Placement.DEVICE])
+        new_host = await face.cm.allocate_cache(desc[Placement.HOST])
+        assert device_bytes(face, new) == [bytes(4 * 4096)] * 2
+        assert host_bytes(new_host) == [bytes(4 * 4096)] * 2
+        # One aclrtMemset for the device cache; host pool memory is set by the CPU.
+        assert fake.calls().count("aclrtMemset") == 1
+        await face.cm.deallocate_cache(new)
+        await face.cm.deallocate_cache(new_host)
+    finally:
+        await face.finalize()
+
+
+def test_zero_device_without_acl_memset_copies_zeros(
+    fake: FakeAcl, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    variant = build("fake_ascendcl.c", "libascendcl.so", ["FAKE_ACL_NO_MEMSET"])
+    monkeypatch.setenv("AIO_DATADIST_ASCENDCL", str(variant))
+    no_memset = FakeAcl(variant, fake.log)
+    rt = open_runtime(0)
+    try:
+        nbytes = ZERO_CHUNK_BYTES + 4096  # two chunks through the pinned buffer
+        dev = rt.alloc_device(nbytes)
+        no_memset.write(dev, b"\xab" * nbytes)
+        no_memset.clear_log()
+        rt.zero_device(dev + 1, nbytes - 2)
+        assert no_memset.read(dev, nbytes) == b"\xab" + bytes(nbytes - 2) + b"\xab"
+        calls = no_memset.calls()
+        assert "aclrtMemset" not in calls and "aclrtMallocHost" in calls
+        rt.free_device(dev, nbytes)
+    finally:
+        rt.close()
+    no_memset.assert_released()

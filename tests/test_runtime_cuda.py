@@ -38,6 +38,7 @@ from aio_datadist._native import cuda as native_cuda
 from aio_datadist._runtime import HostRuntime, select_runtime
 from aio_datadist._runtime.base import CopyKind, RuntimeUnavailable
 from aio_datadist._runtime.cuda import IPC_TOKEN_BYTES, CudaRuntime, open_runtime
+from aio_datadist.config import OPTION_ZERO_ON_ALLOC
 from tests.conftest import Face, make_options, pool_cfg
 from tests.fakelibs import build
 
@@ -607,6 +608,33 @@ def test_memset(rt: CudaRuntime) -> None:
     rt.memset(dev, 0xAB, 4096)
     assert rt.download(dev + 10, 5) == b"\xab" * 5
     rt.free_device(dev, 4096)
+
+
+async def test_zero_on_alloc_uses_cuda_memset(fake: Fake, face_kind: str) -> None:
+    face = Face(face_kind)
+    options = make_options(device_pool=pool_cfg(), host_pool=pool_cfg())
+    options[OPTION_ZERO_ON_ALLOC] = "1"
+    await face.init(options)
+    try:
+        runtime = runtime_of(face)
+        desc = {p: CacheDesc(2, [4, 4096], DataType.DT_UINT8, p) for p in Placement}
+        old = await face.cm.allocate_cache(desc[Placement.DEVICE])
+        fill(runtime, old, 3)
+        old_host = await face.cm.allocate_cache(desc[Placement.HOST])
+        for view in old_host.as_numpy():
+            view[...] = 0xAB
+        await face.cm.deallocate_cache(old)
+        await face.cm.deallocate_cache(old_host)
+        before = fake.count("cudaMemsetAsync")
+        new = await face.cm.allocate_cache(desc[Placement.DEVICE])
+        new_host = await face.cm.allocate_cache(desc[Placement.HOST])
+        assert fake.count("cudaMemsetAsync") == before + 1  # the device cache only
+        assert all(not t.any() for t in read(runtime, new))
+        assert all(not v.any() for v in new_host.as_numpy())
+        await face.cm.deallocate_cache(new)
+        await face.cm.deallocate_cache(new_host)
+    finally:
+        await face.finalize()
 
 
 # -- IPC -------------------------------------------------------------------------------------

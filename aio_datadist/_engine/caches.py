@@ -9,6 +9,7 @@ in the caller's thread, the async face inline or on a worker thread.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,7 @@ from aio_datadist.types import (
     check_blocks_key_range,
 )
 
-__all__ = ("CacheService", "PoolStats", "key_identity")
+__all__ = ("CacheService", "PoolStats", "Reservation", "key_identity")
 
 _KINDS = {
     (Placement.HOST, Placement.HOST): CopyKind.HOST_TO_HOST,
@@ -65,6 +66,21 @@ def key_identity(key: CacheKey) -> KeyIdentity | None:
     return None
 
 
+@dataclass(eq=False)
+class Reservation:
+    """Pool memory taken for a cache that does not exist yet (:meth:`CacheService.reserve`)."""
+
+    layout: CacheLayout
+    keys: Any
+    blocks_key: BlocksCacheKey | None
+    pool: MemoryPool
+    allocation: Allocation
+    #: Bytes from one tensor's start to the next (page-rounded tensor size).
+    stride: int
+    #: Bytes to zero before the cache is made (``aio.ZeroOnAlloc``); 0 for none.
+    zero_bytes: int
+
+
 class CacheService:
     """Caches, pools and copies of one initialised engine; unusable after :meth:`close`."""
 
@@ -75,10 +91,13 @@ class CacheService:
         *,
         remote_cache_accessible: bool,
         log: structlog.stdlib.BoundLogger,
+        zero_on_alloc: bool = False,
     ) -> None:
         self.runtime = runtime
         self.pools = dict(pools)
         self.remote_cache_accessible = remote_cache_accessible
+        #: Zero pool memory before a cache is made of it (``aio.ZeroOnAlloc``).
+        self.zero_on_alloc = zero_on_alloc
         self.registry = CacheRegistry()
         #: Pinned host buffers through which device rows take host-only routes.
         self.staging = Staging(runtime)
@@ -238,15 +257,25 @@ class CacheService:
         self.registry.add(entry, rows, blocks_key if is_blocks else None)
         return cache
 
-    def _allocate(
+    def reserve(
         self,
         desc: Any,
         keys: Any,
-        blocks_key: BlocksCacheKey | None,
+        blocks_key: Any,
         *,
         is_blocks: bool,
         call: str,
-    ) -> Cache:
+    ) -> Reservation:
+        """First step of an allocate call: validate, freeze the layout, take pool memory.
+
+        The memory belongs to no cache yet: zero it (:meth:`clear`, when
+        ``reservation.zero_bytes``) with no lock held, then :meth:`commit` it, or
+        :meth:`abandon` it.
+
+        :raises TypeError: wrong argument types.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for an invalid descriptor or key,
+            ``LLM_OUT_OF_MEMORY`` when the pool is full.
+        """
         check_type("cache_desc", desc, CacheDesc)
         if is_blocks:
             self._check_blocks_key_arg(blocks_key)
@@ -256,29 +285,98 @@ class CacheService:
         pool = self._pool_for(layout, call)
         stride = pool.round_up(tensor_bytes)
         with self.registry.lock:
-            rows = self._names(layout, keys, blocks_key, is_blocks)
+            self._names(layout, keys, blocks_key, is_blocks)  # refuse names before memory
             allocation = pool.allocate(stride * layout.num_tensors)
-            addrs = [allocation.addr + i * stride for i in range(layout.num_tensors)]
-            cache = self._insert(
-                layout,
-                addrs,
-                rows,
-                blocks_key,
-                is_blocks=is_blocks,
-                remote_accessible=True,
-                stride=stride,
-                pool=pool,
-                allocation=allocation,
-            )
+        return Reservation(
+            layout=layout,
+            keys=keys,
+            blocks_key=blocks_key,
+            pool=pool,
+            allocation=allocation,
+            stride=stride,
+            zero_bytes=allocation.nbytes if self.zero_on_alloc else 0,
+        )
+
+    def clear(self, reservation: Reservation) -> None:
+        """Zero a reservation's memory (``zero_bytes``; nothing when 0), done on return.
+
+        Runs without the registry lock: large caches take milliseconds per hundred MiB.
+        """
+        n = reservation.zero_bytes
+        if not n:
+            return
+        addr = reservation.allocation.addr
+        if reservation.pool.placement is Placement.DEVICE:
+            self.runtime.zero_device(addr, n)
+        else:
+            self.runtime.zero_host(addr, n)
+
+    def commit(self, reservation: Reservation) -> Cache:
+        """Make the cache of a reservation and bind its names; the memory is given back
+        when that fails (a name bound meanwhile, or the engine finalized)."""
+        r, layout = reservation, reservation.layout
+        is_blocks = layout.is_blocks
+        try:
+            with self.registry.lock:
+                self.check_open()
+                rows = self._names(layout, r.keys, r.blocks_key, is_blocks)
+                addrs = [r.allocation.addr + i * r.stride for i in range(layout.num_tensors)]
+                cache = self._insert(
+                    layout,
+                    addrs,
+                    rows,
+                    r.blocks_key,
+                    is_blocks=is_blocks,
+                    remote_accessible=True,
+                    stride=r.stride,
+                    pool=r.pool,
+                    allocation=r.allocation,
+                )
+        except BaseException:
+            self.abandon(r)
+            raise
         self._log.debug(
             "cache.allocated",
             cache_id=cache.cache_id,
             placement=str(layout.placement),
-            nbytes=allocation.nbytes,
+            nbytes=r.allocation.nbytes,
             keys=len(rows),
             blocks=is_blocks,
+            zeroed=r.zero_bytes,
         )
         return cache
+
+    @staticmethod
+    def abandon(reservation: Reservation) -> None:
+        """Give a reservation's memory back to its pool (an allocate call that failed)."""
+        reservation.pool.release(reservation.allocation)
+
+    def _allocate(
+        self,
+        desc: Any,
+        keys: Any,
+        blocks_key: Any,
+        *,
+        is_blocks: bool,
+        call: str,
+    ) -> Cache:
+        reservation = self.reserve(desc, keys, blocks_key, is_blocks=is_blocks, call=call)
+        try:
+            self.clear(reservation)
+        except BaseException:
+            self.abandon(reservation)
+            raise
+        return self.commit(reservation)
+
+    def reserve_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Reservation:
+        """:meth:`reserve` for ``allocate_cache``."""
+        return self.reserve(cache_desc, cache_keys, None, is_blocks=False, call="allocate_cache")
+
+    def reserve_blocks_cache(self, cache_desc: Any, blocks_cache_key: Any = None) -> Reservation:
+        """:meth:`reserve` for ``allocate_blocks_cache``."""
+        return self.reserve(
+            cache_desc, (), blocks_cache_key, is_blocks=True, call="allocate_blocks_cache"
+        )
 
     def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
         """Allocate a batch cache from the pool of its placement and bind ``cache_keys``."""

@@ -48,6 +48,7 @@ from aio_datadist.config import (
     OPTION_SYNC_KV_TIMEOUT,
     OPTION_TRANSFER_BACKEND,
     OPTION_TRANSPORT,
+    OPTION_ZERO_ON_ALLOC,
     TRANSFER_BACKEND_HIXL,
     parse_listen_ip_info,
     parse_mem_pool_cfg,
@@ -95,6 +96,8 @@ class EngineSettings:
         self.transport = options.get(OPTION_TRANSPORT)
         self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
         self.same_host = options.get(OPTION_SAME_HOST, "1") != "0"
+        #: Zero pool memory before a cache is made of it (``aio.ZeroOnAlloc``).
+        self.zero_on_alloc = options.get(OPTION_ZERO_ON_ALLOC) == "1"
         self.link_secret = resolve_link_secret(options)
         self.busy_poll_us = _int_option(options, OPTION_BUSY_POLL_US, DEFAULT_BUSY_POLL_US)
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
@@ -181,6 +184,7 @@ class Engine:
                 runtime,
                 pools,
                 remote_cache_accessible=settings.remote_cache_accessible,
+                zero_on_alloc=settings.zero_on_alloc,
                 log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
             )
             board = self._open_board(settings, caches, log)
