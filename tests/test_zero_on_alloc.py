@@ -28,6 +28,8 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist._memory.pool import MemoryPool
+from aio_datadist._runtime.host import HostRuntime
 from aio_datadist.config import OPTION_ZERO_ON_ALLOC
 from tests.conftest import Face, make_options, pool_cfg
 
@@ -91,7 +93,55 @@ async def test_off_by_default(face: Face) -> None:
     settings = face.dd._engine.settings
     assert settings is not None and settings.zero_on_alloc is False
     caches = face.dd._engine.caches
-    assert caches is not None and caches.zero_on_alloc is False
+    assert caches is not None
+    assert [pool.zero for pool in caches.pools.values()] == [False, False]
+    cache = await face.cm.allocate_cache(CacheDesc(1, [4, 4096], DataType.DT_UINT8))
+    assert caches.registry.get(cache.cache_id).allocation.to_zero == ()
+    await face.cm.deallocate_cache(cache)
+
+
+# -- which pages a pool zeroes ---------------------------------------------------------------
+PAGE_SHIFT = 16
+PAGE = 1 << PAGE_SHIFT
+
+
+class _UnknownContents(HostRuntime):
+    fresh_memory_is_zero = False
+
+
+@pytest.mark.parametrize("fresh_is_zero", [True, False])
+def test_a_pool_zeroes_only_pages_handed_out_before(fresh_is_zero: bool) -> None:
+    runtime = HostRuntime(0) if fresh_is_zero else _UnknownContents(0)
+    pool = MemoryPool(runtime, Placement.HOST, 16 * PAGE, PAGE_SHIFT, zero=True)
+    try:
+        a = pool.allocate(3 * PAGE)
+        b = pool.allocate(PAGE)
+        if fresh_is_zero:  # never handed out: already zero, nothing to do
+            assert a.to_zero == () and b.to_zero == ()
+        else:  # contents unknown: the whole allocation
+            assert a.to_zero == ((a.addr, 3 * PAGE),) and b.to_zero == ((b.addr, PAGE),)
+        pool.release(a)
+        c = pool.allocate(2 * PAGE)  # best fit: a's hole
+        assert c.addr == a.addr and c.to_zero == ((c.addr, 2 * PAGE),)
+        pool.release(b)
+        pool.release(c)
+        d = pool.allocate(6 * PAGE)  # a's three pages, b's one, then two fresh ones
+        assert d.addr == a.addr
+        fresh_runs = ((d.addr, 4 * PAGE),) if fresh_is_zero else ((d.addr, 6 * PAGE),)
+        assert d.to_zero == fresh_runs
+        pool.release(d)
+    finally:
+        pool.close()
+
+
+def test_a_pool_that_does_not_zero_names_nothing() -> None:
+    pool = MemoryPool(HostRuntime(0), Placement.HOST, 4 * PAGE, PAGE_SHIFT)
+    try:
+        a = pool.allocate(PAGE)
+        pool.release(a)
+        assert pool.allocate(PAGE).to_zero == ()
+    finally:
+        pool.close()
 
 
 # -- local reads ---------------------------------------------------------------------------
@@ -138,8 +188,9 @@ async def test_a_failed_zeroing_gives_the_memory_back(
     def refuse(addr: int, nbytes: int) -> None:
         raise LLMException("the memset failed", status_code=LLMStatusCode.LLM_FAILED)
 
-    monkeypatch.setattr(runtime, "zero_host", refuse)
     desc = CacheDesc(1, [4, 4 << 20], DataType.DT_UINT8, Placement.HOST)  # 16 MiB: off the loop
+    await face.cm.deallocate_cache(await face.cm.allocate_cache(desc))  # used memory: to zero
+    monkeypatch.setattr(runtime, "zero_host", refuse)
     with pytest.raises(LLMException) as exc:
         await face.cm.allocate_cache(desc, [CacheKey(1, req_id=1)])
     assert exc.value.status_code == LLMStatusCode.LLM_FAILED

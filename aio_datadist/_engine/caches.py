@@ -77,8 +77,11 @@ class Reservation:
     allocation: Allocation
     #: Bytes from one tensor's start to the next (page-rounded tensor size).
     stride: int
-    #: Bytes to zero before the cache is made (``aio.ZeroOnAlloc``); 0 for none.
-    zero_bytes: int
+
+    @property
+    def zero_bytes(self) -> int:
+        """Bytes to zero before the cache is made (``aio.ZeroOnAlloc``); 0 for none."""
+        return sum(n for _, n in self.allocation.to_zero)
 
 
 class CacheService:
@@ -91,13 +94,10 @@ class CacheService:
         *,
         remote_cache_accessible: bool,
         log: structlog.stdlib.BoundLogger,
-        zero_on_alloc: bool = False,
     ) -> None:
         self.runtime = runtime
         self.pools = dict(pools)
         self.remote_cache_accessible = remote_cache_accessible
-        #: Zero pool memory before a cache is made of it (``aio.ZeroOnAlloc``).
-        self.zero_on_alloc = zero_on_alloc
         self.registry = CacheRegistry()
         #: Pinned host buffers through which device rows take host-only routes.
         self.staging = Staging(runtime)
@@ -294,22 +294,18 @@ class CacheService:
             pool=pool,
             allocation=allocation,
             stride=stride,
-            zero_bytes=allocation.nbytes if self.zero_on_alloc else 0,
         )
 
     def clear(self, reservation: Reservation) -> None:
-        """Zero a reservation's memory (``zero_bytes``; nothing when 0), done on return.
+        """Zero the runs of a reservation's memory that its pool names
+        (``Allocation.to_zero``), done on return.
 
-        Runs without the registry lock: large caches take milliseconds per hundred MiB.
+        Runs without the registry lock: large caches take milliseconds per GiB.
         """
-        n = reservation.zero_bytes
-        if not n:
-            return
-        addr = reservation.allocation.addr
-        if reservation.pool.placement is Placement.DEVICE:
-            self.runtime.zero_device(addr, n)
-        else:
-            self.runtime.zero_host(addr, n)
+        device = reservation.pool.placement is Placement.DEVICE
+        zero = self.runtime.zero_device if device else self.runtime.zero_host
+        for addr, n in reservation.allocation.to_zero:
+            zero(addr, n)
 
     def commit(self, reservation: Reservation) -> Cache:
         """Make the cache of a reservation and bind its names; the memory is given back

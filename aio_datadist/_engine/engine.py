@@ -175,7 +175,9 @@ class Engine:
                     (Placement.HOST, settings.host_pool),
                 ):
                     if cfg is not None:
-                        pools[placement] = MemoryPool(runtime, placement, *cfg)
+                        pools[placement] = MemoryPool(
+                            runtime, placement, *cfg, zero=settings.zero_on_alloc
+                        )
             except BaseException:
                 _close_all(pools, runtime)
                 raise
@@ -184,7 +186,6 @@ class Engine:
                 runtime,
                 pools,
                 remote_cache_accessible=settings.remote_cache_accessible,
-                zero_on_alloc=settings.zero_on_alloc,
                 log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
             )
             board = self._open_board(settings, caches, log)

@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from aio_datadist._memory.arena import Arena
 from aio_datadist._native.api import NativePool, PoolStats
 from aio_datadist._runtime.base import DeviceRuntime
@@ -20,16 +23,35 @@ class Allocation:
     addr: int
     nbytes: int
     handle: int
+    #: ``(addr, nbytes)`` runs to zero before use: empty unless the pool zeroes (``zero``).
+    to_zero: tuple[tuple[int, int], ...] = ()
+
+
+def _runs(flags: npt.NDArray[np.bool_]) -> list[tuple[int, int]]:
+    """``(start, stop)`` index pairs of the runs of True in ``flags``."""
+    edges = np.flatnonzero(np.diff(np.concatenate(([0], flags.view(np.int8), [0]))))
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
 
 
 class MemoryPool:
     """A pool of ``memory_size`` bytes for one placement, allocated in pages of ``1 << page_shift``.
 
     Thread-safe. Exhaustion raises ``LLMException(LLM_OUT_OF_MEMORY)`` and leaves the pool usable.
+
+    With ``zero``, each allocation names the runs that must be zeroed before anyone reads them
+    (``Allocation.to_zero``): the whole allocation, or, where the runtime's fresh memory reads
+    zero (``DeviceRuntime.fresh_memory_is_zero``), only the pages an earlier allocation held.
+    Pages never handed out are not touched, so they cost nothing until a cache writes them.
     """
 
     def __init__(
-        self, runtime: DeviceRuntime, placement: Placement, memory_size: int, page_shift: int
+        self,
+        runtime: DeviceRuntime,
+        placement: Placement,
+        memory_size: int,
+        page_shift: int,
+        *,
+        zero: bool = False,
     ) -> None:
         self.placement = placement
         if placement is Placement.DEVICE:
@@ -41,6 +63,15 @@ class MemoryPool:
         self._native = NativePool(addr, memory_size, page_shift)
         self._lock = threading.Lock()
         self._closed = False
+        #: Allocations name the runs to zero before use (``aio.ZeroOnAlloc``).
+        self.zero = zero
+        self._page_shift = page_shift
+        # One flag per page: handed out at least once. None: every page counts as used.
+        self._used: npt.NDArray[np.bool_] | None = (
+            np.zeros(self._native.capacity >> page_shift, np.bool_)
+            if zero and runtime.fresh_memory_is_zero
+            else None
+        )
 
     @property
     def page_size(self) -> int:
@@ -58,7 +89,20 @@ class MemoryPool:
         :raises LLMException: ``LLM_OUT_OF_MEMORY`` when no free run is large enough.
         """
         addr, handle = self._native.alloc(nbytes)
-        return Allocation(addr, self.round_up(nbytes), handle)
+        size = self.round_up(nbytes)
+        if not self.zero:
+            return Allocation(addr, size, handle)
+        if self._used is None:
+            return Allocation(addr, size, handle, ((addr, size),))
+        first = (addr - self._native.base) >> self._page_shift
+        stop = first + (size >> self._page_shift)
+        with self._lock:
+            used = self._used[first:stop]
+            runs = _runs(used)
+            used[:] = True
+        shift = self._page_shift
+        to_zero = tuple((addr + (a << shift), (b - a) << shift) for a, b in runs)
+        return Allocation(addr, size, handle, to_zero)
 
     def release(self, allocation: Allocation) -> None:
         """Return ``allocation`` to the pool; a pool already closed ignores it."""

@@ -102,6 +102,9 @@ class DeviceRuntime(ABC):
     name: str
     #: True when device memory is ordinary host memory (readable through numpy views).
     device_memory_is_host: bool
+    #: True when memory fresh from :meth:`alloc_device` and :meth:`alloc_host` reads zero
+    #: (anonymous mappings); pools then zero only memory that was handed out before.
+    fresh_memory_is_zero: bool = False
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id

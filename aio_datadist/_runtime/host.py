@@ -16,6 +16,8 @@ class HostRuntime(DeviceRuntime):
 
     name = "host"
     device_memory_is_host = True
+    #: Both placements are fresh anonymous mappings (``host_alloc``), zero until written.
+    fresh_memory_is_zero = True
 
     def alloc_device(self, nbytes: int) -> int:
         return api.host_alloc(nbytes)
