@@ -13,7 +13,9 @@ one warm-up):
 
 Each ours/torch line prints the ratio (torch time / ours: > 1 means faster than torch); the
 copy_blocks and swap figures are also given with the copy kernel and cudaMemcpyBatchAsync
-switched off, to show what each path brings. Needs torch with CUDA and a GPU; exits 0 with
+switched off, to show what each path brings, and copy_blocks split into planning (Python:
+checking the block map, building the copy table) and copying (the runtime's native call
+and the GPU). Needs torch with CUDA and a GPU; exits 0 with
 a message otherwise. Run::
 
     python benchmarks/bench_cuda.py
@@ -91,7 +93,8 @@ def main() -> int:
     dd.init(dict(cfg.generate_options()))
     try:
         cm = dd.cache_manager
-        runtime: Any = dd._engine.caches.runtime
+        service: Any = dd._engine.caches
+        runtime: Any = service.runtime
         torch.cuda.init()
         sync = torch.cuda.synchronize
         print(
@@ -123,6 +126,11 @@ def main() -> int:
                 d2h = median_seconds(lambda m=mapping: cm.swap_blocks(dev, host, m), sync)
                 report(f"swap H2D {label}{tag}", total, h2d, h2d_torch, "torch copy_")
                 report(f"swap D2H {label}{tag}", total, d2h, d2h_torch, "torch copy_")
+            swap_planning = median_seconds(
+                lambda m=mapping: service.release(service.plan_swap_blocks(host, dev, m)),
+                lambda: None,
+            )
+            print(f"{'':<34} of which planning {swap_planning * 1e3:.3f} ms")
         runtime.set_feature("memcpy_batch", True)
         cm.deallocate_blocks_cache(host)
         cm.deallocate_blocks_cache(dev)
@@ -136,12 +144,26 @@ def main() -> int:
         s_idx = torch.as_tensor(src, device="cuda")
         d_idx = torch.as_tensor(dst, device="cuda")
         theirs = median_seconds(lambda: t.index_copy_(0, d_idx, t.index_select(0, s_idx)), sync)
+        planning = median_seconds(
+            lambda: service.release(service.plan_copy_blocks(both, info)), lambda: None
+        )
+
+        def run_batches(batches: Any, kind: Any) -> None:
+            for ops in batches:
+                runtime.copy_batch(ops, kind)
+
         for kernel, batch in ((True, True), (False, True), (False, False)):
             runtime.set_feature("copy_kernel", kernel)
             runtime.set_feature("memcpy_batch", batch)
             tag = "kernel" if kernel else ("batch API" if batch else "cudaMemcpyAsync loop")
             ours = median_seconds(lambda: cm.copy_blocks(both, info), sync)
             report(f"copy_blocks ({tag})", total, ours, theirs, "torch index")
+            plan = service.plan_copy_blocks(both, info)
+            service.release(plan)
+            moving = median_seconds(lambda p=plan: run_batches(p.batches, p.kind), sync)
+            print(
+                f"{'':<34} of which planning {planning * 1e3:.3f} ms, copying {moving * 1e3:.3f} ms"
+            )
         if runtime.kernel_note:
             print(f"copy kernel unavailable: {runtime.kernel_note}")
         runtime.set_feature("copy_kernel", True)

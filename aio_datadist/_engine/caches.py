@@ -8,11 +8,13 @@ in the caller's thread, the async face inline or on a worker thread.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.plan import CopyPlan, Ops, block_ops, row_ops, staged
@@ -20,7 +22,12 @@ from aio_datadist._engine.registry import CacheEntry, CacheRegistry, KeyIdentity
 from aio_datadist._memory.pool import Allocation, MemoryPool, PoolStats
 from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime.base import CopyKind, DeviceRuntime
-from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
+from aio_datadist._validate import (
+    INVALID_ID,
+    check_int,
+    check_int_list,
+    check_type,
+)
 from aio_datadist.cache import Cache
 from aio_datadist.enums import Memtype, Placement
 from aio_datadist.status import (
@@ -40,6 +47,9 @@ from aio_datadist.types import (
 )
 
 __all__ = ("CacheService", "PoolStats", "Reservation", "key_identity")
+
+#: A planned block map: ``(sources, destinations, a destination is also a source)``.
+BlockMap = tuple["npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]", bool]
 
 _KINDS = {
     (Placement.HOST, Placement.HOST): CopyKind.HOST_TO_HOST,
@@ -594,12 +604,13 @@ class CacheService:
         return plan
 
     @staticmethod
-    def _block_indices(name: str, values: Sequence[int], num_blocks: int) -> np.ndarray[Any, Any]:
-        arr = np.asarray(values, dtype=np.uint64) if values else np.empty(0, dtype=np.uint64)
-        if len(arr) and int(arr.max()) >= num_blocks:
-            bad = next(v for v in values if v >= num_blocks)
+    def _block_indices(
+        name: str, values: npt.NDArray[np.uint64], num_blocks: int
+    ) -> npt.NDArray[np.uint64]:
+        if len(values) and int(values.max()) >= num_blocks:
+            bad = int(values[values >= num_blocks][0])
             raise _invalid(f"{name} block index {bad} is outside [0, {num_blocks})")
-        return arr
+        return values
 
     def plan_copy_blocks(self, cache: Any, copy_block_info: Any) -> CopyPlan:
         """Plan ``copy_blocks``: each source block to each of its destination blocks.
@@ -609,23 +620,18 @@ class CacheService:
         """
         check_type("cache", cache, Cache)
         check_type("copy_block_info", copy_block_info, dict)
-        last_src: dict[int, int] = {}
-        for src_block, dst_blocks in copy_block_info.items():
-            check_int("copy_block_info key", src_block, "uint64")
-            check_int_list(f"copy_block_info[{src_block}]", dst_blocks, "uint64")
-            for dst_block in dst_blocks:
-                last_src[dst_block] = src_block
+        srcs, dsts, overlap = _copy_map(copy_block_info)
         with self.registry.lock:
             entry = self.entry(cache)
             if not entry.is_blocks:
                 raise _invalid(f"copy_blocks needs a blocks cache, cache {cache.cache_id} is not")
             num_blocks = entry.num_rows
-            dsts = self._block_indices("destination", list(last_src), num_blocks)
-            srcs = self._block_indices("source", list(last_src.values()), num_blocks)
+            dsts = self._block_indices("destination", dsts, num_blocks)
+            srcs = self._block_indices("source", srcs, num_blocks)
             ops = block_ops(entry.addrs, entry.addrs, dsts, srcs, entry.row_bytes)
             kind = _KINDS[entry.placement, entry.placement]
             plan = self._plan([ops], kind, [entry])
-            if set(last_src) & set(last_src.values()):
+            if overlap:
                 gather, scatter, plan.stage_bytes = staged(ops)
                 plan.batches = [gather, scatter]
                 plan.stage_device = entry.placement is Placement.DEVICE
@@ -636,9 +642,7 @@ class CacheService:
         check_type("src_cache", src_cache, Cache)
         check_type("dst_cache", dst_cache, Cache)
         check_type("src_to_dst", src_to_dst, dict)
-        for src_block, dst_block in src_to_dst.items():
-            check_int("src_to_dst key", src_block, "uint64")
-            check_int(f"src_to_dst[{src_block}]", dst_block, "uint64")
+        srcs, dsts, _ = _swap_map(src_to_dst)
         pair = (src_cache._layout.placement, dst_cache._layout.placement)
         if pair not in ((Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)):
             raise _invalid(
@@ -655,9 +659,8 @@ class CacheService:
                 raise _invalid(f"block sizes differ: src {s_bytes} bytes, dst {d_bytes} bytes")
             if len(s_addrs) != len(d_addrs):
                 raise _invalid(f"num_tensors differ: src {len(s_addrs)}, dst {len(d_addrs)}")
-            last: dict[int, int] = {dst: src for src, dst in src_to_dst.items()}
-            dsts = self._block_indices("dst_cache", list(last), d_blocks)
-            srcs = self._block_indices("src_cache", list(last.values()), s_blocks)
+            dsts = self._block_indices("dst_cache", dsts, d_blocks)
+            srcs = self._block_indices("src_cache", srcs, s_blocks)
             ops = block_ops(d_addrs, s_addrs, dsts, srcs, s_bytes)
             entries = [e for e in (s_entry, d_entry) if e is not None]
             return self._plan([ops], _KINDS[pair], entries)
@@ -712,3 +715,52 @@ class CacheService:
         pinned, plan.pinned = plan.pinned, []
         if pinned:
             self.registry.unpin(pinned)  # type: ignore[arg-type]
+
+
+_UINT64_MAX = 2**64 - 1
+
+
+def _plain_uint64s(*lists: list[Any]) -> bool:
+    """Whether every item of ``lists`` is a plain ``int`` in uint64 range (checked at C
+    speed, for long block maps; the item-by-item check then names a wrong one)."""
+    for values in lists:
+        if values and (
+            not set(map(type, values)) <= {int} or min(values) < 0 or max(values) > _UINT64_MAX
+        ):
+            return False
+    return True
+
+
+def _block_map(last: dict[int, int]) -> BlockMap:
+    """``{dst: src}`` as arrays, and whether a destination is also a source."""
+    dsts = np.fromiter(last.keys(), dtype=np.uint64, count=len(last))
+    srcs = np.fromiter(last.values(), dtype=np.uint64, count=len(last))
+    return srcs, dsts, not last.keys().isdisjoint(last.values())
+
+
+def _copy_map(info: dict[Any, Any]) -> BlockMap:
+    """The block map of ``copy_blocks`` ``{src: [dst, ...]}``: each destination once, from
+    the last source that names it, checked as the API documents."""
+    keys, values = list(info), list(info.values())
+    if set(map(type, values)) <= {list, tuple}:
+        flat = list(itertools.chain.from_iterable(values))
+        if _plain_uint64s(keys, flat):
+            repeated = itertools.chain.from_iterable(map(itertools.repeat, keys, map(len, values)))
+            return _block_map(dict(zip(flat, repeated, strict=True)))
+    last: dict[int, int] = {}
+    for src_block, dst_blocks in info.items():  # raises, naming the wrong item
+        check_int("copy_block_info key", src_block, "uint64")
+        check_int_list(f"copy_block_info[{src_block}]", dst_blocks, "uint64")
+        for dst_block in dst_blocks:
+            last[dst_block] = src_block
+    return _block_map(last)
+
+
+def _swap_map(info: dict[Any, Any]) -> BlockMap:
+    """The block map of ``swap_blocks`` ``{src: dst}``: each destination once, from the last
+    source that names it, checked as the API documents."""
+    if not _plain_uint64s(list(info), list(info.values())):
+        for src_block, dst_block in info.items():  # raises, naming the wrong item
+            check_int("src_to_dst key", src_block, "uint64")
+            check_int(f"src_to_dst[{src_block}]", dst_block, "uint64")
+    return _block_map({dst: src for src, dst in info.items()})
