@@ -116,6 +116,7 @@ class _Workers:
         self._cond = threading.Condition(threading.Lock())
         self._threads = 0
         self._idle = 0
+        self._stopping = False
         self._log = get_logger("tcp", workers=name)
 
     def submit(self, job: Callable[[], None]) -> None:
@@ -147,10 +148,19 @@ class _Workers:
                 job = self._jobs.popleft()
             job()
 
+    def stop(self) -> None:
+        """Let idle workers end now (queued jobs still run)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
     def _work(self) -> None:
         while True:
             with self._cond:
                 while not self._jobs:
+                    if self._stopping:
+                        self._threads -= 1
+                        return
                     self._idle += 1
                     woke = self._cond.wait(_WORKER_IDLE_S)
                     self._idle -= 1
@@ -159,6 +169,7 @@ class _Workers:
                         return
                 job = self._jobs.popleft()
             job()
+            del job  # an idle worker keeps nothing of its last job alive
 
 
 class Handshakes:
@@ -238,6 +249,7 @@ class Handshakes:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
         self._wake()
+        self._workers.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(5.0)
 
