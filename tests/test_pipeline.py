@@ -26,6 +26,7 @@ from aio_datadist._engine.routes import (
     link_routes,
     start_on,
     with_communicator,
+    with_peer_memory,
     without_communicator,
 )
 from aio_datadist._transport.base import RequestKind
@@ -97,8 +98,8 @@ def test_a_new_link_lists_its_routes_in_order() -> None:
     channel: Any = FakeChannel()
     peer: Any = object()
     staging: Any = object()
-    assert [type(r) for r in link_routes(channel, None, staging)] == [LinkRoute, Staged]
-    routes = link_routes(channel, peer, staging)
+    assert [type(r) for r in link_routes(channel, staging)] == [LinkRoute, Staged]
+    routes = with_peer_memory(link_routes(channel, staging), peer)
     assert [type(r) for r in routes] == [SameHostRoute, DeviceIpcRoute, LinkRoute, Staged]
     member = CommRoute(communicator=object(), peer_rank=1)  # type: ignore[arg-type]
     joined = with_communicator(routes, CommunicatorRoute(channel, member))
@@ -115,8 +116,13 @@ def test_a_new_link_lists_its_routes_in_order() -> None:
         LinkRoute,
         Staged,
     ]
+    # A peer proven after a domain's route went in: the communicator route keeps its place.
+    late = with_peer_memory(
+        with_communicator(link_routes(channel, staging), CommunicatorRoute(channel, member)), peer
+    )
+    assert [type(r) for r in late] == [type(r) for r in joined]
     # Without a runtime to stage through, the link takes host rows only.
-    assert [type(r) for r in link_routes(channel, None, None)] == [LinkRoute]
+    assert [type(r) for r in link_routes(channel, None)] == [LinkRoute]
 
 
 def test_the_first_route_that_takes_a_transfer_moves_it_and_a_decline_falls_through() -> None:

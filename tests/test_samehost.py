@@ -35,7 +35,7 @@ ENTRY = BoardEntry(7, 3, 4096, 8, 32768, (0x10000, 0x90000))
 def test_board_round_trip_through_a_second_mapping() -> None:
     board = RegionBoard()
     try:
-        view = RegionView(os.getpid(), board.fd)
+        view = RegionView(board.fd)
         first = view.regions()
         assert first is not None and first.by_id == {}
         board.publish([ENTRY, BoardEntry(8, -1, 64, 2, 128, (0x200000,))])
@@ -58,7 +58,7 @@ def test_a_torn_or_foreign_board_is_never_used() -> None:
     board = RegionBoard()
     try:
         board.publish([ENTRY])
-        view = RegionView(os.getpid(), board.fd)
+        view = RegionView(board.fd)
         # the writer is mid-update (odd sequence number): no snapshot
         seq = view.seq()
         struct.pack_into("<Q", board._map, 8, seq + 1)
@@ -79,7 +79,7 @@ def test_an_oversized_table_empties_the_board() -> None:
         many = BoardEntry(1, -1, 8, 1, 8, tuple(range(8, 8 * (BOARD_BYTES // 8), 8)))
         board.publish([many])
         assert board.overflowed
-        regions = RegionView(os.getpid(), board.fd).regions()
+        regions = RegionView(board.fd).regions()
         assert regions is not None and regions.by_id == {}
     finally:
         board.close()
@@ -97,16 +97,19 @@ def test_hostile_tables_fail_cleanly(table: bytes) -> None:
 
 
 def test_presence_record_round_trip_and_limits() -> None:
-    presence = HostPresence(b"\x01" * 16, 4026531836, 1234, 9)
+    presence = HostPresence(b"\x01" * 16, 4026531836, b"\x02" * 16, b"\x03" * 16, board_fd=9)
     blob = encode_extensions(presence)
-    assert decode_extensions(blob) == presence
+    assert decode_extensions(blob) == presence  # (the board descriptor never travels)
+    assert decode_extensions(blob).board_fd == -1
     assert decode_extensions(b"") is None and encode_extensions(None) == b""
-    # unknown records are skipped; broken ones refused
+    # unknown records are skipped (the retired type 1 among them); broken ones refused
     assert decode_extensions(struct.pack("<HH", 9, 3) + b"abc" + blob) == presence
+    old = struct.pack("<HH", 1, 32) + bytes(16) + struct.pack("<QII", 1, os.getpid(), 3)
+    assert decode_extensions(old) is None
     with pytest.raises(WireError):
         decode_extensions(blob[:-1])
     with pytest.raises(WireError):
-        decode_extensions(struct.pack("<HH", 1, 4) + b"abcd")
+        decode_extensions(struct.pack("<HH", 4, 4) + b"abcd")
     assert local_host_key() is not None  # Linux says which kernel and pid namespace
 
 
@@ -123,7 +126,7 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
 
             warning = info
 
-        view = RegionView(os.getpid(), board.fd)
+        view = RegionView(board.fd)
         staging = Staging(HostRuntime(0))
         peer = onesided.PeerMemory(os.getpid(), view, staging, Log())  # type: ignore[arg-type]
         access = onesided.Access(
@@ -165,7 +168,7 @@ def test_an_unsealed_file_is_not_mapped() -> None:
     try:
         os.ftruncate(fd, BOARD_BYTES)
         with pytest.raises(OSError, match="not a region board"):
-            RegionView(os.getpid(), fd)
+            RegionView(fd)
     finally:
         os.close(fd)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 from typing import Any
 
@@ -192,7 +191,7 @@ class Engine:
             presence = None
             host_key = local_host_key()
             if board is not None and host_key is not None:
-                presence = HostPresence(host_key[0], host_key[1], os.getpid(), board.fd)
+                presence = HostPresence(host_key[0], host_key[1], board_fd=board.fd)
             routes: CommRoutes = {}
             links = LinkTable(
                 Hello(self.cluster_id, self.role, presence=presence),

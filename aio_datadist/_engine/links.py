@@ -25,6 +25,7 @@ leaves nothing.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from typing import Any
 import structlog
 
 from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
-from aio_datadist._engine.routes import Route, link_routes
+from aio_datadist._engine.routes import Route, link_routes, with_peer_memory
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import (
     Channel,
@@ -46,6 +47,7 @@ from aio_datadist._transport.base import (
     RequestHandler,
     Transport,
 )
+from aio_datadist._transport.samehost import SameHostPeer
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import LinkResults, LLMClusterInfo, ip_int_to_str
 from aio_datadist.status import (
@@ -137,7 +139,11 @@ _Entry = Link | BrokenLink
 
 
 def _close_peer_memory(entry: _Entry) -> None:
-    if isinstance(entry, Link) and entry.peer_memory is not None:
+    if not isinstance(entry, Link):
+        return
+    if entry.channel.same_host is not None:
+        entry.channel.same_host.close()
+    if entry.peer_memory is not None:
         entry.peer_memory.close()
 
 
@@ -370,16 +376,30 @@ class LinkTable:
             )
 
     def _equipped(self, link: Link) -> Link:
-        """``link`` with its routes: one-sided ones to a same-host peer (both ends must offer
-        presence), then the link itself."""
-        if self.local.presence is not None and self.staging is not None:
-            link.peer_memory = open_peer_memory(
-                link.remote.presence,
-                self.staging,
-                self._log.bind(remote_cluster_id=link.remote.cluster_id),
-            )
-        link.routes = link_routes(link.channel, link.peer_memory, self.staging)
+        """``link`` with its routes: the link itself, and once the kernel proved the peer a
+        process on this host (``samehost``; both ends must offer it), the one-sided ones
+        before it."""
+        link.routes = link_routes(link.channel, self.staging)
+        proof = link.channel.same_host
+        if proof is not None and self.local.presence is not None and self.staging is not None:
+            proof.then(functools.partial(self._same_host, link))
         return link
+
+    def _same_host(self, link: Link, peer: SameHostPeer) -> None:
+        """The peer of ``link`` was proven to run on this host: add the one-sided routes
+        (now, or as soon as the link is registered; never to a link that went)."""
+        assert self.staging is not None
+        memory = open_peer_memory(
+            peer, self.staging, self._log.bind(remote_cluster_id=link.remote.cluster_id)
+        )
+        if memory is None:
+            return
+        with self._lock:
+            if link.channel.closed or link.peer_memory is not None:
+                memory.close()
+                return
+            link.peer_memory = memory
+            link.routes = with_peer_memory(link.routes, memory)
 
     def _forget(self, channel: Channel) -> None:
         """A channel closed without this side asking: its link becomes a broken link, or

@@ -39,7 +39,7 @@ from aio_datadist._native import api
 from aio_datadist._native.api import BlockLayout
 from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
-from aio_datadist._transport.samehost import HostPresence, local_host_key
+from aio_datadist._transport.samehost import SameHostPeer
 from aio_datadist.status import (
     KvCacheNotExistError,
     LLMException,
@@ -61,18 +61,17 @@ _SHARED_COPY = {
 
 
 def open_peer_memory(
-    presence: HostPresence | None, staging: Staging, log: structlog.stdlib.BoundLogger
+    peer: SameHostPeer, staging: Staging, log: structlog.stdlib.BoundLogger
 ) -> PeerMemory | None:
-    """The one-sided route to a peer that offered ``presence``; None when it cannot be had."""
-    if presence is None or presence.host_key != local_host_key():
-        return None
+    """The one-sided route to the proven same-host ``peer``; None when its board cannot be
+    mapped (it is not a sealed region board)."""
     try:
-        view = RegionView(presence.pid, presence.board_fd)
+        view = RegionView(peer.board_fd)
     except OSError as exc:
-        log.info("samehost.unavailable", peer_pid=presence.pid, reason=str(exc))
+        log.info("samehost.unavailable", peer_pid=peer.pid, reason=str(exc))
         return None
-    log.info("samehost.ready", peer_pid=presence.pid)
-    return PeerMemory(presence.pid, view, staging, log)
+    log.info("samehost.ready", peer_pid=peer.pid)
+    return PeerMemory(peer.pid, view, staging, log)
 
 
 class PeerMemory:

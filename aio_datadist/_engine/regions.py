@@ -3,8 +3,8 @@
 An engine on a host with same-host peers publishes the layout of every host-readable cache
 it holds (cache id, blocks key, tensor addresses, block size and count) on a *board*: a
 small memory file (``memfd``) it rewrites after every registry change. A peer on the same
-host maps the board read-only through ``/proc/<pid>/fd/<fd>`` (which needs the same
-permission as reading the engine's memory) and resolves its requests against it locally,
+host receives the board's descriptor when it proves itself (``_transport.samehost``), maps
+it read-only and resolves its requests against it locally,
 then moves the bytes with ``process_vm_readv``/``process_vm_writev``: the serving engine
 takes no part in the transfer, and a peer never touches an address outside the board.
 
@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import mmap
 import os
+import stat
 import struct
 import threading
 import zlib
@@ -212,23 +213,21 @@ def _seals(fd: int) -> int:
 
 
 class RegionView:
-    """The reader: a same-host peer's board, mapped read-only.
+    """The reader: a same-host peer's board, mapped read-only from the descriptor the peer
+    passed (``samehost``: never a path a peer names); the descriptor stays the caller's.
 
-    :raises OSError: the board cannot be opened (permission, the peer is gone).
+    :raises OSError: it is not a sealed region board.
     """
 
-    def __init__(self, pid: int, fd: int) -> None:
-        path = f"/proc/{pid}/fd/{fd}"
-        board = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            size = os.fstat(board).st_size
-            # Only a board sealed against shrinking is safe to map: reading a page a
-            # shrunken file no longer has would kill this process with SIGBUS.
-            if size < _HEAD.size or _seals(board) & _SEALS != _SEALS:
-                raise OSError(f"{path} is not a region board")
-            self._map = mmap.mmap(board, size, prot=mmap.PROT_READ)
-        finally:
-            os.close(board)
+    def __init__(self, fd: int) -> None:
+        # Only a sealed memfd is safe to map: reading a page a shrunken file no longer has
+        # would kill this process with SIGBUS (and a pipe or socket is no board at all).
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < _HEAD.size:
+            raise OSError("the peer's descriptor is not a region board")
+        if _seals(fd) & _SEALS != _SEALS:
+            raise OSError("the peer's descriptor is not a region board sealed against shrinking")
+        self._map = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
         self._lock = threading.Lock()
         self._regions: RemoteRegions | None = None
 

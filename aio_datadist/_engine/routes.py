@@ -299,18 +299,24 @@ def _finished_after(moved: Future[None], staged: StagedRows) -> Future[None]:
     return result
 
 
-def link_routes(channel: Channel, peer: PeerMemory | None, staging: Staging | None) -> list[Route]:
-    """The routes of a new link, in order (a domain's communicator route goes in later,
-    with :func:`with_communicator`). Without ``staging`` (an engine with no runtime) the
-    link takes host rows only."""
-    routes: list[Route] = []
-    if peer is not None:
-        routes += [SameHostRoute(peer), DeviceIpcRoute(peer)]
+def link_routes(channel: Channel, staging: Staging | None) -> list[Route]:
+    """The routes of a new link, in order (a same-host peer's one-sided routes go in once
+    it is proven, with :func:`with_peer_memory`; a domain's communicator route with
+    :func:`with_communicator`). Without ``staging`` (an engine with no runtime) the link
+    takes host rows only."""
     link = LinkRoute(channel)
-    routes.append(link)
+    routes: list[Route] = [link]
     if staging is not None:
         routes.append(Staged(link, staging))
     return routes
+
+
+def with_peer_memory(routes: Sequence[Route], peer: PeerMemory) -> list[Route]:
+    """``routes`` with the one-sided routes to a same-host ``peer`` first (the peer was
+    proven after the link was made; a domain's communicator route stays where it was)."""
+    kept = [r for r in routes if not isinstance(r, SameHostRoute | DeviceIpcRoute)]
+    at = next((i for i, r in enumerate(kept) if isinstance(r, LinkRoute | Staged)), len(kept))
+    return [SameHostRoute(peer), *kept[:at], DeviceIpcRoute(peer), *kept[at:]]
 
 
 def with_communicator(routes: Sequence[Route], route: CommunicatorRoute) -> list[Route]:

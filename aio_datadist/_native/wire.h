@@ -67,9 +67,10 @@ enum {
 /* Record types of the HELLO extension blob (u16 type, u16 length, the bytes); readers skip
  * types they do not know. */
 enum {
-    DD_HELLO_EXT_HOST_PRESENCE = 1, /* same-host identity and region board */
+    /* 1: retired (an unverified process id and board descriptor); skipped like any unknown */
     DD_HELLO_EXT_AUTH_NONCE = 2,    /* the client's nonce: it starts authentication */
-    DD_HELLO_EXT_COMM_NAME = 3      /* the communication domain a client links for */
+    DD_HELLO_EXT_COMM_NAME = 3,     /* the communication domain a client links for */
+    DD_HELLO_EXT_HOST_PRESENCE = 4  /* same host: the host's identity, where to prove it */
 };
 
 /* A PULL body: the u64 payload bytes the requester expects, then the access. A PUSH body is

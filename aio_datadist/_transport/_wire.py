@@ -373,7 +373,7 @@ def decode_hello(data: bytes | bytearray | memoryview) -> HelloBody:
 class HelloExtension(IntEnum):
     """Record types of the HELLO extension blob; readers skip types they do not know."""
 
-    #: Same-host identity and region board (``samehost.HostPresence``).
+    #: Same-host identity and where to prove it (``samehost.HostPresence``).
     HOST_PRESENCE = wire.HELLO_EXTENSIONS["HOST_PRESENCE"]
     #: The client's nonce: it has a link secret and starts authentication (``auth``).
     AUTH_NONCE = wire.HELLO_EXTENSIONS["AUTH_NONCE"]

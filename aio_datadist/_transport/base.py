@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from aio_datadist._native.serve import ServeTable
 from aio_datadist._transport.auth import LinkSecret
-from aio_datadist._transport.samehost import HostPresence
+from aio_datadist._transport.samehost import HostPresence, SameHostProof
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMStatusCode
 
@@ -80,7 +80,7 @@ class Hello:
     #: The cluster the sender means to reach (set by the connecting side), so a server at
     #: the wrong address refuses before it registers anything.
     to_cluster_id: int | None = None
-    #: The sender's process and region board, when it offers same-host one-sided access.
+    #: The sender's same-host offer (``samehost``), when it offers one-sided access.
     presence: HostPresence | None = None
     #: The communication domain a connecting side links for (rank-table ``link``): a rank
     #: endpoint that several domains share hands the link to that domain's member.
@@ -155,6 +155,9 @@ class Channel(ABC):
     remote: str = ""
     #: True when both ends proved that they hold the same link secret (``auth``).
     authenticated: bool = False
+    #: The peer's process on this host once the kernel proved it (``samehost``); None when
+    #: neither end offers same-host access over this channel.
+    same_host: SameHostProof | None = None
     #: True when :meth:`pull` moves the payload in the calling thread before it returns
     #: (so an event loop should call it from a worker thread for large payloads).
     pull_in_caller: bool = False

@@ -60,7 +60,7 @@ from aio_datadist._transport.base import (
     RequestHandler,
     Transport,
 )
-from aio_datadist._transport.deadlines import after_s
+from aio_datadist._transport.deadlines import after_s, now_ns
 from aio_datadist._transport.handshake import hello_from_wire, hello_to_wire
 from aio_datadist._transport.handshakes import (
     LINGER,
@@ -72,6 +72,13 @@ from aio_datadist._transport.handshakes import (
     Wait,
 )
 from aio_datadist._transport.rendezvous import Handoff, RouteKey, share
+from aio_datadist._transport.samehost import (
+    HostPresence,
+    SameHostProof,
+    local_host_key,
+    prove,
+    verifier,
+)
 from aio_datadist._transport.tcp import IO_ERRORS, STALL_TIMEOUT, TcpChannel
 from aio_datadist.status import LLMStatusCode
 
@@ -311,6 +318,25 @@ class TcpListener(Listener):
             return True
         return (yield from self._refusal(conn, refusal.status, str(refusal)))
 
+    def _offer_proof(
+        self, conn: socket.socket, channel: TcpChannel, local: Hello, remote: str
+    ) -> Hello:
+        """``local`` with the verifier and token the client proves itself with, when both
+        ends offer same-host access (``samehost``); else as it is."""
+        proof = channel.same_host
+        if proof is None:
+            return local
+        if local.presence is None or local.presence.board_fd < 0:
+            proof.close()
+            return local
+        found = verifier()
+        if isinstance(found, str):
+            self._log.info("samehost.unavailable", remote=remote, reason=found)
+            proof.close()
+            return replace(local, presence=None)
+        token = found.expect(conn, local.presence.board_fd, proof)
+        return replace(local, presence=replace(local.presence, verifier=found.id, token=token))
+
     def _serve(
         self,
         transport: TcpTransport,
@@ -333,6 +359,8 @@ class TcpListener(Listener):
             busy_poll_us=transport.busy_poll_us,
         )
         channel.authenticated = transcript is not None
+        if _same_host_offered(peer.presence):
+            channel.same_host = SameHostProof()
         # Hold the channel's sends from registration to HELLO_ACK: a request the server side
         # sends on the new channel meanwhile goes out after the acknowledgement.
         with channel.sends_held():
@@ -353,6 +381,7 @@ class TcpListener(Listener):
             except LinkRefused as exc:  # the channel broke (its link is a broken link now)
                 self._log.warning("tcp.accept_failed", remote=remote, reason=str(exc))
                 return exc
+            local = self._offer_proof(conn, channel, local, remote)
             try:
                 body = hello_to_wire(local)
                 answer = pack_header(FrameKind.HELLO_ACK, body_len=len(body)) + body
@@ -376,6 +405,11 @@ class TcpListener(Listener):
         return None
 
 
+def _same_host_offered(presence: HostPresence | None) -> bool:
+    """Whether a peer's presence says it runs on this host (and so may prove it)."""
+    return presence is not None and presence.host_key == local_host_key()
+
+
 def _handshake_frame() -> Generator[Wait, bytes, tuple[FrameHeader, bytearray]]:
     """The listener's read of one handshake frame (no payload, a bounded body)."""
     h = decode_header((yield Read(HEADER.size)))
@@ -383,6 +417,23 @@ def _handshake_frame() -> Generator[Wait, bytes, tuple[FrameHeader, bytearray]]:
         raise WireError(f"oversized {h.kind.name} frame in the handshake")
     body = bytearray((yield Read(h.body_len))) if h.body_len else bytearray()
     return h, body
+
+
+def _prove(
+    sock: socket.socket, hello: Hello, peer: Hello, where: str, deadline: int
+) -> SameHostProof | None:
+    """(The client, after the handshake.) The server's process, proven by the kernel, when
+    both ends offer same-host access and the proof succeeds; else None, with a log line."""
+    mine, theirs = hello.presence, peer.presence
+    if mine is None or mine.board_fd < 0 or theirs is None or not _same_host_offered(theirs):
+        return None
+    found = prove(sock, theirs, mine.board_fd, max(0.001, (deadline - now_ns()) / 1e9))
+    if isinstance(found, str):
+        get_logger("samehost").info("samehost.unavailable", remote=where, reason=found)
+        return None
+    proof = SameHostProof()
+    proof.prove(found)
+    return proof
 
 
 class TcpTransport(Transport):
@@ -514,6 +565,7 @@ class TcpTransport(Transport):
                 busy_poll_us=self.busy_poll_us,
             )
             channel.authenticated = authenticated
+            channel.same_host = _prove(sock, hello, peer, where, deadline)
             channel.start()
             handed_over = True
         except NetTimeout:
