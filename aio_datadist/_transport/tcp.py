@@ -1848,16 +1848,16 @@ class TcpChannel(Channel):
             else _iov_problem(served.iov if served.stream is None else served.stream, nbytes)
         )
         if problem is not None:
-            self._call_done(served, False)
+            self._call_done(served.done, False)
             self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, problem)
             return None
         return served
 
-    def _call_done(self, served: Served, ok: bool) -> str | None:
-        """Tell the handler the transport is done with ``served``; why finishing failed, if
-        it did."""
+    def _call_done(self, done: Callable[[bool], None], ok: bool) -> str | None:
+        """Tell the handler the transport is done with what it served (``Served.done``); why
+        finishing failed, if it did."""
         try:
-            served.done(ok)
+            done(ok)
         except Exception as exc:
             self._log.warning("tcp.done_failed", exc_info=True)
             return str(exc)
@@ -1891,14 +1891,18 @@ class TcpChannel(Channel):
                     self._log.warning("tcp.commit_forgotten", request_id=oldest)
                 self._commits[rid] = commit
         ctl = _frame(FrameKind.PULL_DATA, rid, payload_len=nbytes)
-        after = functools.partial(self._pull_sent, rid, served, commit)
+        # The answer keeps the handler's ``done``, not ``served``: the frame holds its own
+        # copy of the row table, and a queued answer should not hold two.
+        after = functools.partial(self._pull_sent, rid, served.done, commit)
         if served.stream is None:
             self._reader_send(_Send(ctl, served.iov, after))
         else:
             self._reader_send(_Send(ctl, after=after, stream=served.stream))
 
-    def _pull_sent(self, rid: int, served: Served, commit: _Commit | None, ok: bool) -> None:
-        self._call_done(served, ok)
+    def _pull_sent(
+        self, rid: int, done: Callable[[bool], None], commit: _Commit | None, ok: bool
+    ) -> None:
+        self._call_done(done, ok)
         if commit is None:
             return
         with self._lock:
@@ -1931,17 +1935,17 @@ class TcpChannel(Channel):
         try:
             moved, error = _move(lambda iov: _recvv_all(self._fd, iov, self._stall_s), payload)
         except BaseException:
-            self._call_done(served, False)
+            self._call_done(served.done, False)
             raise
         if isinstance(error, LLMException):  # rows refused, or staging failed part way
-            self._call_done(served, False)
+            self._call_done(served.done, False)
             self._drain(nbytes - moved)
             self._reply_error(rid, error.status_code, f"push not stored: {error}")
             return
         if error is not None:
-            self._call_done(served, False)
+            self._call_done(served.done, False)
             raise error
-        failure = self._call_done(served, True)
+        failure = self._call_done(served.done, True)
         if failure is not None:
             self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
             return
