@@ -132,6 +132,10 @@ _PARK_TICK_S = 0.001
 _LOOP_PARK_S = 0.002
 #: ... backing off to this while the link is idle.
 _LOOP_PARK_MAX_S = 0.1
+#: An answer's payload rows are copied behind its header, so that one call (inline in the
+#: reader, when the socket takes it all) sends both, up to this many rows; a bigger table is
+#: sent as it is, by the sender thread.
+_COPY_ROWS = 1 << 16
 
 
 class _Later(enum.Enum):
@@ -365,9 +369,11 @@ class _Request:
 
 
 class _Send:
-    """One frame (control bytes, then optional payload rows) for the sender thread."""
+    """One frame for the sender thread: control bytes, then optional payload rows (copied
+    behind them, so one call sends both), ``tail`` rows (sent as they are: a big row table is
+    not copied) and a ``stream``."""
 
-    __slots__ = ("_finished", "after", "iov", "keep", "lock_held", "stream")
+    __slots__ = ("_finished", "after", "iov", "keep", "lock_held", "stream", "tail")
 
     def __init__(
         self,
@@ -375,6 +381,8 @@ class _Send:
         payload: Iov | None = None,
         after: Callable[[bool], None] | None = None,
         stream: Segments | None = None,
+        *,
+        tail: Iov | None = None,
     ) -> None:
         self.keep = np.frombuffer(ctl, dtype=np.uint8)  # the iov points into it
         n = 0 if payload is None else payload.shape[0]
@@ -384,7 +392,8 @@ class _Send:
         if payload is not None:
             iov[1:] = payload
         self.iov = iov
-        self.stream = stream  # the payload after ``iov``, streamed (sender thread only)
+        self.tail = tail  # payload rows after ``iov`` (sender thread only)
+        self.stream = stream  # the payload after those, streamed (sender thread only)
         self.after = after
         self.lock_held = False  # the send lock is held for this job (a partial inline send)
         self._finished = False
@@ -1057,8 +1066,9 @@ class TcpChannel(Channel):
         """Send an answer from the reader thread without ever waiting on the socket."""
         with self._qcond:
             idle = not self._sendq and not self._sender_active and not self._sender_exited
-        # A streamed payload may wait on device copies: only the sender thread sends it.
-        if idle and job.stream is None and self._slock.acquire(blocking=False):
+        # A streamed payload may wait on device copies, and a big row table takes long: only
+        # the sender thread sends those.
+        if idle and job.stream is None and job.tail is None and self._slock.acquire(blocking=False):
             if self._broken:
                 self._slock.release()
                 job.finish(False, self._log)
@@ -1122,6 +1132,8 @@ class TcpChannel(Channel):
         try:
             if not self._broken:
                 _sendv_all(self._fd, job.iov, self._stall_s)
+                if job.tail is not None:
+                    _sendv_all(self._fd, job.tail, self._stall_s)
                 if job.stream is not None:
                     _, error = _move(
                         lambda iov: _sendv_all(self._fd, iov, self._stall_s), job.stream
@@ -1878,7 +1890,8 @@ class TcpChannel(Channel):
             message = f"a pull of {nbytes} bytes exceeds {MAX_PAYLOAD}"
             self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, message)
             return
-        served = self._serve(RequestKind.PULL, rid, bytes(body[PULL_NBYTES.size :]), nbytes)
+        request = bytes(memoryview(body)[PULL_NBYTES.size :])
+        served = self._serve(RequestKind.PULL, rid, request, nbytes)
         if served is None:
             return
         commit: _Commit | None = None
@@ -1891,13 +1904,16 @@ class TcpChannel(Channel):
                     self._log.warning("tcp.commit_forgotten", request_id=oldest)
                 self._commits[rid] = commit
         ctl = _frame(FrameKind.PULL_DATA, rid, payload_len=nbytes)
-        # The answer keeps the handler's ``done``, not ``served``: the frame holds its own
-        # copy of the row table, and a queued answer should not hold two.
+        # The answer keeps the handler's ``done``, not ``served``: a queued answer holds one
+        # row table (the frame's copy, or a big one as the handler made it), never two.
         after = functools.partial(self._pull_sent, rid, served.done, commit)
-        if served.stream is None:
-            self._reader_send(_Send(ctl, served.iov, after))
+        if served.stream is not None:
+            job = _Send(ctl, after=after, stream=served.stream)
+        elif len(served.iov) > _COPY_ROWS:
+            job = _Send(ctl, after=after, tail=served.iov)
         else:
-            self._reader_send(_Send(ctl, after=after, stream=served.stream))
+            job = _Send(ctl, served.iov, after)
+        self._reader_send(job)
 
     def _pull_sent(
         self, rid: int, done: Callable[[bool], None], commit: _Commit | None, ok: bool
