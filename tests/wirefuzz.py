@@ -152,21 +152,34 @@ def push_frame(rid: int, access: Access, payload: bytes) -> bytes:
 _cluster_ids = itertools.count(1000)
 
 
-def _connect(port: int, timeout: float = WAIT) -> socket.socket:
-    sock = socket.create_connection((HOST, port), timeout=timeout)
-    # A frame and the sentinel after it go out at once, not 40 ms apart (Nagle, delayed ACK).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+def _connect(port: int, timeout: float = WAIT, buffers: int = 0) -> socket.socket:
+    """A connection to ``port``; ``buffers``: its socket buffers' size (0: the kernel's)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        if buffers:  # before connecting, so the kernel never grows them
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, buffers)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, buffers)
+        sock.settimeout(timeout)
+        sock.connect((HOST, port))
+        # A frame and the sentinel after it go out at once, not 40 ms apart (Nagle, delayed
+        # ACK).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
 class RawPeer:
-    """A client that made a real handshake and then speaks frames by hand."""
+    """A client that made a real handshake and then speaks frames by hand (as cluster
+    :attr:`cluster_id`; ``buffers``: its socket buffers' size, 0: the kernel's)."""
 
-    def __init__(self, port: int, timeout: float = WAIT) -> None:
-        self.sock = _connect(port, timeout)
+    def __init__(self, port: int, timeout: float = WAIT, buffers: int = 0) -> None:
+        self.sock = _connect(port, timeout, buffers)
         self._rids = itertools.count(1)
+        self.cluster_id = next(_cluster_ids)
         try:
-            self.sock.sendall(hello_frame(next(_cluster_ids)))
+            self.sock.sendall(hello_frame(self.cluster_id))
             answer = self.read()
         except BaseException:
             self.sock.close()

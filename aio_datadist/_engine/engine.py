@@ -21,7 +21,7 @@ from aio_datadist._memory.pool import MemoryPool
 from aio_datadist._runtime import select_runtime
 from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist._transport import make_transport
-from aio_datadist._transport.base import Hello
+from aio_datadist._transport.base import ChannelStats, Hello
 from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.cluster import LinkResults
@@ -260,6 +260,15 @@ class Engine:
         if links is None:
             raise RuntimeError("llm datadist is not initialized")
         return links
+
+    def link_stats(self, cluster_id: int) -> ChannelStats | None:
+        """How the live link to ``cluster_id`` (the one transfers use) serves that peer: the
+        work it holds and the pauses of its reading; None when no link is live.
+
+        :raises RuntimeError: not initialised.
+        """
+        link = self.link_table().get(cluster_id)
+        return None if link is None else link.channel.stats()
 
     def link_clusters(self, clusters: Any, timeout: Any) -> tuple[LLMStatusCode, LinkResults]:
         """``link_clusters``: link to servers; per-cluster results, link failures never raise."""

@@ -34,6 +34,7 @@ from aio_datadist.status import LLMStatusCode
 __all__ = (
     "Acceptor",
     "Channel",
+    "ChannelStats",
     "Hello",
     "Iov",
     "LinkRefused",
@@ -42,6 +43,7 @@ __all__ = (
     "Listener",
     "RequestHandler",
     "RequestKind",
+    "ServeLimits",
     "Served",
     "Transport",
 )
@@ -85,6 +87,46 @@ class Hello:
     #: The communication domain a connecting side links for (rank-table ``link``): a rank
     #: endpoint that several domains share hands the link to that domain's member.
     comm: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ServeLimits:
+    """How much of the peer's work one link may hold before it stops reading the peer's
+    requests (a stream transport; TCP). Reading goes on once the link's sender has drained
+    to half of both; while this side awaits answers of its own on the link, both limits
+    count twice (those answers may wait behind the peer's requests)."""
+
+    #: Bytes of queued frames held in memory: each frame's control bytes plus 16 bytes for
+    #: every row of its payload's row table (the payload itself is read from the cache as it
+    #: goes out, and costs nothing while it waits).
+    queued_bytes: int = 64 << 20
+    #: The peer's requests whose answers are not yet fully sent.
+    requests: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.queued_bytes < 1 or self.requests < 1:
+            raise ValueError(f"serve limits must be positive: {self}")
+
+
+@dataclass(frozen=True, slots=True)
+class ChannelStats:
+    """A snapshot of how a channel serves its peer: the work it holds and the pauses of its
+    reading (all zero on a transport with no queue)."""
+
+    #: Bytes held by frames waiting for the sender or being sent (see :class:`ServeLimits`).
+    queued_bytes: int = 0
+    #: The most :attr:`queued_bytes` ever held.
+    queued_bytes_max: int = 0
+    #: The peer's requests taken and not yet fully answered.
+    requests: int = 0
+    #: The most :attr:`requests` ever in flight.
+    requests_max: int = 0
+    #: Times reading the peer's requests paused over a limit.
+    pauses: int = 0
+    #: Seconds spent paused, a pause under way included.
+    paused_s: float = 0.0
+    #: True while reading is paused.
+    paused: bool = False
 
 
 class LinkRefused(Exception):
@@ -267,6 +309,10 @@ class Channel(ABC):
     @abstractmethod
     def on_close(self, callback: Callable[[Channel], None]) -> None:
         """Call ``callback(channel)`` once when the peer closes its end or the channel breaks."""
+
+    def stats(self) -> ChannelStats:
+        """How this end serves its peer now (:class:`ChannelStats`)."""
+        return ChannelStats()
 
 
 class Acceptor(Protocol):

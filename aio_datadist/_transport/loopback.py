@@ -29,6 +29,7 @@ from aio_datadist._transport.auth import (
 from aio_datadist._transport.base import (
     Acceptor,
     Channel,
+    ChannelStats,
     Hello,
     Iov,
     LinkRefused,
@@ -66,7 +67,12 @@ def _rows(payload: Payload) -> Iov:
 
 
 class LoopbackChannel(Channel):
-    """One end of an in-process channel: requests run the peer's handler and one copy."""
+    """One end of an in-process channel: requests run the peer's handler and one copy.
+
+    A request is served in the requester's thread, start to end, so nothing queues: the
+    peer's work in flight here is bounded by the peer's own threads, and reading never
+    pauses (:meth:`stats` counts the requests being served).
+    """
 
     pull_in_caller = True
     push_in_caller = True
@@ -81,6 +87,8 @@ class LoopbackChannel(Channel):
         self._unlinked = False
         self._callbacks: list[Callable[[Channel], None]] = []
         self._lock = threading.Lock()
+        self._serving = 0  # the peer's requests being served on this end (under _lock)
+        self._serving_max = 0
 
     @property
     def closed(self) -> bool:
@@ -100,6 +108,15 @@ class LoopbackChannel(Channel):
                 self._callbacks.append(callback)
                 return
         callback(self)
+
+    def stats(self) -> ChannelStats:
+        with self._lock:
+            return ChannelStats(requests=self._serving, requests_max=self._serving_max)
+
+    def _count_serving(self, step: int) -> None:
+        with self._lock:
+            self._serving += step
+            self._serving_max = max(self._serving_max, self._serving)
 
     def _shut(self, reason: str, *, unlinked: bool = False) -> list[Callable[[Channel], None]]:
         with self._lock:
@@ -121,18 +138,22 @@ class LoopbackChannel(Channel):
                     f"link to cluster {self.peer.cluster_id} is closed",
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
-            served = other.handler.serve(other.peer, kind, body, nbytes)
-            ok = False
+            other._count_serving(1)
             try:
-                if kind is RequestKind.PULL:
-                    ops = pair_rows(local, served.iov)
-                else:
-                    ops = pair_rows(served.iov, local)
-                if len(ops):
-                    self._copy(ops)
-                ok = True
+                served = other.handler.serve(other.peer, kind, body, nbytes)
+                ok = False
+                try:
+                    if kind is RequestKind.PULL:
+                        ops = pair_rows(local, served.iov)
+                    else:
+                        ops = pair_rows(served.iov, local)
+                    if len(ops):
+                        self._copy(ops)
+                    ok = True
+                finally:
+                    served.done(ok)
             finally:
-                served.done(ok)
+                other._count_serving(-1)
             if commit and served.commit is not None:
                 served.commit()
         except LLMException as exc:

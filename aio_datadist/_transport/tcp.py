@@ -35,6 +35,12 @@ lock. Two readers blocked sending to each other would deadlock; this rule makes 
 impossible. Requests are sent by the caller's thread under the per-channel send lock (a push
 sends its payload there too).
 
+Backpressure: the peer's work a link holds is bounded (:class:`ServeLimits`: bytes held by
+queued frames, the peer's requests whose answers are not yet fully sent). Over a limit, whoever
+reads leaves the peer's next request on the socket (answers to this side's requests are still
+read) until the sender drained to half of it; TCP flow control then holds the peer, and no
+request is dropped. :meth:`TcpChannel.stats` counts what the link holds and its pauses.
+
 Deadlines: a request carries an absolute ``monotonic_ns()`` deadline (0: none); the
 process-wide reaper (``deadlines``) fails a request nobody answered in time with
 ``LLM_TIMEOUT``, through one timer per link at its earliest pending deadline. A request
@@ -98,6 +104,7 @@ from aio_datadist._transport._wire import (
 )
 from aio_datadist._transport.base import (
     Channel,
+    ChannelStats,
     Hello,
     Iov,
     LinkRefused,
@@ -106,12 +113,13 @@ from aio_datadist._transport.base import (
     RequestKind,
     Segments,
     Served,
+    ServeLimits,
 )
 from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
 from aio_datadist._transport.future import RequestFuture
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("IO_ERRORS", "LOOP_READ_BYTES", "STALL_TIMEOUT", "TcpChannel")
+__all__ = ("IO_ERRORS", "LOOP_READ_BYTES", "SERVE_LIMITS", "STALL_TIMEOUT", "TcpChannel")
 
 #: Seconds without a byte moving, mid-frame, after which the channel breaks.
 STALL_TIMEOUT = 30.0
@@ -132,10 +140,18 @@ _PARK_TICK_S = 0.001
 _LOOP_PARK_S = 0.002
 #: ... backing off to this while the link is idle.
 _LOOP_PARK_MAX_S = 0.1
+#: How much of the peer's work each link made from now on may hold (a process may set its
+#: own limits before it links).
+SERVE_LIMITS = ServeLimits()
+#: Bytes a queued frame counts for each row of its row table (two uint64).
+_ROW_BYTES = 16
 #: An answer's payload rows are copied behind its header, so that one call (inline in the
 #: reader, when the socket takes it all) sends both, up to this many rows; a bigger table is
 #: sent as it is, by the sender thread.
 _COPY_ROWS = 1 << 16
+#: A reader paused over the limits looks again this often whether this side now awaits
+#: answers on the link (the limits then count twice), besides being woken by the sender.
+_PAUSE_TICK_S = 0.1
 
 
 class _Later(enum.Enum):
@@ -177,6 +193,11 @@ _PEER_VANISHED = (
 _ANSWERS = (FrameKind.PULL_DATA, FrameKind.PUSH_ACK, FrameKind.ERROR)
 _NONE: Iov = np.empty((0, 2), dtype=np.uint64)  # no payload rows
 _PUSH_KIND = pack_header(FrameKind.PUSH)[HEADER_KIND]  # a header's kind field
+#: The kind fields of the peer's requests, each answered by a frame of this side's.
+_PEER_REQUESTS = frozenset(
+    pack_header(kind)[HEADER_KIND] for kind in (FrameKind.PULL, FrameKind.PUSH, FrameKind.PING)
+)
+_KIND_END = HEADER_KIND.stop  # header bytes needed to tell a frame's kind
 
 
 def _error(status: LLMStatusCode, message: str) -> LLMException:
@@ -371,9 +392,23 @@ class _Request:
 class _Send:
     """One frame for the sender thread: control bytes, then optional payload rows (copied
     behind them, so one call sends both), ``tail`` rows (sent as they are: a big row table is
-    not copied) and a ``stream``."""
+    not copied) and a ``stream``.
 
-    __slots__ = ("_finished", "after", "iov", "keep", "lock_held", "stream", "tail")
+    ``answer``: it answers one of the peer's requests. ``stream_rows``: rows of the row table
+    ``stream`` holds. What the frame holds in memory while queued is ``held`` bytes.
+    """
+
+    __slots__ = (
+        "_finished",
+        "after",
+        "answer",
+        "held",
+        "iov",
+        "keep",
+        "lock_held",
+        "stream",
+        "tail",
+    )
 
     def __init__(
         self,
@@ -383,6 +418,8 @@ class _Send:
         stream: Segments | None = None,
         *,
         tail: Iov | None = None,
+        answer: bool = False,
+        stream_rows: int = 0,
     ) -> None:
         self.keep = np.frombuffer(ctl, dtype=np.uint8)  # the iov points into it
         n = 0 if payload is None else payload.shape[0]
@@ -394,6 +431,9 @@ class _Send:
         self.iov = iov
         self.tail = tail  # payload rows after ``iov`` (sender thread only)
         self.stream = stream  # the payload after those, streamed (sender thread only)
+        self.answer = answer
+        tail_rows = 0 if tail is None else tail.shape[0]
+        self.held = len(ctl) + _ROW_BYTES * (n + 1 + tail_rows + stream_rows)
         self.after = after
         self.lock_held = False  # the send lock is held for this job (a partial inline send)
         self._finished = False
@@ -422,7 +462,12 @@ class _Commit:
 
 
 class TcpChannel(Channel):
-    """One end of a TCP link; both ends request and serve."""
+    """One end of a TCP link; both ends request and serve.
+
+    ``limits`` bound the peer's work the link holds (default :data:`SERVE_LIMITS`): over
+    them, its reader leaves the peer's next request on the socket until the sender drained
+    the link to half of them (:meth:`stats` counts the pauses).
+    """
 
     pull_in_caller = False
     push_in_caller = True
@@ -437,6 +482,7 @@ class TcpChannel(Channel):
         remote: str,
         stall_timeout: float = STALL_TIMEOUT,
         busy_poll_us: int = DEFAULT_BUSY_POLL_US,
+        limits: ServeLimits | None = None,
     ) -> None:
         self.peer = peer
         self.remote = remote
@@ -473,10 +519,23 @@ class TcpChannel(Channel):
         self._bye_wake = threading.Event()  # BYE_ACK came or the channel broke
         self._gone = threading.Event()
         self._sendq: collections.deque[_Send] = collections.deque()
-        self._qcond = threading.Condition(threading.Lock())
+        qlock = threading.Lock()
+        self._qcond = threading.Condition(qlock)
         self._sender_active = False
         self._sender_stop = False
         self._sender_exited = False
+        # The peer's work this link holds, under the queue's lock: bytes held by queued
+        # frames, answers to the peer's requests not yet fully sent, their high-water marks,
+        # and the reader's pauses over the limits (it waits on _room; the sender wakes it).
+        self._limits = SERVE_LIMITS if limits is None else limits
+        self._room = threading.Condition(qlock)
+        self._queued_bytes = 0
+        self._queued_bytes_max = 0
+        self._answers = 0
+        self._answers_max = 0
+        self._pauses = 0
+        self._paused_ns = 0
+        self._paused_since = 0  # monotonic ns while paused, else 0
         self._hdr = bytearray(_HEADER_SIZE)
         # Bytes of the next frame's header already taken off the socket (by the loop, which
         # never waits for the rest: whoever reads next goes on from there).
@@ -565,6 +624,20 @@ class TcpChannel(Channel):
                 self._callbacks.append(callback)
                 return
         callback(self)
+
+    def stats(self) -> ChannelStats:
+        with self._qcond:
+            since = self._paused_since
+            paused_ns = self._paused_ns + (now_ns() - since if since else 0)
+            return ChannelStats(
+                queued_bytes=self._queued_bytes,
+                queued_bytes_max=self._queued_bytes_max,
+                requests=self._answers,
+                requests_max=self._answers_max,
+                pauses=self._pauses,
+                paused_s=paused_ns / 1e9,
+                paused=bool(since),
+            )
 
     def pull(
         self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
@@ -1041,6 +1114,7 @@ class TcpChannel(Channel):
         with self._qcond:
             self._sender_stop = True
             self._qcond.notify()
+            self._room.notify_all()  # a paused reader
         if local or self._peer_knows:
             self._log.info("tcp.closed", reason=reason, failed_requests=len(pending))
         else:
@@ -1097,6 +1171,11 @@ class TcpChannel(Channel):
             exited = self._sender_exited
             if not exited:
                 self._sendq.append(job)
+                self._queued_bytes += job.held
+                self._queued_bytes_max = max(self._queued_bytes_max, self._queued_bytes)
+                if job.answer:
+                    self._answers += 1
+                    self._answers_max = max(self._answers_max, self._answers)
                 self._qcond.notify()
         if exited:
             if job.lock_held:
@@ -1122,6 +1201,11 @@ class TcpChannel(Channel):
             finally:
                 with self._qcond:
                     self._sender_active = False
+                    self._queued_bytes -= job.held
+                    if job.answer:
+                        self._answers -= 1
+                    if self._paused_since and not self._over_limits(0.5):
+                        self._room.notify()
 
     def _run_job(self, job: _Send) -> None:
         if not job.lock_held:
@@ -1154,7 +1238,74 @@ class TcpChannel(Channel):
     def _reply_error(self, rid: int, status: LLMStatusCode, message: str) -> None:
         body = encode_error_text(message)
         ctl = _frame(FrameKind.ERROR, rid, status=int(status), body_len=len(body)) + body
-        self._reader_send(_Send(ctl))
+        self._reader_send(_Send(ctl, answer=True))
+
+    # -- backpressure: how much of the peer's work a link holds -------------------------------
+    def _over_limits(self, share: float = 1.0) -> bool:
+        """Whether the link holds ``share`` of its limits of the peer's work, or more (a
+        glance, or under the queue's lock). While this side awaits answers on the link the
+        limits count twice: those answers may wait behind the peer's requests, and two ends
+        that each waited for the other to read would stall."""
+        limits = self._limits
+        if self._pending:
+            share *= 2
+        return (
+            self._queued_bytes >= limits.queued_bytes * share
+            or self._answers >= limits.requests * share
+        )
+
+    def _hold_back(self) -> bool | None:
+        """(``_rlock`` held.) True when the reader must leave the next frame on the socket
+        for now: it is one of the peer's requests and the link holds as much of the peer's
+        work as it may. None when too little of its header came to tell (what came is
+        taken; the reader waits for the rest as for any header)."""
+        if not self._over_limits():
+            return False
+        return self._peer_request_next()
+
+    def _peer_request_next(self) -> bool | None:
+        """Whether the next frame is one of the peer's requests (``_rlock`` held; never
+        waits); None when too little of its header came to tell, which is then taken (as the
+        loop takes a header still arriving), so that waiting for the rest never spins."""
+        if self._loop_req is not None or self._owed:
+            return False
+        have = self._hdr_have
+        if have >= _KIND_END:
+            return bytes(self._hdr[HEADER_KIND]) in _PEER_REQUESTS
+        try:
+            more = self._sock.recv(_KIND_END - have, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None if have else False
+        except OSError:  # the socket failed: whoever reads next reports it
+            return False
+        if not more:
+            return False  # closed: whoever reads next reports it
+        if have + len(more) < _KIND_END:
+            view = memoryview(self._hdr)[have : have + len(more)]
+            try:
+                self._hdr_have = have + self._sock.recv_into(view, len(more), socket.MSG_DONTWAIT)
+            except OSError:
+                return False
+            return None
+        return (bytes(self._hdr[:have]) + more)[HEADER_KIND] in _PEER_REQUESTS
+
+    def _pause(self) -> None:
+        """(Reader thread, no lock held.) Leave the peer's requests on the socket until the
+        sender drained the link to half its limits, or the link broke; meanwhile TCP flow
+        control holds the peer. Other links are not concerned."""
+        with self._qcond:
+            if not self._over_limits():  # drained meanwhile
+                return
+            start = self._paused_since = now_ns()
+            self._pauses += 1
+            try:
+                while not self._broken and not self._sender_exited and self._over_limits(0.5):
+                    self._room.wait(_PAUSE_TICK_S)
+            finally:
+                self._paused_since = 0
+                self._paused_ns += now_ns() - start
+                held_ms = (now_ns() - start) / 1e6
+        self._log.debug("tcp.reading_paused", paused_ms=round(held_ms, 3))
 
     # -- reading -----------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -1217,16 +1368,23 @@ class TcpChannel(Channel):
                         break
                     if self._loop_fd >= 0:
                         continue  # the loop began watching while this thread waited
-                    # A caller may have taken what woke this thread; small pulls and
-                    # pushes may be answered natively.
-                    waiting = self._answer_natively()
-                    if isinstance(waiting, str):
-                        reason = waiting
-                        break
-                    if not waiting:
-                        spin = self._spin_ns if self._served else 0
-                        continue
-                    failure = self._read_frame()
+                    held = self._hold_back()
+                    if held is None:
+                        continue  # part of a header came: wait for the rest
+                    if not held:
+                        # A caller may have taken what woke this thread; small pulls and
+                        # pushes may be answered natively.
+                        waiting = self._answer_natively()
+                        if isinstance(waiting, str):
+                            reason = waiting
+                            break
+                        if not waiting:
+                            spin = self._spin_ns if self._served else 0
+                            continue
+                        failure = self._read_frame()
+                if held:
+                    self._pause()  # the peer's next request waits; nothing is read
+                    continue
                 if failure is not None:
                     reason = failure
                     break
@@ -1270,7 +1428,8 @@ class TcpChannel(Channel):
             self._served = True
             kind = FrameKind(partial.kind)
             ctl = _frame(kind, partial.request_id, payload_len=partial.nbytes)
-            job = _Send(ctl, partial.rows if len(partial.rows) else None, partial.release)
+            rows = partial.rows if len(partial.rows) else None
+            job = _Send(ctl, rows, partial.release, answer=True)
             job.iov = _iov_skip(job.iov, partial.sent)
             job.lock_held = handed_over = True
             self._enqueue(job)
@@ -1285,7 +1444,8 @@ class TcpChannel(Channel):
         """Busy-poll for up to the busy-poll time and read arriving frames in this thread
         while ``future`` is pending; return once it completed, the time passed with nothing
         arriving, the reader thread took the frame, the peer's push comes next (the reader
-        thread receives it), or the channel broke.
+        thread receives it), the peer's next request waits over the link's limits, or the
+        channel broke.
 
         The caller then waits for ``future`` as usual. Reading here saves the reader
         thread's wake-up and the hand-over of the answer, which together cost more than a
@@ -1308,7 +1468,11 @@ class TcpChannel(Channel):
                         return
                 except OSError:
                     return  # closed meanwhile: the reader thread reports it
-                if self._peer_push_next() or not self._read_frame_here("a reading caller"):
+                if (
+                    self._hold_back() is not False
+                    or self._peer_push_next()
+                    or not self._read_frame_here("a reading caller")
+                ):
                     return
         finally:
             self._rlock.release()
@@ -1398,9 +1562,18 @@ class TcpChannel(Channel):
 
     def _read_for_stalled_loop(self) -> str | None:
         """Read the next frame in the reader thread while a blocked loop watches (the rest
-        of an answer it was receiving, or any frame); why the channel must break, if so."""
+        of an answer it was receiving, or any frame but a request of the peer's held back
+        over the limits); why the channel must break, if so."""
         with self._rlock:
-            return None if self._broken else self._read_frame()
+            if self._broken:
+                return None
+            held = self._hold_back()
+            if held is None:
+                return None
+            if not held:
+                return self._read_frame()
+        self._pause()
+        return None
 
     def _at_frame_start(self) -> bool:
         """Whether the next byte on the socket starts a frame (``_rlock`` held): no answer
@@ -1754,7 +1927,7 @@ class TcpChannel(Channel):
         elif kind is FrameKind.PULL_DONE:
             self._on_pull_done(rid)
         elif kind is FrameKind.PING:
-            self._reader_send(_Send(_frame(FrameKind.PONG, rid)))
+            self._reader_send(_Send(_frame(FrameKind.PONG, rid), answer=True))
         elif kind is FrameKind.BYE:
             self._on_bye(h.status)
         elif kind is FrameKind.BYE_ACK:
@@ -1907,12 +2080,13 @@ class TcpChannel(Channel):
         # The answer keeps the handler's ``done``, not ``served``: a queued answer holds one
         # row table (the frame's copy, or a big one as the handler made it), never two.
         after = functools.partial(self._pull_sent, rid, served.done, commit)
-        if served.stream is not None:
-            job = _Send(ctl, after=after, stream=served.stream)
-        elif len(served.iov) > _COPY_ROWS:
-            job = _Send(ctl, after=after, tail=served.iov)
+        rows = len(served.iov)
+        if served.stream is not None:  # the stream holds the handler's rows
+            job = _Send(ctl, after=after, stream=served.stream, answer=True, stream_rows=rows)
+        elif rows > _COPY_ROWS:
+            job = _Send(ctl, after=after, tail=served.iov, answer=True)
         else:
-            job = _Send(ctl, served.iov, after)
+            job = _Send(ctl, served.iov, after, answer=True)
         self._reader_send(job)
 
     def _pull_sent(
@@ -1965,4 +2139,4 @@ class TcpChannel(Channel):
         if failure is not None:
             self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
             return
-        self._reader_send(_Send(_frame(FrameKind.PUSH_ACK, rid)))
+        self._reader_send(_Send(_frame(FrameKind.PUSH_ACK, rid), answer=True))
