@@ -11,14 +11,10 @@ process tests run the engine of the bounds tests in a process of its own
 
 from __future__ import annotations
 
-import json
 import os
 import socket
-import subprocess
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,7 +22,6 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aio_datadist._engine.access import Access, Target
 from aio_datadist._transport import tcp
 from aio_datadist._transport._wire import HEADER, PULL_NBYTES, FrameKind, decode_header
 from aio_datadist._transport.base import Channel, ServeLimits
@@ -50,10 +45,12 @@ from tests.test_transport_tcp import (
 from tests.wirefuzz import (
     BLOCK_BYTES,
     BLOCKS,
-    MODEL_ID,
     TENSORS,
+    Flood,
     RawPeer,
-    pattern,
+    ServingProcess,
+    blocks_access,
+    blocks_bytes,
     pull_frame,
     settle,
 )
@@ -81,131 +78,16 @@ def rss_bound(table_bytes: int) -> int:
     return 2 * QUEUED + REQUESTS * ANSWER_OVERHEAD + 2 * table_bytes + SLACK
 
 
-def blocks_access(blocks: np.ndarray, seg_bytes: int) -> Access:
-    return Access(
-        Target.BLOCKS_KEY,
-        ident=MODEL_ID,
-        tensor_count=TENSORS,
-        seg_bytes=seg_bytes,
-        blocks=blocks.astype(np.uint64),
-    )
-
-
-def blocks_bytes(blocks: np.ndarray, seg_bytes: int) -> bytes:
-    """What a pull of ``seg_bytes`` of each of ``blocks`` from the engine's blocks cache
-    reads: tensor after tensor, block after block."""
-    return b"".join(
-        pattern(BLOCKS * BLOCK_BYTES, 10 + t)
-        .reshape(BLOCKS, BLOCK_BYTES)[blocks, :seg_bytes]
-        .tobytes()
-        for t in range(TENSORS)
-    )
-
-
-class Server:
-    """The serving process (``tests/peer_serving.py``)."""
-
-    def __init__(self) -> None:
-        root = Path(__file__).resolve().parents[1]
-        env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(root / "tests" / "peer_serving.py"), str(QUEUED), str(REQUESTS)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line.strip().isdigit():
-            self.close()
-            raise AssertionError(f"the serving process did not start: {line!r}")
-        self.port = int(line)
-
-    def rss(self) -> int:
-        """Its resident memory in bytes."""
-        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * KiB
-        raise AssertionError("no VmRSS")
-
-    def stats(self, cluster_id: int) -> dict[str, Any]:
-        """The stats of its live link to ``cluster_id``."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(f"stats {cluster_id}\n")
-        self.proc.stdin.flush()
-        stats = json.loads(self.proc.stdout.readline())
-        assert stats is not None, f"no live link to cluster {cluster_id}"
-        return dict(stats)
-
-    def close(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.close()
-            self.proc.wait(WAIT)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
-            self.proc.wait()
-        finally:
-            self.proc.stdout.close()
-
-
 @pytest.fixture
-def server() -> Iterator[Server]:
-    server = Server()
+def server() -> Iterator[ServingProcess]:
+    server = ServingProcess(QUEUED, REQUESTS)
     try:
         yield server
     finally:
         server.close()
 
 
-class Flood:
-    """A hostile peer's sending half: pulls sent from a thread as fast as the server takes
-    them (``count`` of them, or until stopped), ``batch`` frames a write; nothing is read."""
-
-    def __init__(
-        self, peer: RawPeer, make: Callable[[int], bytes], batch: int, count: int = 0
-    ) -> None:
-        self.peer, self.make, self.batch, self.count = peer, make, batch, count
-        self.sent = 0  # frames handed to the socket (counted before they go)
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set() and not (self.count and self.sent >= self.count):
-                n = min(self.batch, self.count - self.sent) if self.count else self.batch
-                data = b"".join(self.make(rid) for rid in range(self.sent + 1, self.sent + n + 1))
-                self.sent += n
-                self.peer.sock.sendall(data)
-        except BaseException as exc:
-            self.error = exc
-
-    def read_all(self, expected: bytes) -> int:
-        """Stop sending (a flood of no set count), then read an answer to every pull sent, in
-        order, each ``expected``; how many."""
-        if not self.count:
-            self._stop.set()
-        got = 0
-        while True:
-            if got == self.sent:
-                self.thread.join(0.05)
-                if not self.thread.is_alive() and got == self.sent:
-                    break
-                continue
-            answer = self.peer.read()
-            assert answer is not None, f"the server closed the link after {got} answers"
-            got += 1
-            assert (answer.kind, answer.rid) == (FrameKind.PULL_DATA, got), answer[:3]
-            assert answer.data == expected, f"answer {got} differs"
-        assert self.error is None, self.error
-        return got
-
-
-def attack(server: Server, flood: Flood, good: RawPeer) -> int:
+def attack(server: ServingProcess, flood: Flood, good: RawPeer) -> int:
     """While ``flood`` runs unread for :data:`ATTACK_S`, the ``good`` peer pulls and checks
     its bytes; the server's largest growth in resident memory meanwhile."""
     good_blocks = np.array([1, 6, 3])
@@ -231,7 +113,7 @@ def attack(server: Server, flood: Flood, good: RawPeer) -> int:
     return peak - base
 
 
-def drained(server: Server, cluster_id: int) -> dict[str, Any]:
+def drained(server: ServingProcess, cluster_id: int) -> dict[str, Any]:
     """The link's stats once it holds nothing of the peer's work."""
     last: dict[str, Any] = {}
 
@@ -243,7 +125,7 @@ def drained(server: Server, cluster_id: int) -> dict[str, Any]:
     return last
 
 
-def test_a_peer_flooding_small_pulls_holds_bounded_memory(server: Server) -> None:
+def test_a_peer_flooding_small_pulls_holds_bounded_memory(server: ServingProcess) -> None:
     """Small pulls pipelined without reading: the server's memory stays within the limits,
     another link transfers meanwhile, and every pull is answered once the peer reads."""
     blocks = np.array([2, 7, 5])
@@ -264,8 +146,8 @@ def test_a_peer_flooding_small_pulls_holds_bounded_memory(server: Server) -> Non
         assert after["paused_s"] > 0 and after["requests_max"] <= REQUESTS, after
 
 
-def test_a_peer_asking_for_millions_of_rows_holds_bounded_memory(server: Server) -> None:
-    """Pulls of two million one-byte rows each (a 32 MiB row table per answer), pipelined
+def test_a_peer_asking_for_millions_of_rows_holds_bounded_memory(server: ServingProcess) -> None:
+    """Pulls of two million one-byte rows each (a 32 MB row table per answer), pipelined
     without reading: the server holds what its limits allow and one request past them."""
     n = 1_000_000
     blocks = np.arange(n) % BLOCKS
@@ -273,10 +155,7 @@ def test_a_peer_asking_for_millions_of_rows_holds_bounded_memory(server: Server)
     table = TENSORS * n * 16
     with RawPeer(server.port, buffers=64 * KiB) as hostile, RawPeer(server.port) as good:
         hostile.sock.settimeout(60.0)
-        one = pull_frame(1, access, len(expected))
-        flood = Flood(
-            hostile, lambda rid: one[:8] + rid.to_bytes(8, "little") + one[16:], 1, count=15
-        )
+        flood = Flood(hostile, lambda rid: pull_frame(rid, access, len(expected)), 1, count=15)
         growth = attack(server, flood, good)
         print(f"millions of rows: RSS growth {growth / MiB:.1f} MiB, {flood.sent} pulls sent")
         assert growth < rss_bound(table), f"grew {growth / MiB:.0f} MiB"

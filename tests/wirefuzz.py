@@ -1,7 +1,8 @@
 """Hostile peers for the serving side: a real engine listening on TCP, a raw client speaking
-the frame format by hand, and frame mutation for fuzzing.
+the frame format by hand, frame mutation for fuzzing, and floods of pipelined requests.
 
-Shared by the bounds tests, the CI fuzz slice and ``tools/fuzz.py`` (the nightly run).
+Shared by the bounds tests, the CI fuzz slice, ``tools/fuzz.py`` (the nightly run), the
+backpressure tests and ``tools/flood.py``.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import random
 import re
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -567,3 +571,138 @@ def fuzz_parsers(rng: random.Random, frames: int, report: FuzzReport) -> None:
             report.parser["board accepted"] += 1
         except (ValueError, struct.error) as exc:
             report.parser[f"board: {_reason(exc)}"] += 1
+
+
+# -- floods: a peer that pipelines requests and reads the answers slowly -------------------------
+
+
+def blocks_access(blocks: np.ndarray, seg_bytes: int) -> Access:
+    """An access to ``seg_bytes`` of each of ``blocks`` of every tensor of the blocks cache."""
+    return Access(
+        Target.BLOCKS_KEY,
+        ident=MODEL_ID,
+        tensor_count=TENSORS,
+        seg_bytes=seg_bytes,
+        blocks=blocks.astype(np.uint64),
+    )
+
+
+def blocks_bytes(blocks: np.ndarray, seg_bytes: int) -> bytes:
+    """What a pull of :func:`blocks_access` reads: tensor after tensor, block after block."""
+    return b"".join(
+        pattern(BLOCKS * BLOCK_BYTES, 10 + t)
+        .reshape(BLOCKS, BLOCK_BYTES)[blocks, :seg_bytes]
+        .tobytes()
+        for t in range(TENSORS)
+    )
+
+
+class ServingProcess:
+    """A :class:`ServingEngine` in a process of its own (``tests/peer_serving.py``) with the
+    given serve limits, so that its memory can be measured apart from the peers'."""
+
+    def __init__(self, queued_bytes: int, requests: int) -> None:
+        root = Path(__file__).resolve().parents[1]
+        path = os.pathsep.join(filter(None, (str(root), os.environ.get("PYTHONPATH"))))
+        script = str(root / "tests" / "peer_serving.py")
+        self.proc = subprocess.Popen(
+            [sys.executable, script, str(queued_bytes), str(requests)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=dict(os.environ, PYTHONPATH=path),
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError(f"the serving process did not start: {line!r}")
+        self.port = int(line)
+
+    def rss(self) -> int:
+        """Its resident memory in bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) << 10
+        raise RuntimeError("no VmRSS")
+
+    def stats(self, cluster_id: int) -> dict[str, Any]:
+        """The stats of its live link to ``cluster_id`` (``ChannelStats`` as a dict).
+
+        Raises:
+            LookupError: no link to that cluster is live.
+        """
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"stats {cluster_id}\n")
+        self.proc.stdin.flush()
+        stats = json.loads(self.proc.stdout.readline())
+        if stats is None:
+            raise LookupError(f"no live link to cluster {cluster_id}")
+        return dict(stats)
+
+    def close(self) -> None:
+        """Finalize the engine and wait for the process (killed if it does not end)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(WAIT)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait()
+        finally:
+            self.proc.stdout.close()
+
+
+class Flood:
+    """A hostile peer's sending half: frames from ``make(rid)`` sent from a thread as fast as
+    the server takes them, ``batch`` a write, ``count`` of them (0: until stopped). Reading
+    the answers is up to the caller (:meth:`read_one`, :meth:`read_all`)."""
+
+    def __init__(
+        self, peer: RawPeer, make: Callable[[int], bytes], batch: int, count: int = 0
+    ) -> None:
+        self.peer, self.make, self.batch, self.count = peer, make, batch, count
+        self.sent = 0  # frames handed to the socket (counted before they go)
+        self.answered = 0
+        self.error: BaseException | None = None
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set() and not (self.count and self.sent >= self.count):
+                n = min(self.batch, self.count - self.sent) if self.count else self.batch
+                data = b"".join(self.make(rid) for rid in range(self.sent + 1, self.sent + n + 1))
+                self.sent += n
+                self.peer.sock.sendall(data)
+        except BaseException as exc:
+            self.error = exc
+
+    def read_one(self, expected: bytes) -> None:
+        """Read the next answer: it must be the PULL_DATA of the next pull, ``expected``."""
+        answer = self.peer.read()
+        if answer is None:
+            raise AssertionError(f"the server closed the link after {self.answered} answers")
+        self.answered += 1
+        if (answer.kind, answer.rid) != (wire.FrameKind.PULL_DATA, self.answered):
+            raise AssertionError(f"answer {self.answered} is {answer[:3]}")
+        if answer.data != expected:
+            raise AssertionError(f"answer {self.answered} differs")
+
+    def read_all(self, expected: bytes) -> int:
+        """Stop sending (a flood without a count), then read an answer to every frame sent,
+        each the PULL_DATA of ``expected``, in order; how many were answered."""
+        if not self.count:
+            self._stop.set()
+        while True:
+            if self.answered == self.sent:
+                self.thread.join(0.05)
+                if not self.thread.is_alive() and self.answered == self.sent:
+                    break
+                continue
+            self.read_one(expected)
+        if self.error is not None:
+            raise AssertionError(f"sending failed: {self.error!r}")
+        return self.answered
