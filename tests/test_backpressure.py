@@ -65,7 +65,7 @@ QUEUED, REQUESTS = 16 * MiB, 256
 #: What one queued answer costs the server besides its row table (its Python objects), at most.
 ANSWER_OVERHEAD = 4 * KiB
 #: What the allocator keeps after frees, the request being read and decoded, and noise.
-SLACK = 32 * MiB
+SLACK = 48 * MiB
 #: How long the flooding peer reads nothing: well within the server's stall timeout (30 s),
 #: after which a link whose peer takes no byte breaks.
 ATTACK_S = 5.0
