@@ -172,3 +172,20 @@ def test_link_retry_count_waits_for_a_starting_server(tables: dict[int, LinkTabl
         assert decoder.link_clusters([info(3, 26003)], 3000) == (S, [S])
     finally:
         timer.join()
+
+
+def test_broken_links_are_remembered_up_to_a_bound_oldest_dropped_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from aio_datadist._engine import links as links_module
+
+    monkeypatch.setattr(links_module, "MAX_BROKEN_LINKS", 8)
+    table = links_module.LinkTable.__new__(links_module.LinkTable)
+    table._entries = {}
+    table._broke_since_trim = 0
+    for n in range(40):  # as _forget does, lock held
+        table._entries[(n, True)] = links_module.BrokenLink(n, True, "", "gone", at=1000.0 + n)
+        table._trim_broken()
+        assert len(table._entries) <= 8 + 8 // 4  # never more than a quarter past the bound
+    kept = sorted(key[0] for key in table._entries)
+    assert kept == list(range(40 - len(kept), 40))  # the newest stay

@@ -78,7 +78,8 @@ _RETRY_PAUSE_S = 0.05
 #: stale: its close is in flight (a forced unlink just closed the socket). Past this, the
 #: old link is live and the new one is refused with ``LLM_ALREADY_LINK``.
 STALE_LINK_GRACE_S = 1.0
-#: Most broken links remembered; the oldest go first.
+#: Most broken links remembered; the oldest go first (trimmed once a quarter more broke, so
+#: a churn of links costs no scan of them all at every close).
 MAX_BROKEN_LINKS = 4096
 
 
@@ -219,6 +220,7 @@ class LinkTable:
         self._handler = handler
         # By (remote cluster id, made by this side).
         self._entries: dict[tuple[int, bool], _Entry] = {}
+        self._broke_since_trim = 0  # links broken since the broken ones were last trimmed
         self._lock = threading.Lock()
         self._listener: Listener | None = None
         self._log = log
@@ -430,6 +432,12 @@ class LinkTable:
                 )
 
     def _trim_broken(self) -> None:
+        """(Lock held, a link just broke.) Drop the oldest broken links past
+        :data:`MAX_BROKEN_LINKS`, looking at them all only once a quarter of that broke."""
+        self._broke_since_trim += 1
+        if self._broke_since_trim < MAX_BROKEN_LINKS // 4:
+            return
+        self._broke_since_trim = 0
         broken = [(e.at, k) for k, e in self._entries.items() if isinstance(e, BrokenLink)]
         for _, key in sorted(broken)[: max(0, len(broken) - MAX_BROKEN_LINKS)]:
             del self._entries[key]
