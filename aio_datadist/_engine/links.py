@@ -409,9 +409,7 @@ class LinkTable:
         live link to the same cluster stays, and for a peer's own link in a directional
         table (that one is the peer's business)."""
         with self._lock:
-            for key, entry in list(self._entries.items()):
-                if not isinstance(entry, Link) or entry.channel is not channel:
-                    continue
+            for key, entry in self._entries_of(channel):
                 cluster_id = key[0]
                 _close_peer_memory(entry)
                 if (
@@ -430,6 +428,23 @@ class LinkTable:
                     initiator=entry.initiator,
                     reason=channel.close_reason,
                 )
+
+    def _entries_of(self, channel: Channel) -> list[tuple[tuple[int, bool], Link]]:
+        """(Lock held.) The links over ``channel``: looked up by its peer's cluster id, with
+        a scan of every entry only where that finds none."""
+        found: list[tuple[tuple[int, bool], Link]] = []
+        for initiator in (True, False):
+            key = (channel.peer.cluster_id, initiator)
+            entry = self._entries.get(key)
+            if isinstance(entry, Link) and entry.channel is channel:
+                found.append((key, entry))
+        if found:
+            return found
+        return [
+            (key, entry)
+            for key, entry in self._entries.items()
+            if isinstance(entry, Link) and entry.channel is channel
+        ]
 
     def _trim_broken(self) -> None:
         """(Lock held, a link just broke.) Drop the oldest broken links past
