@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import sysconfig
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
 
@@ -41,6 +43,20 @@ def read_cdef(header: Path) -> str:
 #: Extra compile and link flags from the environment (sanitizers, debug builds).
 EXTRA_FLAGS = shlex.split(os.environ.get("AIO_DATADIST_CFLAGS", ""))
 
+
+def require_c_compiler() -> None:
+    """Stop the build with a clear message when no C compiler can be found."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    program = shlex.split(cc)[0] if cc.strip() else "cc"
+    if shutil.which(program) is None:
+        raise SystemExit(
+            f"aio_datadist builds its native layer from C and needs a C compiler, but "
+            f"{program!r} was not found. Install one (Debian/Ubuntu: apt install gcc; "
+            f"Fedora/RHEL: dnf install gcc; Alpine: apk add build-base) or set CC."
+        )
+
+
+require_c_compiler()
 ffibuilder = FFI()
 _present = [h for h in HEADERS if (ROOT / NATIVE / h).exists()]
 ffibuilder.cdef("\n".join(read_cdef(ROOT / NATIVE / h) for h in _present))

@@ -11,6 +11,7 @@ Cases (one run, same buffers, median of REPS):
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -156,4 +157,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help; no options
     main()

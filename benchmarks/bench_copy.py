@@ -16,6 +16,7 @@ repetitions after one warm-up; GB/s means 1e9 bytes per second. Run::
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
@@ -138,4 +139,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help; no options
     main()

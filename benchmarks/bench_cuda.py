@@ -23,6 +23,7 @@ a message otherwise. Run::
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -175,4 +176,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help; no options
     sys.exit(main())

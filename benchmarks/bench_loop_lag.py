@@ -39,6 +39,7 @@ from aio_datadist import (
     LLMRole,
     Placement,
 )
+from aio_datadist import _argtypes as argtypes
 
 TENSORS, BLOCKS, BLOCK = 4, 64, 1 << 20
 TOTAL = TENSORS * BLOCKS * BLOCK
@@ -177,8 +178,8 @@ async def measure(port: int, raw_port: int, reps: int, route: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--serve", type=argtypes.port, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--reps", type=argtypes.positive_int, default=5)
     parser.add_argument("--route", choices=("tcp", "samehost"), default="tcp")
     args = parser.parse_args()
     if args.serve:

@@ -19,6 +19,7 @@ means 1e9 bytes per second. Run::
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import platform
@@ -149,4 +150,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help; no options
     main()

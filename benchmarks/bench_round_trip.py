@@ -42,6 +42,7 @@ from aio_datadist import (
     LLMRole,
     Placement,
 )
+from aio_datadist import _argtypes as argtypes
 
 TENSORS, BLOCKS, BLOCK = 64, 512, 64 << 10
 TENSOR = BLOCKS * BLOCK
@@ -237,9 +238,9 @@ def measure(port: int, raw_port: int, pairs: int, n: int, write: bool) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--pairs", type=int, default=4)
-    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--serve", type=argtypes.port, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--pairs", type=argtypes.positive_int, default=4)
+    parser.add_argument("--calls", type=argtypes.positive_int, default=200)
     parser.add_argument("--op", choices=("read", "write"), default="read")
     args = parser.parse_args()
     if args.serve:

@@ -43,6 +43,7 @@ from aio_datadist import (
     LLMRole,
     Placement,
 )
+from aio_datadist import _argtypes as argtypes
 
 ROOT = Path(__file__).resolve().parents[1]
 TENSORS, BLOCKS, BLOCK = 4, 64, 64 * 1024
@@ -81,10 +82,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--face", choices=("sync", "async"), default="async")
     parser.add_argument("--route", choices=("link", "samehost"), default="link")
-    parser.add_argument("--calls", type=int, default=3000)
-    parser.add_argument("--blocks", type=int, default=1)
-    parser.add_argument("--concurrent", type=int, default=0)
+    parser.add_argument("--calls", type=argtypes.positive_int, default=3000)
+    parser.add_argument("--blocks", type=argtypes.positive_int, default=1)
+    parser.add_argument("--concurrent", type=argtypes.non_negative_int, default=0)
     args = parser.parse_args()
+    if args.blocks > BLOCKS:
+        parser.error(f"--blocks must be at most {BLOCKS} (the peer's blocks)")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     peer = subprocess.Popen(

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from aio_datadist import _argtypes as argtypes
 from aio_datadist._native import api
 
 SIZE, ROW = 256 << 20, 64 << 10
@@ -72,7 +73,7 @@ def cold_read_us(pid: int, there: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=argtypes.positive_int, default=5)
     reps = parser.parse_args().reps
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD.format(size=SIZE)],

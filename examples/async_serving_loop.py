@@ -11,6 +11,7 @@ millisecond; the script prints how fast the pings were answered while bytes move
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import socket
@@ -152,4 +153,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help; no options
     asyncio.run(main())

@@ -37,6 +37,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist import _argtypes as argtypes
 
 PROMPT_ID, DECODER_ID = 1, 2
 LAYERS = 8  # K and V per layer: 16 tensors
@@ -162,10 +163,12 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["decoder", "prompt"], default="decoder")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--blocks-per-request", type=int, default=16)
+    parser.add_argument("--port", type=argtypes.port, default=0)
+    parser.add_argument("--requests", type=argtypes.positive_int, default=32)
+    parser.add_argument("--blocks-per-request", type=argtypes.positive_int, default=16)
     args = parser.parse_args()
+    if args.blocks_per_request > BLOCKS:
+        parser.error(f"--blocks-per-request must be at most {BLOCKS} (the cache's blocks)")
     if args.role == "prompt":
         run_prompt(args.port)
         return

@@ -10,6 +10,7 @@ device memory is host memory.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -129,4 +130,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__).parse_args()  # --help; no options
     main()

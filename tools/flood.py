@@ -26,6 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aio_datadist import _argtypes as argtypes
 from aio_datadist._transport.base import ServeLimits
 from tests.wirefuzz import (
     BLOCK_BYTES,
@@ -44,9 +45,14 @@ MiB = 1 << 20
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pulls", choices=("small", "rows"), default="small")
-    parser.add_argument("--seconds", type=float, default=40.0, help="how long the flood lasts")
     parser.add_argument(
-        "--read-every-ms", type=float, default=1.0, help="the peer's pace (0: it reads nothing)"
+        "--seconds", type=argtypes.positive_float, default=40.0, help="how long the flood lasts"
+    )
+    parser.add_argument(
+        "--read-every-ms",
+        type=argtypes.non_negative_float,
+        default=1.0,
+        help="the peer's pace (0: it reads nothing)",
     )
     args = parser.parse_args()
     if args.pulls == "small":

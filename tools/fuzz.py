@@ -22,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aio_datadist import _argtypes as argtypes
 from tests.wirefuzz import (
     FuzzReport,
     ServingEngine,
@@ -34,8 +35,12 @@ from tests.wirefuzz import (
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--frames", type=int, default=100_000, help="frames per stage")
-    parser.add_argument("--seed", type=int, default=1, help="random seed (the run replays)")
+    parser.add_argument(
+        "--frames", type=argtypes.positive_int, default=100_000, help="frames per stage"
+    )
+    parser.add_argument(
+        "--seed", type=argtypes.non_negative_int, default=1, help="random seed (the run replays)"
+    )
     args = parser.parse_args()
     rng = random.Random(args.seed)
     report = FuzzReport()

@@ -7,6 +7,7 @@ instead of writing and exits 1 when the header is stale.
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -50,8 +51,13 @@ def header(code: str) -> str:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument(
+        "--check", action="store_true", help="only say whether the header is up to date"
+    )
+    args = parser.parse_args()
     text = header(ptx())
-    if "--check" in sys.argv[1:]:
+    if args.check:
         if HEADER.read_text() != text:
             print(f"{HEADER} is stale: run python tools/gen_cuda_ptx.py", file=sys.stderr)
             return 1

@@ -16,14 +16,14 @@ import sys
 import time
 from pathlib import Path
 
+from aio_datadist import _argtypes as argtypes
+
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parents[1])
-    parser.add_argument("--connections", type=int, default=500)
+    parser.add_argument("--connections", type=argtypes.positive_int, default=500)
     args = parser.parse_args()
-    if args.connections < 1:
-        parser.error("--connections must be at least 1")
     root = args.root.resolve()
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

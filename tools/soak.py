@@ -53,6 +53,7 @@ from aio_datadist import (  # noqa: E402
     LLMStatusCode,
     Placement,
 )
+from aio_datadist import _argtypes as argtypes  # noqa: E402
 from tests.peer_prompt import ROW_BYTES, TENSORS, pattern  # noqa: E402
 
 BLOCKS, BLOCK_BYTES = 64, 64 * 1024
@@ -293,11 +294,11 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transfers", type=int, default=10_000)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--cancel-rate", type=float, default=0.1)
+    parser.add_argument("--transfers", type=argtypes.positive_int, default=10_000)
+    parser.add_argument("--seed", type=argtypes.non_negative_int, default=1)
+    parser.add_argument("--cancel-rate", type=argtypes.fraction, default=0.1)
     parser.add_argument("--route", choices=("link", "samehost"), default="link")
-    parser.add_argument("--rss-slack-mib", type=float, default=32.0)
+    parser.add_argument("--rss-slack-mib", type=argtypes.non_negative_float, default=32.0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()
     report = asyncio.run(soak(args))
