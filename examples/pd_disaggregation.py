@@ -37,7 +37,6 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist import _argtypes as argtypes
 
 PROMPT_ID, DECODER_ID = 1, 2
 LAYERS = 8  # K and V per layer: 16 tensors
@@ -163,12 +162,18 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--role", choices=["decoder", "prompt"], default="decoder")
-    parser.add_argument("--port", type=argtypes.port, default=0)
-    parser.add_argument("--requests", type=argtypes.positive_int, default=32)
-    parser.add_argument("--blocks-per-request", type=argtypes.positive_int, default=16)
+    parser.add_argument("--port", type=int, default=0, help="TCP port (0: any free one)")
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--blocks-per-request", type=int, default=16)
     args = parser.parse_args()
-    if args.blocks_per_request > BLOCKS:
-        parser.error(f"--blocks-per-request must be at most {BLOCKS} (the cache's blocks)")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port must be from 0 to 65535, got {args.port}")
+    if args.requests < 1:
+        parser.error(f"--requests must be at least 1, got {args.requests}")
+    if not 1 <= args.blocks_per_request <= BLOCKS:
+        parser.error(
+            f"--blocks-per-request must be from 1 to {BLOCKS}, got {args.blocks_per_request}"
+        )
     if args.role == "prompt":
         run_prompt(args.port)
         return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -81,5 +82,14 @@ def test_a_bad_value_ends_a_script_with_one_line() -> None:
     refused = run(ROOT / "examples" / "pd_disaggregation.py", "--requests", "0")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
-        "pd_disaggregation.py: error: argument --requests: must be at least 1, got 0"
+        "pd_disaggregation.py: error: --requests must be at least 1, got 0"
     )
+
+
+def test_the_getting_started_example_runs() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = run(ROOT / "examples" / "two_processes.py", "--port", str(port))
+    assert done.returncode == 0, done.stderr
+    assert "every byte checked" in done.stdout
