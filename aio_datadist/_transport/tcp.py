@@ -1581,33 +1581,6 @@ class TcpChannel(Channel):
         :meth:`_read_frame` reads anywhere else."""
         return self._loop_req is None and not self._owed and not self._hdr_have
 
-    def _finish_loop_answer(self) -> str | None:
-        """Receive the rest of the answer the loop began (``_rlock`` held, in a thread that
-        may wait: the loop stopped coming to it) and complete it; why the channel must
-        break, if so."""
-        req, iov = self._loop_req, self._loop_iov
-        assert req is not None and iov is not None
-        try:
-            if self._loop_left:
-                sock_recvv(self._fd, iov, req.deadline_ns or after_s(self._stall_s))
-        except NetTimeout as exc:
-            self._loop_left -= exc.transferred
-            moved = req.nbytes - self._loop_left
-            self._loop_abort(
-                _error(
-                    LLMStatusCode.LLM_TIMEOUT,
-                    f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
-                )
-            )
-            return None
-        except (PeerClosed, OSError) as exc:
-            self._loop_abort(self._link_failed())
-            return f"receive failed: {exc}"
-        self._loop_done()
-        req.outcome = None
-        self._landed(req)
-        return None
-
     def _reclaim_from_closed_loop(self) -> None:
         """The reader thread's check while parked for a loop: a loop that closed without
         giving the socket back (its selector went with it) leaves it to this thread."""
@@ -1637,8 +1610,12 @@ class TcpChannel(Channel):
                     self._disarm()
                     return
                 if self._loop_req is not None:
-                    if not self._loop_receive():
-                        return  # the rest comes later, or the link broke over it
+                    done = self._receive_loop_answer(wait=False)
+                    if isinstance(done, str):
+                        self._break(done)
+                        return
+                    if not done:
+                        return  # the rest comes later
                     if not self._readable_now():
                         return
                     continue
@@ -1702,22 +1679,34 @@ class TcpChannel(Channel):
         self._loop_receiving(req, _iov_skip(local, moved), nbytes - moved)
         return req.future
 
-    def _loop_receive(self) -> bool:
-        """Receive what arrived of the answer the loop takes, never waiting; True once it is
-        whole (its request completed), False while bytes are still due or the link broke."""
+    def _receive_loop_answer(self, *, wait: bool) -> bool | str:
+        """Receive the rest of the answer the loop began (``_rlock`` held) and complete it
+        once whole: True once it ended, False while bytes are still due, or why the channel
+        must break. ``wait``: in a thread that may wait (the loop stopped coming to it),
+        until the request's deadline (the stall timeout without one), failing it with
+        ``LLM_TIMEOUT`` then (the rest is owed); otherwise (on the loop) only what arrived."""
         req, iov = self._loop_req, self._loop_iov
         assert req is not None and iov is not None
         if self._loop_left:
+            deadline = (req.deadline_ns or after_s(self._stall_s)) if wait else 1
             try:
-                sock_recvv(self._fd, iov, 1)  # a deadline in the past: takes what is there
+                sock_recvv(self._fd, iov, deadline)  # 1: in the past, takes what is there
             except NetTimeout as exc:
-                self._loop_iov = _iov_skip(iov, exc.transferred)
                 self._loop_left -= exc.transferred
-                return False
+                if not wait:
+                    self._loop_iov = _iov_skip(iov, exc.transferred)
+                    return False
+                moved = req.nbytes - self._loop_left
+                self._loop_abort(
+                    _error(
+                        LLMStatusCode.LLM_TIMEOUT,
+                        f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
+                    )
+                )
+                return True
             except (PeerClosed, OSError) as exc:
                 self._loop_abort(self._link_failed())
-                self._break(f"receive failed: {exc}")
-                return False
+                return f"receive failed: {exc}"
         self._loop_done()
         req.outcome = None
         self._landed(req)
@@ -1859,7 +1848,8 @@ class TcpChannel(Channel):
         """Read and handle one frame (``_rlock`` held), after discarding what is owed; why
         the channel must break, if so."""
         if self._loop_req is not None:
-            return self._finish_loop_answer()
+            done = self._receive_loop_answer(wait=True)
+            return done if isinstance(done, str) else None
         try:
             if self._owed:
                 owed, self._owed = self._owed, 0
