@@ -20,7 +20,29 @@ from aio_datadist.cluster import LinkResults, LLMClusterInfo
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.data_type import DataType
 from aio_datadist.enums import LLMRole, MemType, Memtype, Placement, RegisterMemStatus
-from aio_datadist.status import LLMException, LLMStatusCode, Status
+from aio_datadist.status import (
+    AlreadyLinkError,
+    ClusterNumExceedLimitError,
+    DeviceOutOfMemoryError,
+    EngineFinalizedError,
+    ExistLinkError,
+    FeatureNotEnabledError,
+    KvCacheNotExistError,
+    LinkBusyError,
+    LinkFailedError,
+    LLMException,
+    LLMFailedError,
+    LLMStatusCode,
+    LLMTimeoutError,
+    NotifyPromptUnlinkFailedError,
+    NotYetLinkError,
+    OutOfMemoryError,
+    ParamInvalidError,
+    ProcessingLinkError,
+    RepeatRequestError,
+    Status,
+    UnlinkFailedError,
+)
 from aio_datadist.sync import LLMDataDist
 from aio_datadist.synchronizer import LayerSynchronizer
 from aio_datadist.task import CacheTask
@@ -73,6 +95,25 @@ __all__ = [
     "enable_logging",
     "features",
     "__version__",
+    # The LLMException subclasses, one per status code (aio_datadist's own names).
+    "LLMFailedError",
+    "KvCacheNotExistError",
+    "RepeatRequestError",
+    "ParamInvalidError",
+    "EngineFinalizedError",
+    "NotYetLinkError",
+    "AlreadyLinkError",
+    "LinkFailedError",
+    "UnlinkFailedError",
+    "NotifyPromptUnlinkFailedError",
+    "ClusterNumExceedLimitError",
+    "ProcessingLinkError",
+    "DeviceOutOfMemoryError",
+    "ExistLinkError",
+    "FeatureNotEnabledError",
+    "LLMTimeoutError",
+    "LinkBusyError",
+    "OutOfMemoryError",
 ]
 
 #: The documented v2 names, in the reference package's order (the first 23 of ``__all__``).
