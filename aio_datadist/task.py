@@ -94,7 +94,10 @@ class CacheTask:
 
     # -- consumer side --------------------------------------------------------------------
     def done(self) -> bool:
-        """True once the transfer has finished (successfully or not)."""
+        """True once the transfer has finished (successfully or not).
+
+        Never blocks; once True, the results no longer change.
+        """
         return self._done
 
     def cancel(self) -> bool:
