@@ -568,8 +568,8 @@ class AsyncCacheManager(_LoopBound):
         cancelled await lets a started copy end first).
 
         :param cache: a blocks ``Cache`` of this engine.
-        :param copy_block_info: dict ``{src_block: [dst_block, ...]}`` of uint64 indices in ``[0,
-            num_blocks)``.
+        :param copy_block_info: dict ``{src_block: [dst_block, ...]}`` of uint64 indices in
+            ``[0, num_blocks)``.
         :raises TypeError: wrong argument types.
         :raises ValueError: an index outside uint64.
         :raises LLMException: ``LLM_PARAM_INVALID`` (not a blocks cache, an index out of range),
@@ -613,8 +613,8 @@ class AsyncCacheManager(_LoopBound):
 
         Runs inline: nothing is awaited.
 
-        :param mem_infos: a ``MemInfo`` or a list of them, each ``MEM_TYPE_DEVICE`` with ``addr !=
-            0`` and ``size > 0``.
+        :param mem_infos: a ``MemInfo`` or a list of them, each ``MEM_TYPE_DEVICE`` with
+            ``addr != 0`` and ``size > 0``.
         :raises TypeError: wrong argument types.
         :raises LLMException: ``LLM_PARAM_INVALID`` for an invalid entry, ``LLM_FAILED`` after
             ``finalize``, else always ``LLM_FEATURE_NOT_ENABLED``.
@@ -733,8 +733,8 @@ class AsyncCacheManager(_LoopBound):
         Cancelling the awaiting task cancels nothing already started: it waits until those requests
         ended (a pull's answer may still write the destination), then the cancellation goes through.
 
-        :param dst_cache_key: the remote row: ``CacheKeyByIdAndIndex(cluster_id, cache_id,
-            batch_index)``.
+        :param dst_cache_key: the remote row:
+            ``CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index)``.
         :param src_cache: the local batch ``Cache`` to read.
         :param src_batch_index: its row (uint32, below the batch size); default 0.
         :param src_layer_range: local layers to send (a ``range`` of step 1 from >= 0); None (the
@@ -1030,8 +1030,8 @@ class AsyncLLMDataDist(_LoopBound):
         last failure in input order; ``per_cluster`` holds one status per cluster, in input order
         (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_PARAM_INVALID`` for a cluster without a
         remote ip, ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for every cluster of a call naming more than
-        16), and its ``errors`` say why each one failed. An empty list gives ``(LLM_PARAM_INVALID,
-        [])``. Register memory before linking.
+        16), and its ``errors`` say why each one failed. An empty list gives
+        ``(LLM_PARAM_INVALID, [])``. Register memory before linking.
 
         The whole call (checks and handshakes) runs on a worker thread and is awaited; the loop
         keeps serving other tasks.

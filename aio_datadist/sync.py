@@ -278,8 +278,8 @@ class CacheManager:
         The copy runs in the calling thread.
 
         :param cache: a blocks ``Cache`` of this engine.
-        :param copy_block_info: dict ``{src_block: [dst_block, ...]}`` of uint64 indices in ``[0,
-            num_blocks)``.
+        :param copy_block_info: dict ``{src_block: [dst_block, ...]}`` of uint64 indices in
+            ``[0, num_blocks)``.
         :raises TypeError: wrong argument types.
         :raises ValueError: an index outside uint64.
         :raises LLMException: ``LLM_PARAM_INVALID`` (not a blocks cache, an index out of range),
@@ -316,8 +316,8 @@ class CacheManager:
         again; this implementation has no such registration to repair, so it raises
         ``LLM_FEATURE_NOT_ENABLED`` once the arguments are valid.
 
-        :param mem_infos: a ``MemInfo`` or a list of them, each ``MEM_TYPE_DEVICE`` with ``addr !=
-            0`` and ``size > 0``.
+        :param mem_infos: a ``MemInfo`` or a list of them, each ``MEM_TYPE_DEVICE`` with
+            ``addr != 0`` and ``size > 0``.
         :raises TypeError: wrong argument types.
         :raises LLMException: ``LLM_PARAM_INVALID`` for an invalid entry, ``LLM_FAILED`` after
             ``finalize``, else always ``LLM_FEATURE_NOT_ENABLED``.
@@ -411,8 +411,8 @@ class CacheManager:
 
         Sends the layers and waits for their acknowledgements in the calling thread.
 
-        :param dst_cache_key: the remote row: ``CacheKeyByIdAndIndex(cluster_id, cache_id,
-            batch_index)``.
+        :param dst_cache_key: the remote row:
+            ``CacheKeyByIdAndIndex(cluster_id, cache_id, batch_index)``.
         :param src_cache: the local batch ``Cache`` to read.
         :param src_batch_index: its row (uint32, below the batch size); default 0.
         :param src_layer_range: local layers to send (a ``range`` of step 1 from >= 0); None (the
@@ -659,8 +659,8 @@ class LLMDataDist:
         last failure in input order; ``per_cluster`` holds one status per cluster, in input order
         (``LLM_LINK_FAILED``, ``LLM_ALREADY_LINK``, ``LLM_PARAM_INVALID`` for a cluster without a
         remote ip, ``LLM_CLUSTER_NUM_EXCEED_LIMIT`` for every cluster of a call naming more than
-        16), and its ``errors`` say why each one failed. An empty list gives ``(LLM_PARAM_INVALID,
-        [])``. Register memory before linking.
+        16), and its ``errors`` say why each one failed. An empty list gives
+        ``(LLM_PARAM_INVALID, [])``. Register memory before linking.
 
         The handshakes run in parallel while the calling thread waits.
 
