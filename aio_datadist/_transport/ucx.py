@@ -1,0 +1,688 @@
+"""UCX objects for one-sided transfers: context, worker, endpoint, registration, remote key.
+
+The foundation of the UCX route. Bytes move with UCP RMA (``ucp_get_nbx``/``ucp_put_nbx``)
+between memory that both sides registered with ``ucp_mem_map``; what must cross to the peer
+(a worker's address, a registration's packed rkey with its base and length) is plain
+``bytes`` here and travels over the link's control plane.
+
+Completion is observed by progress plus ``ucp_request_check_status``: no callbacks are
+installed on requests. Waiting never busy-polls: :meth:`UcxWorker.wait` progresses the
+worker, arms it (``ucp_worker_arm``; when it says busy, progress again) and sleeps in
+``poll`` on the worker's event fd (``ucp_worker_get_efd``) until the deadline. An event loop
+adds :meth:`UcxWorker.event_fd` to its readers and does the same steps when it fires.
+
+Thread mode: the context shares its resources between workers (``mt_workers_shared``) and
+each worker is created ``UCS_THREAD_MODE_MULTI``, because the engine starts a transfer in
+the caller's thread and may wait for it on the event loop or let a serving thread progress
+the same worker; UCX's per-call lock is uncontended in the usual case and costs far less
+than the cffi call around it. If a libucp grants less (built without multi-thread support),
+the worker serializes its calls with its own lock instead (:attr:`UcxWorker.thread_mode`).
+
+Bounds: UCX checks that an rkey belongs to a registration, but its software and
+shared-memory transports (tcp, cma) do not check that an access stays inside it. So a
+:class:`RemoteKey` carries the base and length the peer registered, and :func:`get`/
+:func:`put` refuse an access outside them (``LLM_PARAM_INVALID``) before UCX sees it. This
+protects a well-behaved side from its own mistakes; it cannot stop a peer that bypasses
+this library, which is why the route is only offered over an authenticated link.
+
+Errors: every UCS status maps to one documented code (:func:`status_code`) and the message
+carries the call, the status name and ``ucs_status_string``:
+
+* ``LLM_LINK_FAILED``: the peer or the transport failed (unreachable, connection reset,
+  I/O error, shared-memory segment gone, endpoint timeout, link and endpoint failure
+  ranges, a request cancelled because its endpoint closed);
+* ``LLM_TIMEOUT``: a deadline passed (ours, or UCX's ``UCS_ERR_TIMED_OUT``);
+* ``LLM_PARAM_INVALID``: bad arguments (invalid parameter or address, out of range,
+  buffer too small, truncated, and a closed object handed back in);
+* ``LLM_OUT_OF_MEMORY``: ``UCS_ERR_NO_MEMORY``;
+* ``LLM_FEATURE_NOT_ENABLED``: unsupported or not implemented by this UCX;
+* ``LLM_FAILED``: anything else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import select
+import threading
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import Any, Self
+
+from aio_datadist._native import ucx as _ucx
+from aio_datadist.status import LLMException, LLMStatusCode
+
+__all__ = (
+    "Endpoint",
+    "Registration",
+    "RemoteKey",
+    "Request",
+    "UcxContext",
+    "UcxWorker",
+    "available",
+    "get",
+    "put",
+    "status_code",
+    "ucx_info",
+)
+
+ffi = _ucx.ffi
+
+_LINK_STATUSES = frozenset({-3, -6, -10, -13, -14, -16, -17, -23, -24, -25})
+_PARAM_STATUSES = frozenset({-5, -7, -9, -11, -19})
+
+
+def status_code(status: int) -> LLMStatusCode:
+    """The documented code for a failed ``ucs_status_t`` (see the module's table)."""
+    if status in _LINK_STATUSES or (
+        _ucx.UCS_ERR_LAST_ENDPOINT_FAILURE <= status <= _ucx.UCS_ERR_FIRST_LINK_FAILURE
+    ):
+        return LLMStatusCode.LLM_LINK_FAILED
+    if status in _PARAM_STATUSES:
+        return LLMStatusCode.LLM_PARAM_INVALID
+    if status == -20:
+        return LLMStatusCode.LLM_TIMEOUT
+    if status == -4:
+        return LLMStatusCode.LLM_OUT_OF_MEMORY
+    if status in (-8, -22):
+        return LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    return LLMStatusCode.LLM_FAILED
+
+
+def _error(call: str, status: int) -> LLMException:
+    lib = _ucx.load()
+    text = ffi.string(lib.ucs_status_string(status)).decode(errors="replace")
+    return LLMException(
+        f"{call}: {_ucx.status_name(status)}: {text}", status_code=status_code(status)
+    )
+
+
+def _check(call: str, status: int) -> None:
+    if status != _ucx.UCS_OK:
+        raise _error(call, status)
+
+
+def _closed(what: str) -> LLMException:
+    return LLMException(f"{what} is closed", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def available() -> str | None:
+    """``None`` when UCX can be used, else why not (never raises)."""
+    return _ucx.load_error()
+
+
+def _capture(write: Any) -> str:
+    """Run ``write(FILE *)`` into an in-memory stream and return what it wrote."""
+    libc = _ucx.libc
+    buf = ffi.new("char **")
+    size = ffi.new("size_t *")
+    stream = libc.open_memstream(buf, size)
+    if stream == ffi.NULL:
+        return ""
+    try:
+        write(stream)
+    finally:
+        libc.fclose(stream)
+    try:
+        return bytes(ffi.buffer(buf[0], size[0])).decode(errors="replace")
+    finally:
+        libc.free(buf[0])
+
+
+class UcxContext:
+    """One UCP context (one per engine): RMA and wakeup features, shared by its workers."""
+
+    def __init__(self, *, name: str = "aio_datadist") -> None:
+        lib = self._lib = _ucx.load()
+        config = ffi.new("ucp_config_t **")
+        _check("ucp_config_read", lib.ucp_config_read(ffi.NULL, ffi.NULL, config))
+        params = ffi.new("ucp_params_t *")
+        self._name = ffi.new("char[]", name.encode()[:31])
+        params.field_mask = (
+            _ucx.UCP_PARAM_FIELD_FEATURES
+            | _ucx.UCP_PARAM_FIELD_MT_WORKERS_SHARED
+            | _ucx.UCP_PARAM_FIELD_NAME
+        )
+        params.features = _ucx.UCP_FEATURE_RMA | _ucx.UCP_FEATURE_WAKEUP
+        params.mt_workers_shared = 1
+        params.name = self._name
+        handle = ffi.new("ucp_context_h *")
+        try:
+            _check(
+                "ucp_init",
+                lib.ucp_init_version(_ucx.API_MAJOR, _ucx.API_MINOR, params, config[0], handle),
+            )
+        finally:
+            lib.ucp_config_release(config[0])
+        self._handle: Any = handle[0]
+        attr = ffi.new("ucp_context_attr_t *")
+        attr.field_mask = _ucx.UCP_ATTR_FIELD_THREAD_MODE
+        _check("ucp_context_query", lib.ucp_context_query(self._handle, attr))
+        self.thread_mode: int = int(attr.thread_mode)
+        """The ``ucs_thread_mode_t`` the context was granted."""
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise _closed("UCX context")
+        return self._handle
+
+    def info(self) -> str:
+        """UCX's own description of the context (``ucp_context_print_info``)."""
+        handle = self.handle
+        return _capture(lambda stream: self._lib.ucp_context_print_info(handle, stream))
+
+    def close(self) -> None:
+        """Release the context; its workers and registrations must be closed first."""
+        if self._handle is not None:
+            self._lib.ucp_cleanup(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class UcxWorker:
+    """A UCP worker: progresses its endpoints' operations; has an address and an event fd."""
+
+    def __init__(self, context: UcxContext, *, name: str = "aio_datadist") -> None:
+        self._lib = context._lib
+        self.context = context
+        params = ffi.new("ucp_worker_params_t *")
+        self._name = ffi.new("char[]", name.encode()[:31])
+        params.field_mask = (
+            _ucx.UCP_WORKER_PARAM_FIELD_THREAD_MODE
+            | _ucx.UCP_WORKER_PARAM_FIELD_EVENTS
+            | _ucx.UCP_WORKER_PARAM_FIELD_NAME
+        )
+        params.thread_mode = _ucx.UCS_THREAD_MODE_MULTI
+        params.events = _ucx.UCP_WAKEUP_RMA | _ucx.UCP_WAKEUP_TX | _ucx.UCP_WAKEUP_RX
+        params.name = self._name
+        handle = ffi.new("ucp_worker_h *")
+        _check("ucp_worker_create", self._lib.ucp_worker_create(context.handle, params, handle))
+        self._handle: Any = handle[0]
+        attr = ffi.new("ucp_worker_attr_t *")
+        attr.field_mask = _ucx.UCP_WORKER_ATTR_FIELD_THREAD_MODE
+        _check("ucp_worker_query", self._lib.ucp_worker_query(self._handle, attr))
+        self.thread_mode: int = int(attr.thread_mode)
+        """The ``ucs_thread_mode_t`` granted; below MULTI, :attr:`lock` serializes calls."""
+        self.lock: contextlib.AbstractContextManager[Any] = (
+            contextlib.nullcontext()
+            if self.thread_mode == _ucx.UCS_THREAD_MODE_MULTI
+            else threading.RLock()
+        )
+        fd = ffi.new("int *")
+        _check("ucp_worker_get_efd", self._lib.ucp_worker_get_efd(self._handle, fd))
+        self._fd = int(fd[0])
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise _closed("UCX worker")
+        return self._handle
+
+    def address(self) -> bytes:
+        """This worker's address, for the peer's :class:`Endpoint`."""
+        handle = self.handle
+        addr = ffi.new("ucp_address_t **")
+        length = ffi.new("size_t *")
+        with self.lock:
+            _check("ucp_worker_get_address", self._lib.ucp_worker_get_address(handle, addr, length))
+            try:
+                return bytes(ffi.buffer(addr[0], length[0]))
+            finally:
+                self._lib.ucp_worker_release_address(handle, addr[0])
+
+    def event_fd(self) -> int:
+        """The fd that becomes readable when the worker has events (after :meth:`arm`)."""
+        self.handle  # noqa: B018 - raises when closed
+        return self._fd
+
+    def arm(self) -> bool:
+        """Arm the event fd; ``False`` when events are pending (progress again, do not sleep)."""
+        handle = self.handle
+        with self.lock:
+            status = self._lib.ucp_worker_arm(handle)
+        if status == -15:  # UCS_ERR_BUSY
+            return False
+        _check("ucp_worker_arm", status)
+        return True
+
+    def progress(self) -> int:
+        """Progress communication once; returns how many events were processed (0: none)."""
+        handle = self.handle
+        with self.lock:
+            return int(self._lib.ucp_worker_progress(handle))
+
+    def signal(self) -> None:
+        """Make the event fd readable, waking a thread sleeping in :meth:`wait`/:meth:`serve`."""
+        handle = self.handle
+        with self.lock:
+            _check("ucp_worker_signal", self._lib.ucp_worker_signal(handle))
+
+    def info(self) -> str:
+        """UCX's description of the worker (``ucp_worker_print_info``): its transports."""
+        handle = self.handle
+        return _capture(lambda stream: self._lib.ucp_worker_print_info(handle, stream))
+
+    def _sleep(self, ready: Callable[[], bool], deadline_ns: int | None) -> bool:
+        """Progress until idle; unless ``ready()`` then holds, arm the event fd and sleep on it
+        until an event or the deadline. ``False`` once the deadline passed."""
+        while self.progress():
+            pass
+        if ready() or not self.arm():
+            return True
+        if deadline_ns is None:
+            timeout_ms = -1
+        else:
+            left = deadline_ns - time.monotonic_ns()
+            if left <= 0:
+                return False
+            timeout_ms = max(1, -(-left // 1_000_000))
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        poller.poll(timeout_ms)
+        return True
+
+    def wait(self, request: Request, deadline_ns: int | None = None) -> None:
+        """Block until ``request`` completes, sleeping on the event fd between progress calls.
+
+        Raises:
+            LLMException: the request failed (its status's code), or ``LLM_TIMEOUT`` when
+                ``deadline_ns`` (``time.monotonic_ns()``) passed first. After a timeout the
+                request is still in flight and may still write its local buffer: close the
+                endpoint (:meth:`Endpoint.close` with ``force``) before reusing the memory.
+        """
+        while not request.done():
+            if not self._sleep(request.done, deadline_ns) and not request.done():
+                raise LLMException(
+                    f"UCX {request.what} did not complete before its deadline",
+                    status_code=LLMStatusCode.LLM_TIMEOUT,
+                )
+        request.result()
+
+    def serve(self, stop: threading.Event) -> None:
+        """Progress this worker until ``stop`` is set (then call :meth:`signal` to wake it).
+
+        The target of a transfer over a software transport (tcp) must progress its worker for
+        the transfer to move; a serving thread runs this.
+        """
+        while not stop.is_set():
+            self._sleep(stop.is_set, None)
+
+    def flush(self, deadline_ns: int | None = None) -> None:
+        """Complete every operation this worker started (``ucp_worker_flush_nbx``)."""
+        handle = self.handle
+        param = ffi.new("ucp_request_param_t *")
+        with self.lock:
+            ptr = self._lib.ucp_worker_flush_nbx(handle, param)
+        self.wait(Request(self, ptr, "ucp_worker_flush_nbx"), deadline_ns)
+
+    def close(self) -> None:
+        """Destroy the worker; its endpoints must be closed first."""
+        if self._handle is not None:
+            with self.lock:
+                self._lib.ucp_worker_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Request:
+    """An operation in flight (or already finished when UCX completed it at once).
+
+    :meth:`done` checks it without blocking (the worker must be progressed for it to move);
+    :meth:`result` raises its failure. The UCX request is freed once it is seen complete.
+    """
+
+    __slots__ = ("_ptr", "_status", "what", "worker")
+
+    def __init__(self, worker: UcxWorker, ptr: Any, what: str) -> None:
+        self.worker = worker
+        self.what = what
+        status = _ucx.ptr_status(ptr)
+        self._status = status
+        self._ptr: Any = ptr if status == _ucx.UCS_INPROGRESS else None
+
+    def done(self) -> bool:
+        """Whether the operation finished (successfully or not)."""
+        if self._ptr is not None:
+            lib = self.worker._lib
+            with self.worker.lock:
+                status = int(lib.ucp_request_check_status(self._ptr))
+                if status != _ucx.UCS_INPROGRESS:
+                    lib.ucp_request_free(self._ptr)
+                    self._ptr = None
+            self._status = status
+        return self._status != _ucx.UCS_INPROGRESS
+
+    @property
+    def status(self) -> int:
+        """The ``ucs_status_t`` as of the last :meth:`done` (``UCS_INPROGRESS`` until then)."""
+        return self._status
+
+    def result(self) -> None:
+        """Raise the failure of a finished request; nothing for success.
+
+        Raises:
+            LLMException: the request failed, or ``LLM_PARAM_INVALID`` if it is not done.
+        """
+        if not self.done():
+            raise LLMException(
+                f"UCX {self.what} is still in flight", status_code=LLMStatusCode.LLM_PARAM_INVALID
+            )
+        _check(self.what, self._status)
+
+    def abandon(self) -> None:
+        """Stop tracking an unfinished request: UCX frees it when it completes."""
+        if self._ptr is not None:
+            with self.worker.lock:
+                self.worker._lib.ucp_request_free(self._ptr)
+            self._ptr = None
+
+
+class Endpoint:
+    """A connection from ``worker`` to the worker whose :meth:`UcxWorker.address` is given.
+
+    Created in peer error-handling mode: when the peer or the transport fails, pending and
+    later operations fail (``LLM_LINK_FAILED``) instead of UCX aborting the process, and
+    :attr:`failure` holds the status UCX reported.
+    """
+
+    def __init__(
+        self, worker: UcxWorker, remote_address: bytes, *, peer_errors: bool = True, name: str = ""
+    ) -> None:
+        if not isinstance(remote_address, (bytes, bytearray, memoryview)) or not remote_address:
+            raise LLMException(
+                "a UCX worker address must be non-empty bytes",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        self.worker = worker
+        self._lib = worker._lib
+        self.failure: int | None = None
+        """The ``ucs_status_t`` the error handler reported, once the endpoint failed."""
+        self._address = ffi.from_buffer(bytes(remote_address))
+        self._on_error = ffi.callback("void(void *, ucp_ep_h, ucs_status_t)", self._failed)
+        params = ffi.new("ucp_ep_params_t *")
+        params.field_mask = (
+            _ucx.UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
+            | _ucx.UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE
+            | _ucx.UCP_EP_PARAM_FIELD_ERR_HANDLER
+        )
+        params.address = ffi.cast("ucp_address_t *", self._address)
+        params.err_mode = (
+            _ucx.UCP_ERR_HANDLING_MODE_PEER if peer_errors else _ucx.UCP_ERR_HANDLING_MODE_NONE
+        )
+        params.err_handler.cb = self._on_error
+        params.err_handler.arg = ffi.NULL
+        if name:
+            self._name = ffi.new("char[]", name.encode()[:31])
+            params.field_mask |= _ucx.UCP_EP_PARAM_FIELD_NAME
+            params.name = self._name
+        handle = ffi.new("ucp_ep_h *")
+        with worker.lock:
+            _check("ucp_ep_create", self._lib.ucp_ep_create(worker.handle, params, handle))
+        self._handle: Any = handle[0]
+
+    def _failed(self, _arg: Any, _ep: Any, status: int) -> None:
+        # Runs inside ucp_worker_progress, in the thread that progresses the worker.
+        self.failure = int(status)
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise _closed("UCX endpoint")
+        if self.failure is not None:
+            raise _error("UCX endpoint", self.failure)
+        return self._handle
+
+    def flush(self, deadline_ns: int | None = None) -> None:
+        """Complete every operation started on this endpoint (``ucp_ep_flush_nbx``)."""
+        handle = self.handle
+        param = ffi.new("ucp_request_param_t *")
+        with self.worker.lock:
+            ptr = self._lib.ucp_ep_flush_nbx(handle, param)
+        self.worker.wait(Request(self.worker, ptr, "ucp_ep_flush_nbx"), deadline_ns)
+
+    def close(self, deadline_ns: int | None = None, *, force: bool = False) -> None:
+        """Close the endpoint: flush it first, or with ``force`` (or after a failure) drop it,
+        failing what is still in flight. A flush that misses the deadline closes by force."""
+        if self._handle is None:
+            return
+        force = force or self.failure is not None
+        param = ffi.new("ucp_request_param_t *")
+        if force:
+            param.op_attr_mask = _ucx.UCP_OP_ATTR_FIELD_FLAGS
+            param.flags = _ucx.UCP_EP_CLOSE_FLAG_FORCE
+        with self.worker.lock:
+            ptr = self._lib.ucp_ep_close_nbx(self._handle, param)
+        self._handle = None
+        request = Request(self.worker, ptr, "ucp_ep_close_nbx")
+        try:
+            self.worker.wait(request, deadline_ns)
+        except LLMException:
+            request.abandon()
+            if not force:
+                raise
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(time.monotonic_ns() + 5_000_000_000, force=exc is not None)
+
+
+def _check_span(addr: int, nbytes: int, what: str) -> None:
+    if not isinstance(addr, int) or not isinstance(nbytes, int):
+        raise TypeError(f"{what} address and length must be int")
+    if addr <= 0 or nbytes <= 0 or addr + nbytes > 1 << 64:
+        raise LLMException(
+            f"{what}: invalid span addr=0x{addr:x} nbytes={nbytes}",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+
+
+class Registration:
+    """Memory ``[addr, addr + nbytes)`` of this process registered with ``context``.
+
+    :attr:`rkey` is the packed remote key the peer unpacks into a :class:`RemoteKey`; send it
+    with :attr:`addr` and :attr:`nbytes`. The memory must outlive the registration.
+    """
+
+    def __init__(
+        self, context: UcxContext, addr: int, nbytes: int, *, remote_write: bool = True
+    ) -> None:
+        _check_span(addr, nbytes, "UCX registration")
+        self.context = context
+        self.addr = addr
+        self.nbytes = nbytes
+        lib = self._lib = context._lib
+        params = ffi.new("ucp_mem_map_params_t *")
+        params.field_mask = (
+            _ucx.UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+            | _ucx.UCP_MEM_MAP_PARAM_FIELD_LENGTH
+            | _ucx.UCP_MEM_MAP_PARAM_FIELD_PROT
+            | _ucx.UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE
+        )
+        params.address = ffi.cast("void *", addr)
+        params.length = nbytes
+        params.prot = (
+            _ucx.UCP_MEM_MAP_PROT_LOCAL_READ
+            | _ucx.UCP_MEM_MAP_PROT_LOCAL_WRITE
+            | _ucx.UCP_MEM_MAP_PROT_REMOTE_READ
+            | (_ucx.UCP_MEM_MAP_PROT_REMOTE_WRITE if remote_write else 0)
+        )
+        params.memory_type = _ucx.UCS_MEMORY_TYPE_HOST
+        memh = ffi.new("ucp_mem_h *")
+        _check("ucp_mem_map", lib.ucp_mem_map(context.handle, params, memh))
+        self._memh: Any = memh[0]
+        packed = ffi.new("void **")
+        size = ffi.new("size_t *")
+        try:
+            _check("ucp_rkey_pack", lib.ucp_rkey_pack(context.handle, self._memh, packed, size))
+        except LLMException:
+            lib.ucp_mem_unmap(context.handle, self._memh)
+            raise
+        try:
+            self.rkey: bytes = bytes(ffi.buffer(packed[0], size[0]))
+        finally:
+            lib.ucp_rkey_buffer_release(packed[0])
+
+    @property
+    def closed(self) -> bool:
+        return self._memh is None
+
+    def close(self) -> None:
+        """Unregister the memory; the peer's remote keys for it stop working."""
+        if self._memh is not None:
+            memh, self._memh = self._memh, None
+            _check("ucp_mem_unmap", self._lib.ucp_mem_unmap(self.context.handle, memh))
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteKey:
+    """The peer's registration ``[addr, addr + nbytes)`` as reachable through ``endpoint``."""
+
+    def __init__(self, endpoint: Endpoint, packed: bytes, addr: int, nbytes: int) -> None:
+        _check_span(addr, nbytes, "UCX remote key")
+        if not isinstance(packed, (bytes, bytearray)) or not packed:
+            raise LLMException(
+                "a packed UCX rkey must be non-empty bytes",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        self.endpoint = endpoint
+        self.addr = addr
+        self.nbytes = nbytes
+        lib = self._lib = endpoint._lib
+        rkey = ffi.new("ucp_rkey_h *")
+        with endpoint.worker.lock:
+            _check(
+                "ucp_ep_rkey_unpack",
+                lib.ucp_ep_rkey_unpack(endpoint.handle, ffi.from_buffer(bytes(packed)), rkey),
+            )
+        self._handle: Any = rkey[0]
+
+    @property
+    def handle(self) -> Any:
+        if self._handle is None:
+            raise _closed("UCX remote key")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            handle, self._handle = self._handle, None
+            self._lib.ucp_rkey_destroy(handle)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rma(
+    call: str, ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: RemoteKey
+) -> Request:
+    _check_span(local_addr, nbytes, call)
+    _check_span(remote_addr, nbytes, call)
+    if rkey.endpoint is not ep:
+        raise LLMException(
+            f"{call}: the remote key was unpacked on another endpoint",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    if remote_addr < rkey.addr or remote_addr + nbytes > rkey.addr + rkey.nbytes:
+        raise LLMException(
+            f"{call}: [0x{remote_addr:x}, +{nbytes}) is outside the peer's registration "
+            f"[0x{rkey.addr:x}, +{rkey.nbytes})",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    rkey_h = rkey.handle
+    ep_h = ep.handle
+    param = ffi.new("ucp_request_param_t *")
+    lib = ep._lib
+    with ep.worker.lock:
+        if call == "ucp_get_nbx":
+            ptr = lib.ucp_get_nbx(
+                ep_h, ffi.cast("void *", local_addr), nbytes, remote_addr, rkey_h, param
+            )
+        else:
+            ptr = lib.ucp_put_nbx(
+                ep_h, ffi.cast("void *", local_addr), nbytes, remote_addr, rkey_h, param
+            )
+    return Request(ep.worker, ptr, call)
+
+
+def get(ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: RemoteKey) -> Request:
+    """Start reading the peer's ``[remote_addr, +nbytes)`` into ``[local_addr, +nbytes)``.
+
+    Raises:
+        LLMException: ``LLM_PARAM_INVALID`` for a span outside the remote key's registration
+            or a closed key; a UCX failure at start with its code.
+    """
+    return _rma("ucp_get_nbx", ep, local_addr, nbytes, remote_addr, rkey)
+
+
+def put(ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: RemoteKey) -> Request:
+    """Start writing ``[local_addr, +nbytes)`` into the peer's ``[remote_addr, +nbytes)``.
+
+    Completion means the data left the local buffer (it may be reused); flush the endpoint
+    to know it reached the peer's memory.
+    """
+    return _rma("ucp_put_nbx", ep, local_addr, nbytes, remote_addr, rkey)
+
+
+_RESOURCE = re.compile(r"#\s*resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)/(\S+)")
+
+
+def _resources(text: str) -> list[str]:
+    found: list[str] = []
+    for line in text.splitlines():
+        match = _RESOURCE.search(line)
+        if match and f"{match[1]}/{match[2]}" not in found:
+            found.append(f"{match[1]}/{match[2]}")
+    return found
+
+
+def ucx_info() -> dict[str, Any]:
+    """What UCX offers here: ``available``, and when it is, ``path``, ``version`` and the
+    ``transports`` (``tl/device`` pairs a context selected under the current ``UCX_*``
+    environment); ``reason`` when it is not."""
+    reason = _ucx.load_error()
+    if reason is not None:
+        return {"available": False, "reason": reason}
+    lib = _ucx.load()
+    major, minor, release = (ffi.new("unsigned *") for _ in range(3))
+    lib.ucp_get_version(major, minor, release)
+    info: dict[str, Any] = {
+        "available": True,
+        "path": _ucx.loaded_path(),
+        "version": f"{major[0]}.{minor[0]}.{release[0]}",
+        "tls": os.environ.get("UCX_TLS", "all"),
+    }
+    try:
+        with UcxContext(name="aio_datadist_info") as context:
+            info["transports"] = _resources(context.info())
+            info["thread_mode"] = context.thread_mode
+    except LLMException as exc:
+        info["transports"] = []
+        info["error"] = str(exc)
+    return info
