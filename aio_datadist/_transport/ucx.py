@@ -135,7 +135,16 @@ class UcxContext:
     """One UCP context (one per engine): RMA and wakeup features, shared by its workers."""
 
     def __init__(self, *, name: str = "aio_datadist") -> None:
-        lib = self._lib = _ucx.load()
+        """Raises:
+        LLMException: ``LLM_FEATURE_NOT_ENABLED`` when UCX cannot be loaded (the message
+            says why), or the code of UCX's failure to initialise.
+        """
+        try:
+            lib = self._lib = _ucx.load()
+        except _ucx.UcxLoadError as exc:
+            raise LLMException(
+                f"UCX is not available: {exc}", status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+            ) from None
         config = ffi.new("ucp_config_t **")
         _check("ucp_config_read", lib.ucp_config_read(ffi.NULL, ffi.NULL, config))
         params = ffi.new("ucp_params_t *")

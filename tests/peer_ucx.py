@@ -1,6 +1,6 @@
 """A UCX peer process for tests and measurements: registers memory and serves RMA on it.
 
-Run as ``python tests/_ucx_peer.py NBYTES SEED [--no-peer-errors]``. It fills NBYTES with bytes
+Run as ``python tests/peer_ucx.py NBYTES SEED [--no-peer-errors]``. It fills NBYTES with bytes
 from ``numpy.random.default_rng(SEED)``, registers them, prints one JSON line (worker
 address, packed rkey, base, length, pid) and then progresses its worker (sleeping on the
 event fd) while it reads commands, one per line, from stdin:
