@@ -70,6 +70,10 @@ __all__ = (
 
 ffi = _ucx.ffi
 
+_IDLE_WAKES_FREE = 4
+_IDLE_PAUSE_MIN_S = 50e-6
+_IDLE_PAUSE_MAX_S = 1e-3
+
 _LINK_STATUSES = frozenset({-3, -6, -10, -13, -14, -16, -17, -23, -24, -25})
 _PARAM_STATUSES = frozenset({-5, -7, -9, -11, -19})
 
@@ -279,11 +283,19 @@ class UcxWorker:
         handle = self.handle
         return _capture(lambda stream: self._lib.ucp_worker_print_info(handle, stream))
 
-    def _sleep(self, ready: Callable[[], bool], deadline_ns: int | None) -> bool:
+    def _sleep(self, ready: Callable[[], bool], deadline_ns: int | None, idle: list[int]) -> bool:
         """Progress until idle; unless ``ready()`` then holds, arm the event fd and sleep on it
-        until an event or the deadline. ``False`` once the deadline passed."""
-        while self.progress():
-            pass
+        until an event or the deadline. ``False`` once the deadline passed.
+
+        ``idle[0]`` counts wake-ups after which progress found nothing to do. UCX's event fd
+        can stay readable with no work to do (a tcp endpoint whose peer does not progress
+        keeps it signalled); after a few such wake-ups in a row the sleep is stretched, from
+        50 us doubling to 1 ms, so that a stalled peer costs no more than a timer would.
+        """
+        if self.progress():
+            while self.progress():
+                pass
+            idle[0] = 0
         if ready() or not self.arm():
             return True
         if deadline_ns is None:
@@ -293,9 +305,13 @@ class UcxWorker:
             if left <= 0:
                 return False
             timeout_ms = max(1, -(-left // 1_000_000))
+        if idle[0] > _IDLE_WAKES_FREE:
+            pause = min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle[0] - _IDLE_WAKES_FREE))
+            time.sleep(pause if timeout_ms < 0 else min(pause, timeout_ms / 1000))
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
         poller.poll(timeout_ms)
+        idle[0] += 1
         return True
 
     def wait(self, request: Request, deadline_ns: int | None = None) -> None:
@@ -307,8 +323,9 @@ class UcxWorker:
                 request is still in flight and may still write its local buffer: close the
                 endpoint (:meth:`Endpoint.close` with ``force``) before reusing the memory.
         """
+        idle = [0]
         while not request.done():
-            if not self._sleep(request.done, deadline_ns) and not request.done():
+            if not self._sleep(request.done, deadline_ns, idle) and not request.done():
                 raise LLMException(
                     f"UCX {request.what} did not complete before its deadline",
                     status_code=LLMStatusCode.LLM_TIMEOUT,
@@ -321,8 +338,9 @@ class UcxWorker:
         The target of a transfer over a software transport (tcp) must progress its worker for
         the transfer to move; a serving thread runs this.
         """
+        idle = [0]
         while not stop.is_set():
-            self._sleep(stop.is_set, None)
+            self._sleep(stop.is_set, None, idle)
 
     def flush(self, deadline_ns: int | None = None) -> None:
         """Complete every operation this worker started (``ucp_worker_flush_nbx``)."""

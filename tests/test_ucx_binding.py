@@ -1,0 +1,395 @@
+"""The UCX binding: struct layouts, RMA get/put in one process and between two, failures.
+
+Skipped as a whole when UCX cannot be loaded (``pip install 'aio_datadist[ucx]'`` or set
+``AIO_DATADIST_UCX``). Transports are pinned per test with ``UCX_TLS``: ``tcp,self`` (the
+software RMA a cross-host link uses, with peer-failure handling) and ``sm,self`` (cma
+between processes on this host; UCX's shared-memory transports have no peer-failure
+handling, so those endpoints are made with ``peer_errors=False``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aio_datadist._native import ucx as native
+from aio_datadist._transport import ucx
+from aio_datadist.status import LLMException, LLMStatusCode
+
+_reason = ucx.available()
+if _reason is not None:
+    pytest.skip(f"UCX is not available: {_reason}", allow_module_level=True)
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+PEER = str(Path(__file__).with_name("peer_ucx.py"))
+TLS = [pytest.param("tcp,self", id="tcp"), pytest.param("sm,self", id="sm")]
+SECOND = 1_000_000_000
+BIG = 64 << 20
+
+
+def _deadline(seconds: float = 20.0) -> int:
+    return time.monotonic_ns() + int(seconds * SECOND)
+
+
+def _spans(rng: np.random.Generator, size: int, count: int) -> list[tuple[int, int]]:
+    """Random (offset, length) pairs inside ``size``: 1 byte, odd sizes, odd offsets, a big
+    one, and the very last byte."""
+    spans = [(0, 1), (size - 1, 1), (1, 4095), (3, 1 << 20), (size - 12345, 12345)]
+    for _ in range(count):
+        n = int(rng.integers(1, 300_000))
+        spans.append((int(rng.integers(0, size - n)), n))
+    return spans
+
+
+# -- the binding --------------------------------------------------------------------------
+
+
+def _include_dir() -> Path | None:
+    path = native.loaded_path()
+    if path is None:
+        return None
+    include = Path(path).resolve().parent.parent / "include"
+    return include if (include / "ucp" / "api" / "ucp.h").is_file() else None
+
+
+LAYOUT_STRUCTS = [
+    "ucp_params_t",
+    "ucp_context_attr_t",
+    "ucp_worker_params_t",
+    "ucp_worker_attr_t",
+    "ucp_ep_params_t",
+    "ucp_mem_map_params_t",
+    "ucp_request_param_t",
+    "ucp_err_handler_t",
+    "ucs_sock_addr_t",
+    "ucs_cpu_set_t",
+]
+
+
+def test_struct_layouts_match_the_headers(tmp_path: Path) -> None:
+    """Every bound struct's size and field offsets equal those of the installed headers."""
+    cc = shutil.which("cc") or shutil.which("gcc")
+    include = _include_dir()
+    if cc is None or include is None:
+        pytest.skip("needs a C compiler and the UCX headers next to the loaded libucp")
+    ffi = native.ffi
+    lines = ["#include <stdio.h>", "#include <stddef.h>", "#include <ucp/api/ucp.h>"]
+    lines.append("int main(void) {")
+    expected = []
+    for name in LAYOUT_STRUCTS:
+        ctype = ffi.typeof(name)
+        lines.append(f'printf("{name} sizeof %zu\\n", sizeof({name}));')
+        expected.append(f"{name} sizeof {ffi.sizeof(ctype)}")
+        for field, _ in ctype.fields:
+            lines.append(f'printf("{name} {field} %zu\\n", offsetof({name}, {field}));')
+            expected.append(f"{name} {field} {ffi.offsetof(ctype, field)}")
+    lines.append('printf("ucs_status_t sizeof %zu\\n", sizeof(ucs_status_t));')
+    expected.append(f"ucs_status_t sizeof {ffi.sizeof('ucs_status_t')}")
+    lines.append("return 0; }")
+    (tmp_path / "layout.c").write_text("\n".join(lines))
+    subprocess.run(
+        [cc, f"-I{include}", "-o", str(tmp_path / "layout"), str(tmp_path / "layout.c")],
+        check=True,
+        capture_output=True,
+    )
+    got = subprocess.run([str(tmp_path / "layout")], check=True, capture_output=True, text=True)
+    assert got.stdout.splitlines() == expected
+
+
+def test_api_version_is_no_newer_than_the_headers() -> None:
+    include = _include_dir()
+    if include is None:
+        pytest.skip("no UCX headers next to the loaded libucp")
+    text = (include / "ucp" / "api" / "ucp_version.h").read_text()
+    major = int(text.split("#define UCP_API_MAJOR")[1].split()[0])
+    minor = int(text.split("#define UCP_API_MINOR")[1].split()[0])
+    assert (major, minor) >= (native.API_MAJOR, native.API_MINOR)
+
+
+def test_status_pointer_macros() -> None:
+    ffi = native.ffi
+    assert native.ptr_status(ffi.NULL) == native.UCS_OK
+    assert native.ptr_status(ffi.cast("void *", 0x7F0000001000)) == native.UCS_INPROGRESS
+    for status in (-1, -6, -25, -80, -100):
+        assert native.ptr_status(ffi.cast("void *", status)) == status
+
+
+def test_every_status_has_a_documented_code() -> None:
+    codes = {s: ucx.status_code(s) for s in range(-100, 0)}
+    assert codes[-6] == codes[-25] == codes[-80] == codes[-45] == LLMStatusCode.LLM_LINK_FAILED
+    assert codes[-5] == codes[-19] == LLMStatusCode.LLM_PARAM_INVALID
+    assert codes[-20] == LLMStatusCode.LLM_TIMEOUT
+    assert codes[-4] == LLMStatusCode.LLM_OUT_OF_MEMORY
+    assert codes[-22] == LLMStatusCode.LLM_FEATURE_NOT_ENABLED
+    assert codes[-15] == LLMStatusCode.LLM_FAILED
+
+
+def test_info_names_library_version_and_transports() -> None:
+    info = ucx.ucx_info()
+    assert info["available"] is True
+    assert info["path"] == native.loaded_path() and os.path.isfile(info["path"])
+    assert info["version"].count(".") == 2
+    assert "tcp/lo" in info["transports"], info
+
+
+# -- one process, two workers -------------------------------------------------------------
+
+
+class Pair:
+    """One context, two workers; the target's worker is progressed by a serving thread."""
+
+    def __init__(self, peer_errors: bool) -> None:
+        self.context = ucx.UcxContext()
+        self.requester = ucx.UcxWorker(self.context)
+        self.target = ucx.UcxWorker(self.context)
+        self.stop = threading.Event()
+        self.server = threading.Thread(target=self.target.serve, args=(self.stop,))
+        self.server.start()
+        self.ep = ucx.Endpoint(self.requester, self.target.address(), peer_errors=peer_errors)
+
+    def close(self) -> None:
+        self.ep.close(_deadline(), force=True)
+        self.stop.set()
+        self.target.signal()
+        self.server.join()
+        self.requester.close()
+        self.target.close()
+        self.context.close()
+
+
+@pytest.fixture(params=TLS)
+def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pair]:
+    monkeypatch.setenv("UCX_TLS", request.param)
+    pair = Pair(peer_errors=request.param.startswith("tcp"))
+    yield pair
+    pair.close()
+
+
+def test_get_and_put_exact_bytes_in_one_process(pair: Pair) -> None:
+    rng = np.random.default_rng(7)
+    remote = rng.integers(0, 256, BIG, dtype=np.uint8)
+    local = np.zeros(BIG, dtype=np.uint8)
+    with (
+        ucx.Registration(pair.context, remote.ctypes.data, BIG) as reg,
+        ucx.Registration(pair.context, local.ctypes.data, BIG),
+        ucx.RemoteKey(pair.ep, reg.rkey, reg.addr, reg.nbytes) as rkey,
+    ):
+        request = ucx.get(pair.ep, local.ctypes.data, BIG, reg.addr, rkey)
+        pair.requester.wait(request, _deadline())
+        assert np.array_equal(local, remote)
+        for off, n in _spans(rng, BIG, 40):
+            dst = int(rng.integers(0, BIG - n))
+            local[dst : dst + n] = 0
+            request = ucx.get(pair.ep, local.ctypes.data + dst, n, reg.addr + off, rkey)
+            pair.requester.wait(request, _deadline())
+            assert np.array_equal(local[dst : dst + n], remote[off : off + n]), (off, n)
+        for off, n in _spans(rng, BIG, 40):
+            src = int(rng.integers(0, BIG - n))
+            local[src : src + n] = rng.integers(0, 256, n, dtype=np.uint8)
+            before, after = remote[off - 1] if off else None, remote[(off + n) % BIG]
+            request = ucx.put(pair.ep, local.ctypes.data + src, n, reg.addr + off, rkey)
+            pair.requester.wait(request, _deadline())
+            pair.ep.flush(_deadline())
+            assert np.array_equal(remote[off : off + n], local[src : src + n]), (off, n)
+            if off:
+                assert remote[off - 1] == before
+            if off + n < BIG:
+                assert remote[off + n] == after
+
+
+def test_out_of_range_and_closed_objects_are_refused(pair: Pair) -> None:
+    remote = np.zeros(1 << 20, dtype=np.uint8)
+    local = np.zeros(2 << 20, dtype=np.uint8)
+    reg = ucx.Registration(pair.context, remote.ctypes.data, remote.nbytes)
+    rkey = ucx.RemoteKey(pair.ep, reg.rkey, reg.addr, reg.nbytes)
+    base = local.ctypes.data
+    for addr, n in [(reg.addr + 1, reg.nbytes), (reg.addr - 1, 2), (reg.addr + reg.nbytes, 1)]:
+        with pytest.raises(LLMException, match="outside the peer's registration") as info:
+            ucx.get(pair.ep, base, n, addr, rkey)
+        assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as info:
+        ucx.put(pair.ep, base, 0, reg.addr, rkey)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    with pytest.raises(LLMException) as info:
+        ucx.RemoteKey(pair.ep, b"", reg.addr, reg.nbytes)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    rkey.close()
+    with pytest.raises(LLMException, match="remote key is closed") as info:
+        ucx.get(pair.ep, base, 16, reg.addr, rkey)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    reg.close()
+    with pytest.raises(LLMException) as info:
+        ucx.Endpoint(pair.requester, b"")
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+
+
+def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A get whose target never progresses times out (LLM_TIMEOUT) without burning CPU."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
+        remote = np.zeros(1 << 20, dtype=np.uint8)
+        local = np.zeros_like(remote)
+        reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
+        ep = ucx.Endpoint(a, b.address())
+        rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+        request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+        cpu = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.monotonic()
+        with pytest.raises(LLMException, match="deadline") as info:
+            a.wait(request, time.monotonic_ns() + SECOND // 2)
+        elapsed = time.monotonic() - start
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
+        assert 0.45 <= elapsed < 2.0
+        spent = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
+        assert spent < 0.25 * elapsed, f"waiting used {spent:.3f}s CPU in {elapsed:.3f}s"
+        request.abandon()
+        rkey.close()
+        ep.close(_deadline(2), force=True)
+        reg.close()
+
+
+# -- two processes ------------------------------------------------------------------------
+
+
+class Peer:
+    """``tests/peer_ucx.py`` in a child process: registered memory, served."""
+
+    def __init__(self, tls: str, nbytes: int = BIG, seed: int = 11) -> None:
+        env = dict(os.environ, UCX_TLS=tls, PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen(
+            [sys.executable, PEER, str(nbytes), str(seed)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        hello: dict[str, Any] = json.loads(self.proc.stdout.readline())
+        self.address = bytes.fromhex(hello["address"])
+        self.rkey = bytes.fromhex(hello["rkey"])
+        self.addr: int = hello["addr"]
+        self.nbytes: int = hello["nbytes"]
+        self.expected = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+    def read(self, off: int, n: int) -> bytes:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"read {off} {n}\n")
+        self.proc.stdin.flush()
+        return bytes.fromhex(self.proc.stdout.readline().strip())
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            assert self.proc.wait(timeout=30) == 0
+        self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def local_side(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ucx.UcxContext, ucx.UcxWorker]]:
+    context = ucx.UcxContext()
+    worker = ucx.UcxWorker(context)
+    yield context, worker
+    worker.close()
+    context.close()
+
+
+@pytest.mark.parametrize("tls", [p.values[0] for p in TLS], ids=["tcp", "sm"])
+def test_get_and_put_between_two_processes(tls: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", tls)
+    peer = Peer(tls)
+    context = ucx.UcxContext()
+    worker = ucx.UcxWorker(context)
+    local = np.zeros(BIG, dtype=np.uint8)
+    try:
+        reg = ucx.Registration(context, local.ctypes.data, BIG)
+        ep = ucx.Endpoint(worker, peer.address, peer_errors=tls.startswith("tcp"))
+        rkey = ucx.RemoteKey(ep, peer.rkey, peer.addr, peer.nbytes)
+        worker.wait(ucx.get(ep, local.ctypes.data, BIG, peer.addr, rkey), _deadline())
+        assert np.array_equal(local, peer.expected)
+        rng = np.random.default_rng(3)
+        for off, n in _spans(rng, BIG, 20):
+            dst = int(rng.integers(0, BIG - n))
+            local[dst : dst + n] = 0
+            worker.wait(ucx.get(ep, local.ctypes.data + dst, n, peer.addr + off, rkey), _deadline())
+            assert np.array_equal(local[dst : dst + n], peer.expected[off : off + n])
+        for off, n in _spans(rng, BIG, 10):
+            n = min(n, 100_000)  # checked back through the pipe as hex
+            data = rng.integers(0, 256, n, dtype=np.uint8)
+            local[:n] = data
+            worker.wait(ucx.put(ep, local.ctypes.data, n, peer.addr + off, rkey), _deadline())
+            ep.flush(_deadline())
+            edge = max(off - 1, 0)
+            got = peer.read(edge, n + 2)
+            assert got[off - edge : off - edge + n] == data.tobytes(), (off, n)
+            peer.expected[off : off + n] = data
+            assert got == peer.expected[edge : edge + n + 2].tobytes()
+        rkey.close()
+        ep.close(_deadline())
+        reg.close()
+    finally:
+        peer.close()
+        worker.close()
+        context.close()
+
+
+def test_a_peer_that_dies_fails_the_link(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over tcp, a get from a killed peer and an endpoint to a dead worker fail with
+    LLM_LINK_FAILED well before their deadlines."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    peer = Peer("tcp,self", nbytes=1 << 20)
+    context = ucx.UcxContext()
+    worker = ucx.UcxWorker(context)
+    local = np.zeros(1 << 20, dtype=np.uint8)
+    try:
+        ep = ucx.Endpoint(worker, peer.address)
+        rkey = ucx.RemoteKey(ep, peer.rkey, peer.addr, peer.nbytes)
+        worker.wait(ucx.get(ep, local.ctypes.data, 4096, peer.addr, rkey), _deadline())
+        peer.kill()
+        start = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            for _ in range(100):  # the first gets may still be accepted by the socket
+                worker.wait(
+                    ucx.get(ep, local.ctypes.data, local.nbytes, peer.addr, rkey), _deadline(15)
+                )
+        assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, info.value
+        assert time.monotonic() - start < 15
+        rkey.close()
+        ep.close(_deadline(5))
+
+        start = time.monotonic()
+        with pytest.raises(LLMException) as info:
+            ep = ucx.Endpoint(worker, peer.address)
+            rkey = ucx.RemoteKey(ep, peer.rkey, peer.addr, peer.nbytes)
+            try:
+                worker.wait(ucx.get(ep, local.ctypes.data, 64, peer.addr, rkey), _deadline(15))
+            finally:
+                rkey.close()
+                ep.close(_deadline(5), force=True)
+        assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, info.value
+        assert time.monotonic() - start < 15
+    finally:
+        peer.close()
+        worker.close()
+        context.close()
