@@ -393,3 +393,38 @@ def test_a_peer_that_dies_fails_the_link(monkeypatch: pytest.MonkeyPatch) -> Non
         peer.close()
         worker.close()
         context.close()
+
+
+@pytest.mark.parametrize("tls", [p.values[0] for p in TLS], ids=["tcp", "sm"])
+def test_an_access_outside_the_peers_memory_fails_the_link(
+    tls: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What UCX itself does when the requester-side bounds check is bypassed (a key that lies
+    about its length) and the address is not mapped in the peer: the requester gets
+    LLM_LINK_FAILED, never a crash. Over cma the kernel refuses the read and the peer is
+    unharmed; over tcp UCX's software RMA does not check target addresses and the *peer*
+    dies of SIGSEGV. This is why the bounds check runs before UCX and the route is offered
+    only on authenticated links."""
+    monkeypatch.setenv("UCX_TLS", tls)
+    peer = Peer(tls, nbytes=1 << 20)
+    context = ucx.UcxContext()
+    worker = ucx.UcxWorker(context)
+    local = np.zeros(4096, dtype=np.uint8)
+    try:
+        ep = ucx.Endpoint(worker, peer.address, peer_errors=tls.startswith("tcp"))
+        rkey = ucx.RemoteKey(ep, peer.rkey, peer.addr, 1 << 46)
+        with pytest.raises(LLMException) as info:
+            far = peer.addr + (1 << 45)
+            worker.wait(ucx.get(ep, local.ctypes.data, local.nbytes, far, rkey), _deadline(15))
+        assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, info.value
+        if tls.startswith("tcp"):
+            assert peer.proc.wait(timeout=10) == -signal.SIGSEGV
+        else:
+            assert peer.proc.poll() is None
+            assert peer.read(0, 16) == peer.expected[:16].tobytes()
+        rkey.close()
+        ep.close(_deadline(5), force=True)
+    finally:
+        peer.close()
+        worker.close()
+        context.close()
