@@ -37,11 +37,8 @@ def test_a_script_answers_help_and_refuses_a_bad_argument(script: Path) -> None:
     assert helped.stdout.startswith("usage:")
     refused = run(script, "--no-such-option")
     assert refused.returncode == 2
-    assert (
-        refused.stderr.strip()
-        .splitlines()[-1]
-        .endswith("error: unrecognized arguments: --no-such-option")
-    )
+    last = refused.stderr.strip().splitlines()[-1]
+    assert "error: unrecognized arguments: --no-such-option" in last
 
 
 @pytest.mark.parametrize(
