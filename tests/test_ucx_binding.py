@@ -9,6 +9,7 @@ handling, so those endpoints are made with ``peer_errors=False``).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import resource
@@ -428,3 +429,64 @@ def test_an_access_outside_the_peers_memory_fails_the_link(
         peer.close()
         worker.close()
         context.close()
+
+
+# -- awaited on an event loop --------------------------------------------------------------
+
+
+async def test_gets_awaited_together_on_the_loop(pair: Pair) -> None:
+    """Many requests awaited at once share the worker's event fd in the loop's selector."""
+    rng = np.random.default_rng(11)
+    remote = rng.integers(0, 256, BIG, dtype=np.uint8)
+    local = np.zeros(BIG, dtype=np.uint8)
+    with (
+        ucx.Registration(pair.context, remote.ctypes.data, BIG) as reg,
+        ucx.Registration(pair.context, local.ctypes.data, BIG),
+        ucx.RemoteKey(pair.ep, reg.rkey, reg.addr, reg.nbytes) as rkey,
+    ):
+        piece = BIG // 16
+        requests = [
+            ucx.get(pair.ep, local.ctypes.data + i * piece, piece, reg.addr + i * piece, rkey)
+            for i in range(16)
+        ]
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.001)
+                ticks += 1
+
+        beat = asyncio.create_task(ticker())
+        await asyncio.gather(*(pair.requester.wait_async(r, _deadline()) for r in requests))
+        beat.cancel()
+        assert np.array_equal(local, remote)
+        assert not pair.requester._waiters  # the fd left the selector
+
+
+async def test_an_awaited_request_times_out_without_burning_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
+        remote = np.zeros(1 << 20, dtype=np.uint8)
+        local = np.zeros_like(remote)
+        reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
+        ep = ucx.Endpoint(a, b.address())  # b never progresses: the get never completes
+        rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+        request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+        cpu = resource.getrusage(resource.RUSAGE_SELF)
+        start = time.monotonic()
+        with pytest.raises(LLMException, match="deadline") as info:
+            await a.wait_async(request, time.monotonic_ns() + SECOND // 2)
+        elapsed = time.monotonic() - start
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        assert info.value.status_code == LLMStatusCode.LLM_TIMEOUT
+        assert 0.45 <= elapsed < 2.0
+        spent = used.ru_utime + used.ru_stime - cpu.ru_utime - cpu.ru_stime
+        assert spent < 0.25 * elapsed, f"waiting used {spent:.3f}s CPU in {elapsed:.3f}s"
+        assert not a._waiters
+        request.abandon()
+        rkey.close()
+        ep.close(_deadline(2), force=True)
+        reg.close()

@@ -41,6 +41,7 @@ carries the call, the status name and ``ucs_status_string``:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -232,6 +233,8 @@ class UcxWorker:
         fd = ffi.new("int *")
         _check("ucp_worker_get_efd", self._lib.ucp_worker_get_efd(self._handle, fd))
         self._fd = int(fd[0])
+        # Futures waiting for the event fd, by the loop whose selector watches it.
+        self._waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
 
     @property
     def handle(self) -> Any:
@@ -331,6 +334,71 @@ class UcxWorker:
                     status_code=LLMStatusCode.LLM_TIMEOUT,
                 )
         request.result()
+
+    async def wait_async(self, request: Request, deadline_ns: int | None = None) -> None:
+        """Await ``request`` on the running event loop: between progress calls the worker's
+        event fd sits in the loop's selector (nothing polls), shared by every request awaited
+        on this worker from that loop. Raises as :meth:`wait`, and the same holds after a
+        timeout: the request is still in flight.
+        """
+        loop = asyncio.get_running_loop()
+        idle = 0
+        while True:
+            if self.progress():
+                while self.progress():
+                    pass
+                idle = 0
+            if request.done():
+                break
+            if not self.arm():
+                await asyncio.sleep(0)  # events pending: let the loop run, then progress
+                continue
+            left_s = None
+            if deadline_ns is not None:
+                left_s = (deadline_ns - time.monotonic_ns()) / 1e9
+                if left_s <= 0:
+                    raise LLMException(
+                        f"UCX {request.what} did not complete before its deadline",
+                        status_code=LLMStatusCode.LLM_TIMEOUT,
+                    )
+            if idle > _IDLE_WAKES_FREE:  # woken for nothing again: as :meth:`_sleep`
+                pause = min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle - _IDLE_WAKES_FREE))
+                await asyncio.sleep(pause if left_s is None else min(pause, left_s))
+            woken = self._loop_waiter(loop)
+            try:
+                await asyncio.wait({woken}, timeout=left_s)  # the deadline is checked above
+            finally:
+                if not woken.done():  # timed out or cancelled: no longer waiting
+                    self._forget_waiter(loop, woken)
+            idle += 1
+        request.result()
+
+    def _loop_waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
+        """A future set when the event fd is next readable on ``loop`` (one reader per loop
+        for every waiter; it leaves the selector once no one waits)."""
+        waiters = self._waiters.get(loop)
+        if waiters is None:
+            waiters = self._waiters[loop] = []
+            loop.add_reader(self._fd, self._wake_waiters, loop)
+        future: asyncio.Future[None] = loop.create_future()
+        waiters.append(future)
+        return future
+
+    def _forget_waiter(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+        future.cancel()
+        waiters = self._waiters.get(loop)
+        if waiters is not None and future in waiters:
+            waiters.remove(future)
+            if not waiters:
+                del self._waiters[loop]
+                loop.remove_reader(self._fd)
+
+    def _wake_waiters(self, loop: asyncio.AbstractEventLoop) -> None:
+        waiters = self._waiters.pop(loop, [])
+        loop.remove_reader(self._fd)
+        for future in waiters:
+            if not future.done():
+                future.set_result(None)
 
     def serve(self, stop: threading.Event) -> None:
         """Progress this worker until ``stop`` is set (then call :meth:`signal` to wake it).
