@@ -21,8 +21,8 @@ from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.request import Blocks, Plan, RemoteBlocks, Transfer
-from aio_datadist._native import api
 from aio_datadist._transport.base import Iov, RequestKind
+from aio_datadist._transport.deadlines import now_ns
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
 from aio_datadist.status import FeatureNotEnabledError, LLMStatusCode, ParamInvalidError
@@ -132,7 +132,7 @@ class Planner:
         """Pin ``entries`` (registry lock held) for a plan of ``transfers``."""
         registry = self.caches.registry
         registry.pin(entries)
-        deadline_ns = api.monotonic_ns() + self.timeout_ms * 1_000_000
+        deadline_ns = now_ns() + self.timeout_ms * 1_000_000
         return Plan(transfers, deadline_ns, functools.partial(registry.unpin, entries))
 
     def _require_remote_access(self, call: str) -> None:

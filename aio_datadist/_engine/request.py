@@ -24,6 +24,7 @@ from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._native import api
 from aio_datadist._native.api import BlockLayout
 from aio_datadist._transport.base import Channel, Iov, RequestKind
+from aio_datadist._transport.deadlines import now_ns
 from aio_datadist.status import LLMStatusCode, LLMTimeoutError
 
 __all__ = ("DONE", "GRACE_S", "Blocks", "Completion", "Plan", "RemoteBlocks", "Transfer")
@@ -202,7 +203,7 @@ class Completion:
     def timeout_s(self) -> float:
         """Seconds a waiter gives the request: until its deadline, plus :data:`GRACE_S`
         for the transport to report a timeout itself."""
-        return max(0.0, (self.deadline_ns - api.monotonic_ns()) / 1e9) + GRACE_S
+        return max(0.0, (self.deadline_ns - now_ns()) / 1e9) + GRACE_S
 
     def wait(self) -> None:
         """Wait in this thread (the blocking face): read the answer here where the link
