@@ -10,7 +10,7 @@ at most :data:`LINGER_S`), and returns whether its socket was handed over (to a 
 another process); otherwise the socket is closed.
 
 Everything is bounded: at most ``max_pending`` handshakes at once (a connection beyond
-them evicts the oldest one: an honest handshake takes about a millisecond), each within its
+them evicts the oldest one: an honest client sends its HELLO at once), each within its
 deadline, and at most ``workers`` threads. No error ends the selector thread: it logs,
 backs off and goes on; while the process is out of descriptors it stops accepting for a
 moment instead of spinning.

@@ -88,20 +88,21 @@ __all__ = ("HANDSHAKE_TIMEOUT", "TcpListener", "TcpTransport")
 HANDSHAKE_TIMEOUT = 5.0
 
 
-def _recv_exact(fd: int, n: int, deadline_ns: int) -> bytearray:
-    """``n`` bytes from ``fd`` by the absolute deadline."""
-    buf = bytearray(n)
-    if n:
-        sock_recv_into(fd, buf, deadline_ns)
-    return buf
-
-
 def _recv_handshake_frame(fd: int, deadline_ns: int) -> tuple[FrameHeader, bytearray]:
-    """One handshake frame (no payload, a bounded body) and its body, by the deadline."""
-    h = decode_header(_recv_exact(fd, HEADER.size, deadline_ns))
-    if h.payload_len or h.body_len > MAX_HELLO_BODY:
-        raise WireError(f"oversized {h.kind.name} frame in the handshake")
-    return h, _recv_exact(fd, h.body_len, deadline_ns)
+    """(The client.) One handshake frame read as the listener reads it
+    (:func:`_handshake_frame`), each of its reads blocking until the deadline."""
+    steps = _handshake_frame()
+    wait = next(steps)
+    while True:
+        assert isinstance(wait, Read)
+        buf = bytearray(wait.n)
+        if wait.n:
+            sock_recv_into(fd, buf, deadline_ns)
+        try:
+            wait = steps.send(bytes(buf))
+        except StopIteration as done:
+            frame: tuple[FrameHeader, bytearray] = done.value
+            return frame
 
 
 def _recv_answer(fd: int, where: str, deadline_ns: int) -> tuple[FrameHeader, bytearray]:
@@ -552,6 +553,7 @@ class TcpTransport(Transport):
                 LLMStatusCode.LLM_LINK_FAILED, f"cannot connect to {where}: {exc.strerror or exc}"
             ) from None
         handed_over = False
+        proof: SameHostProof | None = None
         try:
             sock.settimeout(None)
             _tune(sock, self.sndbuf, self.rcvbuf)
@@ -565,7 +567,7 @@ class TcpTransport(Transport):
                 busy_poll_us=self.busy_poll_us,
             )
             channel.authenticated = authenticated
-            channel.same_host = _prove(sock, hello, peer, where, deadline)
+            channel.same_host = proof = _prove(sock, hello, peer, where, deadline)
             channel.start()
             handed_over = True
         except NetTimeout:
@@ -588,6 +590,8 @@ class TcpTransport(Transport):
         finally:
             if not handed_over:
                 sock.close()
+                if proof is not None:  # the peer's board descriptor goes with the channel
+                    proof.close()
         get_logger("tcp").info(
             "tcp.connected",
             remote=where,

@@ -275,6 +275,14 @@ class UcxWorker:
         with self.lock:
             return int(self._lib.ucp_worker_progress(handle))
 
+    def _drain(self) -> bool:
+        """Progress until nothing is left to do; whether anything was."""
+        if not self.progress():
+            return False
+        while self.progress():
+            pass
+        return True
+
     def signal(self) -> None:
         """Make the event fd readable, waking a thread sleeping in :meth:`wait`/:meth:`serve`."""
         handle = self.handle
@@ -295,9 +303,7 @@ class UcxWorker:
         keeps it signalled); after a few such wake-ups in a row the sleep is stretched, from
         50 us doubling to 1 ms, so that a stalled peer costs no more than a timer would.
         """
-        if self.progress():
-            while self.progress():
-                pass
+        if self._drain():
             idle[0] = 0
         if ready() or not self.arm():
             return True
@@ -308,8 +314,8 @@ class UcxWorker:
             if left <= 0:
                 return False
             timeout_ms = max(1, -(-left // 1_000_000))
-        if idle[0] > _IDLE_WAKES_FREE:
-            pause = min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle[0] - _IDLE_WAKES_FREE))
+        pause = _idle_pause(idle[0])
+        if pause:
             time.sleep(pause if timeout_ms < 0 else min(pause, timeout_ms / 1000))
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
@@ -329,10 +335,7 @@ class UcxWorker:
         idle = [0]
         while not request.done():
             if not self._sleep(request.done, deadline_ns, idle) and not request.done():
-                raise LLMException(
-                    f"UCX {request.what} did not complete before its deadline",
-                    status_code=LLMStatusCode.LLM_TIMEOUT,
-                )
+                raise _timed_out(request)
         request.result()
 
     async def wait_async(self, request: Request, deadline_ns: int | None = None) -> None:
@@ -344,9 +347,7 @@ class UcxWorker:
         loop = asyncio.get_running_loop()
         idle = 0
         while True:
-            if self.progress():
-                while self.progress():
-                    pass
+            if self._drain():
                 idle = 0
             if request.done():
                 break
@@ -357,12 +358,9 @@ class UcxWorker:
             if deadline_ns is not None:
                 left_s = (deadline_ns - time.monotonic_ns()) / 1e9
                 if left_s <= 0:
-                    raise LLMException(
-                        f"UCX {request.what} did not complete before its deadline",
-                        status_code=LLMStatusCode.LLM_TIMEOUT,
-                    )
-            if idle > _IDLE_WAKES_FREE:  # woken for nothing again: as :meth:`_sleep`
-                pause = min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle - _IDLE_WAKES_FREE))
+                    raise _timed_out(request)
+            pause = _idle_pause(idle)  # woken for nothing again: as :meth:`_sleep`
+            if pause:
                 await asyncio.sleep(pause if left_s is None else min(pause, left_s))
             woken = self._loop_waiter(loop)
             try:
@@ -430,6 +428,21 @@ class UcxWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _idle_pause(idle: int) -> float:
+    """Seconds to wait before sleeping on the event fd after ``idle`` wake-ups in a row that
+    found nothing to do (0 for the first few; then from 50 us doubling to 1 ms)."""
+    if idle <= _IDLE_WAKES_FREE:
+        return 0.0
+    return float(min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle - _IDLE_WAKES_FREE)))
+
+
+def _timed_out(request: Request) -> LLMException:
+    return LLMException(
+        f"UCX {request.what} did not complete before its deadline",
+        status_code=LLMStatusCode.LLM_TIMEOUT,
+    )
 
 
 class Request:
