@@ -22,10 +22,10 @@ pull reads it fails that pull with ``LLM_KV_CACHE_NOT_EXIST`` (the board changed
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import structlog
@@ -136,16 +136,14 @@ class PeerMemory:
             self._check_still_there(regions, entries)
             return True
         if not local_on_device:
-            moved = self._vm_copy(
-                self._ops_copy(kind, _paired(kind, local, remote)), regions, entries
-            )
+            moved = self._ops_copy(kind, _paired(kind, local, remote), regions, entries)
         else:
             pull = kind is RequestKind.PULL
             staged = self._staging.inbound(local) if pull else self._staging.outbound(local)
             ok = False
             try:
                 ops = _paired(kind, staged.iov, remote)
-                moved = self._vm_copy(self._ops_copy(kind, ops), regions, entries)
+                moved = self._ops_copy(kind, ops, regions, entries)
                 ok = moved
             finally:
                 staged.finish(ok)
@@ -187,9 +185,7 @@ class PeerMemory:
         dst, src = (theirs, local) if push else (local, theirs)
         try:
             moved = self._vm_copy(
-                functools.partial(api.vm_copy_blocks, self.pid, dst, src, count, seg, write=push),
-                regions,
-                [entry],
+                regions, [entry], api.vm_copy_blocks, self.pid, dst, src, count, seg, write=push
             )
         except ParamInvalidError:
             return False
@@ -228,18 +224,26 @@ class PeerMemory:
             self._mapped[entry.token] = base
             return base
 
-    def _ops_copy(self, kind: RequestKind, ops: np.ndarray) -> Callable[[], None]:
-        """The copy of ``(dst, src, nbytes)`` ops with the peer (its memory is src on a
-        pull, dst on a push)."""
-        return functools.partial(api.vm_copy_batch, self.pid, ops, write=kind is RequestKind.PUSH)
+    def _ops_copy(
+        self, kind: RequestKind, ops: np.ndarray, regions: RemoteRegions, entries: list[BoardEntry]
+    ) -> bool:
+        """Copy the ``(dst, src, nbytes)`` ops with the peer (its memory is src on a pull,
+        dst on a push); as :meth:`_vm_copy`."""
+        write = kind is RequestKind.PUSH
+        return self._vm_copy(regions, entries, api.vm_copy_batch, self.pid, ops, write=write)
 
     def _vm_copy(
-        self, copy: Callable[[], None], regions: RemoteRegions, entries: list[BoardEntry]
+        self,
+        regions: RemoteRegions,
+        entries: list[BoardEntry],
+        copy: Callable[..., None],
+        *args: Any,
+        write: bool,
     ) -> bool:
-        """Run ``copy`` with the peer's host memory; False when the kernel refused (use the
-        link)."""
+        """Run ``copy(*args, write=write)`` with the peer's host memory; False when the
+        kernel refused (use the link)."""
         try:
-            copy()
+            copy(*args, write=write)
         except PermissionError as exc:
             self.enabled = False
             self._log.warning(

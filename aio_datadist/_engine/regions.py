@@ -47,6 +47,7 @@ BOARD_BYTES = 16 << 20
 _MAGIC = 0x41494F52  # "AIOR"
 _LAYOUT = 2
 _HEAD = struct.Struct("<IIQQI")
+_SEQ = struct.Struct("<Q")
 _SEQ_AT = 8
 _ENTRY = struct.Struct("<QqQQQII")
 #: Largest sharing token a table may carry.
@@ -232,17 +233,23 @@ class RegionView:
         self._regions: RemoteRegions | None = None
 
     def seq(self) -> int:
-        """The board's current sequence number (odd while the writer is busy); -1 once closed."""
-        with self._lock:
+        """The board's current sequence number (odd while the writer is busy); -1 once closed.
+        One read of the counter, without the lock."""
+        try:
             return self._seq()
+        except ValueError:  # closed by another thread meanwhile
+            return -1
 
     def _seq(self) -> int:
         if self._map.closed:
             return -1
-        return int(struct.unpack_from("<Q", self._map, _SEQ_AT)[0])
+        return int(_SEQ.unpack_from(self._map, _SEQ_AT)[0])
 
     def regions(self) -> RemoteRegions | None:
         """The current table, or None when no consistent snapshot could be read (or closed)."""
+        cached = self._regions  # the usual case: the board did not change since last read
+        if cached is not None and cached.seq == self.seq():
+            return cached
         with self._lock:
             if self._map.closed:
                 return None

@@ -526,8 +526,12 @@ def vm_copy_blocks(
             ``seg`` 0 or over a block; nothing moved then.
         PermissionError, ProcessLookupError, OSError: as for ``vm_copy_batch``.
     """
-    _pid(pid)
-    _copy_threads(threads)
+    if type(pid) is not int or not 0 < pid <= _INT_MAX:  # exact ints in range: no call
+        _pid(pid)
+    if type(threads) is not int or threads:
+        _copy_threads(threads)
+    if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
+        _u64(seg, "seg")
     d_layout, d_start, d_blocks = dst
     s_layout, s_start, s_blocks = src
     n = len(d_blocks)
@@ -549,7 +553,7 @@ def vm_copy_blocks(
         blocks + n,
         count,
         n,
-        _u64(seg, "seg"),
+        seg,
         threads,
         err,
     )
