@@ -135,8 +135,9 @@ _IDLE_S = 60.0
 _CALLERS_NS = 5_000_000
 _PARK_TICK_S = 0.001
 #: While an event loop reads the socket, the reader thread looks this often whether the
-#: loop closed without giving the socket back, or left bytes waiting a whole tick (it is
-#: blocked: the reader thread then reads the next frame itself).
+#: loop closed without giving the socket back. Parked for a loop or for callers, it reads
+#: the next frame itself once one waited a whole tick with no reader coming to the socket
+#: (a blocked loop, callers gone quiet).
 _LOOP_PARK_S = 0.002
 #: ... backing off to this while the link is idle.
 _LOOP_PARK_MAX_S = 0.1
@@ -560,9 +561,10 @@ class TcpChannel(Channel):
         self._loop_iov: Iov | None = None
         self._loop_left = 0
         self._loop_timer: asyncio.TimerHandle | None = None
-        # Times the loop came to read, to start or to end a call: the reader thread sees it
-        # is alive (a loop busy starting or finishing thousands of calls reads after).
-        self._loop_reads = 0
+        # Times another reader came to the socket (a caller, or the loop to read, to start or
+        # to end a call): the reader thread sees it is alive (a loop busy starting or
+        # finishing thousands of calls reads after).
+        self._reads = 0
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -784,6 +786,7 @@ class TcpChannel(Channel):
             except (WireError, struct.error) as exc:
                 raise _error(LLMStatusCode.LLM_PARAM_INVALID, f"{call}: {exc}") from None
             self._callers_until = now_ns() + _CALLERS_NS  # the reader thread stays off
+            self._reads += 1
             try:  # a deadline in the past: never waits
                 if pull:
                     sock_send_bytes(self._fd, ctl, 1)
@@ -1313,45 +1316,44 @@ class TcpChannel(Channel):
         # Busy-poll only right after a frame of the peer's requests (a request, PULL_DONE):
         # in a run of small requests the next one follows within microseconds. After an
         # answer to this side's own request the next frame waits for this side's next move,
-        # and the CPU is better left to it. While callers read their own answers, this
-        # thread stays off the socket.
+        # and the CPU is better left to it.
         spin = 0
         try:
-            stalled = -1  # the loop's read count when the socket was last seen waiting
+            stalled = -1  # the readers' count when a frame was last seen waiting unread
             tick = _LOOP_PARK_S
             while not self._broken:
-                if self._loop_fd >= 0:  # an event loop reads: off the socket until it is done
-                    self._park.wait(tick)
+                park_s = self._parked_for(tick)
+                if park_s > 0:  # another reader has the socket: off it, looking each tick
+                    self._park.wait(park_s)
                     self._park.clear()
                     self._reclaim_from_closed_loop()
-                    if self._hdr_have == _HEADER_SIZE:  # a frame the loop began and left
-                        failure = self._read_for_stalled_loop()
+                    if self._hdr_have == _HEADER_SIZE:  # a frame another reader began and left
+                        failure = self._read_for_absent_reader()
                         if failure is not None:
                             reason = failure
                             break
                         continue
-                    if self._loop_fd < 0 or not self._readable_now():
+                    if self._parked_for(tick) <= 0:
+                        tick = _LOOP_PARK_S
+                        continue  # the socket is this thread's again
+                    if not self._readable_now():
                         stalled = -1
                         tick = min(2 * tick, _LOOP_PARK_MAX_S)  # an idle link: look less often
                         continue
                     tick = _LOOP_PARK_S
-                    if stalled != self._loop_reads:  # give the loop a tick to come to it
-                        stalled = self._loop_reads
+                    if stalled != self._reads:  # give the other reader a tick to come to it
+                        stalled = self._reads
                         continue
-                    # Bytes waited a whole tick and the loop never came: it is blocked (a
-                    # synchronous call on it, say). Take the next frame here, so the peer's
-                    # requests are served whatever the loop does.
+                    # A frame waited a whole tick and no reader came: the loop is blocked
+                    # (a synchronous call on it, say), or the callers went quiet. Take it
+                    # here, so the peer's requests are served whatever the others do.
                     stalled = -1
-                    failure = self._read_for_stalled_loop()
+                    failure = self._read_for_absent_reader()
                     if failure is not None:
                         reason = failure
                         break
                     continue
-                if now_ns() < self._callers_until:
-                    self._park.wait(_PARK_TICK_S)
-                    self._park.clear()
-                    readable = self._frame_waiting()
-                elif self._hdr_have == _HEADER_SIZE:
+                if self._hdr_have == _HEADER_SIZE:
                     readable = True  # a frame the loop began and left: no bytes need come
                 else:
                     owed = self._owed or self._hdr_have
@@ -1361,8 +1363,8 @@ class TcpChannel(Channel):
                         reason = f"the peer stalled mid-frame for {self._stall_s} s"
                         break
                 spin = 0
-                if not readable or self._loop_fd >= 0:
-                    continue  # (an event loop began watching meanwhile: the frame is its)
+                if not readable or self._parked_for(tick) > 0:
+                    continue  # (another reader began meanwhile: the frame is its, first)
                 with self._rlock:  # a caller reading its own answer has it meanwhile
                     if self._broken:
                         break
@@ -1458,6 +1460,7 @@ class TcpChannel(Channel):
             self._unpark()  # another thread reads; the reader thread must not doze meanwhile
             return
         self._callers_until = now_ns() + _CALLERS_NS
+        self._reads += 1
         try:
             while not future.done() and not self._broken and self._at_frame_start():
                 limit = now_ns() + spin
@@ -1501,7 +1504,7 @@ class TcpChannel(Channel):
             return None
         self._watch_loop = loop
         self._watchers += 1
-        self._loop_reads += 1
+        self._reads += 1
         self._callers_until = now_ns() + _CALLERS_NS
         return self._unwatch
 
@@ -1531,7 +1534,7 @@ class TcpChannel(Channel):
         # The loop keeps watching: its next request finds the socket in its selector and
         # the reader thread parked. The first frame not for it ends the watch.
         self._watchers -= 1
-        self._loop_reads += 1
+        self._reads += 1
         if self._watchers == 0 and self._loop_fd < 0:
             self._watch_loop = None
 
@@ -1560,10 +1563,21 @@ class TcpChannel(Channel):
             finally:
                 os.close(fd)
 
-    def _read_for_stalled_loop(self) -> str | None:
-        """Read the next frame in the reader thread while a blocked loop watches (the rest
-        of an answer it was receiving, or any frame but a request of the peer's held back
-        over the limits); why the channel must break, if so."""
+    def _parked_for(self, tick: float) -> float:
+        """How long the reader thread stays off the socket before it looks again (0: it
+        reads): while an event loop watches, one ``tick``; while callers read their own
+        answers (their window, :data:`_CALLERS_NS`, runs from each call), up to the
+        window's end, at most :data:`_PARK_TICK_S`."""
+        if self._loop_fd >= 0:
+            return tick
+        left = self._callers_until - now_ns()
+        return min(left / 1e9, _PARK_TICK_S) if left > 0 else 0.0
+
+    def _read_for_absent_reader(self) -> str | None:
+        """Read the next frame in the reader thread while another reader has the socket
+        but did not come to it (the rest of an answer a loop was receiving, or any frame but
+        a request of the peer's held back over the limits); why the channel must break, if
+        so."""
         with self._rlock:
             if self._broken:
                 return None
@@ -1596,7 +1610,7 @@ class TcpChannel(Channel):
     def _loop_read(self) -> None:
         """The socket is readable (on the watching loop's thread): take the answers there,
         as their bytes arrive, or hand the socket back to the reader thread."""
-        self._loop_reads += 1
+        self._reads += 1
         if not self._rlock.acquire(blocking=False):  # another thread reads and completes
             loop = self._watch_loop
             self._stop_watching()
