@@ -114,6 +114,7 @@ class AioDataDistAdapter:
     def init_init(self, addr: int, size: int, remote_meta: tuple[int, int]) -> None:
         port, self.remote_base = remote_meta
         self.base = addr
+        self.key = BlocksCacheKey(TARGET_ID, 0)
         info = LLMClusterInfo()
         info.remote_cluster_id = TARGET_ID
         info.append_local_ip_info("127.0.0.1", 0)
@@ -166,6 +167,13 @@ class AioDataDistAdapter:
         self, local: list[int], remote: list[int], lengths: list[int], remote_base: int
     ) -> list[tuple[range, list[int], list[int]]]:
         """Group descriptors into (tensor range, local blocks, remote blocks) calls."""
+        if len(lengths) == 1:  # W3: one descriptor, inside one tensor on both sides
+            lt, lo = divmod(local[0] - self.base, common.TENSOR)
+            rt, ro = divmod(remote[0] - remote_base, common.TENSOR)
+            n = lengths[0]
+            if lt == rt and lo + n <= common.TENSOR and ro + n <= common.TENSOR:
+                lb, rb, k = lo // common.BLOCK, ro // common.BLOCK, n // common.BLOCK
+                return [(range(lt, lt + 1), list(range(lb, lb + k)), list(range(rb, rb + k)))]
         per_tensor: dict[int, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for lo, ro, n in zip(local, remote, lengths, strict=True):
             lo, ro = lo - self.base, ro - remote_base
@@ -189,7 +197,7 @@ class AioDataDistAdapter:
 
     def xfer(self, op: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         calls = self._calls(local, remote, lengths, self.remote_base)
-        key = BlocksCacheKey(TARGET_ID, 0)
+        key = self.key
         if self.loop is None:
             for tensors, lb, rb in calls:
                 self._one(op, key, tensors, lb, rb)
