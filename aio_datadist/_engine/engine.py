@@ -22,6 +22,8 @@ from aio_datadist._runtime import select_runtime
 from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist._transport import make_transport
 from aio_datadist._transport.base import ChannelStats, Hello
+from aio_datadist._transport.faults import LinkFaults
+from aio_datadist._transport.loopback import LoopbackChannel
 from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.cluster import LinkResults
@@ -61,6 +63,7 @@ from aio_datadist.status import (
     LLMException,
     LLMFailedError,
     LLMStatusCode,
+    NotYetLinkError,
     ParamInvalidError,
 )
 
@@ -269,6 +272,28 @@ class Engine:
         """
         link = self.link_table().get(cluster_id)
         return None if link is None else link.channel.stats()
+
+    def link_faults(self, cluster_id: int) -> LinkFaults:
+        """The faults injected into this side's requests on the live loopback link to
+        ``cluster_id`` (``aio_datadist.testing``).
+
+        :raises RuntimeError: not initialised.
+        :raises LLMException: ``LLM_NOT_YET_LINK`` when no link to ``cluster_id`` is live,
+            ``LLM_FEATURE_NOT_ENABLED`` when it is not a loopback link.
+        """
+        link = self.link_table().get(cluster_id)
+        if link is None:
+            raise NotYetLinkError(
+                f"cluster {cluster_id} has no live link to inject faults into",
+                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+            )
+        if not isinstance(link.channel, LoopbackChannel):
+            raise FeatureNotEnabledError(
+                "faults are injected on the loopback transport only "
+                f"(the link to cluster {cluster_id} is {type(link.channel).__name__})",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        return link.channel.faults
 
     def link_clusters(self, clusters: Any, timeout: Any) -> tuple[LLMStatusCode, LinkResults]:
         """``link_clusters``: link to servers; per-cluster results, link failures never raise."""

@@ -39,6 +39,7 @@ from aio_datadist._transport.base import (
     RequestKind,
     Transport,
 )
+from aio_datadist._transport.faults import LinkFaults
 from aio_datadist._transport.future import RequestFuture
 from aio_datadist._transport.handshake import hello_to_wire
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -89,10 +90,22 @@ class LoopbackChannel(Channel):
         self._lock = threading.Lock()
         self._serving = 0  # the peer's requests being served on this end (under _lock)
         self._serving_max = 0
+        #: The faults injected into the requests made from this end (``aio_datadist.testing``).
+        self.faults = LinkFaults(self._die)
 
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _die(self) -> None:
+        """Both ends close as if the peer process had died (no unlink, no notice)."""
+        other = self.other
+        callbacks = self._shut(_PEER_VANISHED)
+        for callback in callbacks:
+            callback(self)
+        if other is not None:
+            for callback in other._shut(_PEER_VANISHED):
+                callback(other)
 
     @property
     def close_reason(self) -> str | None:
@@ -125,12 +138,39 @@ class LoopbackChannel(Channel):
             self._closed = True
             self._reason, self._unlinked = reason, unlinked
             callbacks, self._callbacks = self._callbacks, []
+        self.faults.close()
         return callbacks
 
     def _request(
-        self, kind: RequestKind, body: bytes, local: Iov, nbytes: int, commit: bool
+        self,
+        kind: RequestKind,
+        body: bytes,
+        local: Iov,
+        nbytes: int,
+        deadline_ns: int,
+        commit: bool,
     ) -> Future[None]:
         future: Future[None] = RequestFuture()
+        if not self.faults.admit(
+            kind,
+            deadline_ns,
+            future,
+            lambda: self._serve(future, kind, body, local, nbytes, commit),
+        ):
+            return future
+        self._serve(future, kind, body, local, nbytes, commit)
+        return future
+
+    def _serve(
+        self,
+        future: Future[None],
+        kind: RequestKind,
+        body: bytes,
+        local: Iov,
+        nbytes: int,
+        commit: bool,
+    ) -> None:
+        """Have the peer serve the request and copy its bytes; complete ``future``."""
         other = self.other
         try:
             if self._closed or other is None or other._closed:
@@ -160,15 +200,14 @@ class LoopbackChannel(Channel):
             future.set_exception(exc)
         else:
             future.set_result(None)
-        return future
 
     def pull(
         self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
     ) -> Future[None]:
-        return self._request(RequestKind.PULL, body, _rows(dst), nbytes, commit)
+        return self._request(RequestKind.PULL, body, _rows(dst), nbytes, deadline_ns, commit)
 
     def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
-        return self._request(RequestKind.PUSH, body, _rows(src), nbytes, False)
+        return self._request(RequestKind.PUSH, body, _rows(src), nbytes, deadline_ns, False)
 
     def close(
         self, *, notify_peer: bool, timeout: float | None = None, finalizing: bool = False
