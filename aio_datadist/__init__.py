@@ -20,6 +20,7 @@ from aio_datadist.cluster import LinkResults, LLMClusterInfo
 from aio_datadist.config import LLMConfig, LlmConfig
 from aio_datadist.data_type import DataType
 from aio_datadist.enums import LLMRole, MemType, Memtype, Placement, RegisterMemStatus
+from aio_datadist.stats import DataDistStats
 from aio_datadist.status import (
     AlreadyLinkError,
     ClusterNumExceedLimitError,
@@ -92,6 +93,7 @@ __all__ = [
     "AsyncLLMDataDist",
     "AsyncCacheManager",
     "LinkResults",
+    "DataDistStats",
     "enable_logging",
     "features",
     "__version__",

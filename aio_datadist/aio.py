@@ -42,6 +42,7 @@ from aio_datadist._engine.routes import Waiting
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
+from aio_datadist.stats import DataDistStats
 from aio_datadist.status import LLMStatusCode, LLMTimeoutError
 from aio_datadist.synchronizer import LayerSynchronizer, is_async_synchronizer
 from aio_datadist.task import CacheTask
@@ -1181,6 +1182,20 @@ class AsyncLLMDataDist(_LoopBound):
     def _check_init_loop(self) -> None:
         self._engine.link_table()
         self._check_loop()
+
+    def stats(self) -> DataDistStats:
+        """A snapshot of what this engine moved and holds: transfers by route and op (counts
+        by status, bytes, latency percentiles of the recent ones), by peer cluster, what each
+        live link holds, and the memory pools' usage.
+
+        Cheap and thread-safe: it takes no I/O and may be called from any thread (an
+        exporter's, say); unlike the other methods it is not a coroutine. Transfers are
+        recorded unless ``LLMConfig.metrics`` is False.
+
+        :returns: a ``DataDistStats``.
+        :raises RuntimeError: before ``init`` or after ``finalize``.
+        """
+        return self._engine.stats()
 
     @property
     def cluster_id(self) -> int:

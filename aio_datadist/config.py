@@ -59,6 +59,7 @@ __all__ = (
     "OPTION_COMM_BASE_PORT",
     "OPTION_SAME_HOST",
     "OPTION_BUSY_POLL_US",
+    "OPTION_METRICS",
     "OPTION_ZERO_ON_ALLOC",
     "MAX_BUSY_POLL_US",
     "DEFAULT_BUSY_POLL_US",
@@ -116,6 +117,8 @@ OPTION_LINK_SECRET = "aio.LinkSecret"
 OPTION_BUSY_POLL_US = "aio.BusyPollUs"
 #: "1" or "0" (default): zero every cache's memory when the pool hands it out.
 OPTION_ZERO_ON_ALLOC = "aio.ZeroOnAlloc"
+#: "1" (default) or "0": record metrics per transfer (``stats()``).
+OPTION_METRICS = "aio.Metrics"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -143,6 +146,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "link_secret": OPTION_LINK_SECRET,
     "busy_poll_us": OPTION_BUSY_POLL_US,
     "zero_on_alloc": OPTION_ZERO_ON_ALLOC,
+    "metrics": OPTION_METRICS,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -211,6 +215,7 @@ class LLMConfig:
         "_local_comm_res",
         "_mem_pool_cfg",
         "_mem_utilization",
+        "_metrics",
         "_options",
         "_output_max_size",
         "_rdma_service_level",
@@ -250,6 +255,7 @@ class LLMConfig:
         self._link_secret: str | bytes | None = None
         self._busy_poll_us: int | None = None
         self._zero_on_alloc: bool | None = None
+        self._metrics: bool | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -320,6 +326,8 @@ class LLMConfig:
             opts[OPTION_BUSY_POLL_US] = str(self._busy_poll_us)
         if self._zero_on_alloc is not None:
             opts[OPTION_ZERO_ON_ALLOC] = _bool_opt(self._zero_on_alloc)
+        if self._metrics is not None:
+            opts[OPTION_METRICS] = _bool_opt(self._metrics)
         return opts
 
     @property
@@ -669,6 +677,20 @@ class LLMConfig:
         self._zero_on_alloc = zero_on_alloc
 
     @property
+    def metrics(self) -> bool | None:
+        """Record route, op, peer, bytes, duration and status of every transfer, for
+        ``stats()`` and the Prometheus exporter (key ``aio.Metrics``). None (the default)
+        and True mean on; False records nothing (``stats()`` then has no transfers). Not
+        part of the reference API.
+        """
+        return self._metrics
+
+    @metrics.setter
+    def metrics(self, metrics: bool | None) -> None:
+        _check_optional("metrics", metrics, bool)
+        self._metrics = metrics
+
+    @property
     def link_secret(self) -> str | bytes | None:
         """The shared secret that authenticates links (key ``aio.LinkSecret``).
 
@@ -817,8 +839,8 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     a bad ``ge.flowGraphMemMaxSize``, ``llm.LocalCommRes`` or ``llm.TransferBackend`` outside
     CacheManager mode, ``llm.TransferBackend`` without remote cache access or
     ``llm.listenIpInfo``, a malformed ``llm.listenIpInfo`` (a host name instead of an IPv4
-    address included), an unknown ``aio.Transport`` or an ``aio.ZeroOnAlloc`` other than
-    ``"1"`` / ``"0"``.
+    address included), an unknown ``aio.Transport`` or an ``aio.ZeroOnAlloc`` or
+    ``aio.Metrics`` other than ``"1"`` / ``"0"``.
     """
     check_type("options", options, dict)
     check_type("role", role, LLMRole)
@@ -869,7 +891,8 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     transport = result.get(OPTION_TRANSPORT)
     if transport is not None and transport not in TRANSPORTS:
         param_invalid(f"{OPTION_TRANSPORT} must be one of {list(TRANSPORTS)}, got {transport!r}")
-    zero = result.get(OPTION_ZERO_ON_ALLOC)
-    if zero is not None and zero not in ("1", "0"):
-        param_invalid(f'{OPTION_ZERO_ON_ALLOC} must be "1" or "0", got {zero!r}')
+    for key in (OPTION_ZERO_ON_ALLOC, OPTION_METRICS):
+        switch = result.get(key)
+        if switch is not None and switch not in ("1", "0"):
+            param_invalid(f'{key} must be "1" or "0", got {switch!r}')
     return result

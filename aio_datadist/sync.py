@@ -25,6 +25,7 @@ from aio_datadist._log import get_logger
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
+from aio_datadist.stats import DataDistStats
 from aio_datadist.status import LLMException, LLMFailedError, LLMStatusCode, ParamInvalidError
 from aio_datadist.synchronizer import LayerSynchronizer
 from aio_datadist.task import CacheTask
@@ -796,6 +797,19 @@ class LLMDataDist:
             "kv_cache_manager belongs to the v1 API, which is not supported: use cache_manager",
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
+
+    def stats(self) -> DataDistStats:
+        """A snapshot of what this engine moved and holds: transfers by route and op (counts
+        by status, bytes, latency percentiles of the recent ones), by peer cluster, what each
+        live link holds, and the memory pools' usage.
+
+        Cheap and thread-safe: it takes no I/O and may be called from any thread (an
+        exporter's, say). Transfers are recorded unless ``LLMConfig.metrics`` is False.
+
+        :returns: a ``DataDistStats``.
+        :raises RuntimeError: before ``init`` or after ``finalize``.
+        """
+        return self._engine.stats()
 
     @property
     def cluster_id(self) -> int:

@@ -3,6 +3,7 @@
 
 Run: python benchmarks/bench_small_pull.py [--face sync|async] [--route link|samehost]
                                             [--calls 3000] [--blocks 1] [--concurrent N]
+                                            [--metrics on|off]
 
 A prompt process (``tests/peer_prompt.py``: 4 tensors x 64 blocks of 64 KiB) serves over TCP
 on 127.0.0.1; this process links to it and pulls ``--blocks`` random blocks of one tensor per
@@ -56,8 +57,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def options(same_host: bool, timeout_ms: int = 1000) -> dict[str, str]:
+def options(same_host: bool, timeout_ms: int = 1000, metrics: bool = True) -> dict[str, str]:
     cfg = LLMConfig()
+    cfg.metrics = metrics
     cfg.sync_kv_timeout = timeout_ms  # a wave of concurrent calls shares the one link
     cfg.device_id = 0
     cfg.enable_cache_manager = True
@@ -85,6 +87,9 @@ def main() -> None:
     parser.add_argument("--calls", type=argtypes.positive_int, default=3000)
     parser.add_argument("--blocks", type=argtypes.positive_int, default=1)
     parser.add_argument("--concurrent", type=argtypes.non_negative_int, default=0)
+    parser.add_argument(
+        "--metrics", choices=("on", "off"), default="on", help="record metrics per transfer"
+    )
     args = parser.parse_args()
     if args.blocks > BLOCKS:
         parser.error(f"--blocks must be at most {BLOCKS} (the peer's blocks)")
@@ -126,7 +131,7 @@ def main() -> None:
     try:
         if args.face == "sync":
             dd = LLMDataDist(LLMRole.DECODER, 2)
-            dd.init(options(args.route == "samehost"))
+            dd.init(options(args.route == "samehost", metrics=args.metrics == "on"))
             cm = dd.cache_manager
             cache = cm.allocate_blocks_cache(desc)
             assert dd.link_clusters([info], 5000)[0] == 0
@@ -144,7 +149,11 @@ def main() -> None:
             async def run() -> None:
                 dd = AsyncLLMDataDist(LLMRole.DECODER, 2)
                 await dd.init(
-                    options(args.route == "samehost", 600_000 if args.concurrent else 1000)
+                    options(
+                        args.route == "samehost",
+                        600_000 if args.concurrent else 1000,
+                        metrics=args.metrics == "on",
+                    )
                 )
                 cm = dd.cache_manager
                 cache = await cm.allocate_blocks_cache(desc)

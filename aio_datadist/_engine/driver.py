@@ -22,14 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from aio_datadist._engine.layerwise import LayerJob
 from aio_datadist._engine.links import LinkTable
+from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
 from aio_datadist._engine.routes import Route, Waiting, first_accepting, start_on
+from aio_datadist._transport.deadlines import now_ns
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
 
@@ -49,15 +50,21 @@ class Start:
     """Start one transfer of ``nbytes``: call :meth:`begin` (inline, or on a worker thread
     when :meth:`in_caller` and the payload is large)."""
 
-    __slots__ = ("deadline_ns", "nbytes", "routes", "transfer", "waiting")
+    __slots__ = ("deadline_ns", "metrics", "nbytes", "routes", "transfer", "waiting")
 
     def __init__(
-        self, routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
+        self,
+        routes: Sequence[Route],
+        transfer: Transfer,
+        deadline_ns: int,
+        waiting: Waiting,
+        metrics: TransferMetrics | None,
     ) -> None:
         self.routes = routes
         self.transfer = transfer
         self.deadline_ns = deadline_ns
         self.waiting = waiting
+        self.metrics = metrics
         self.nbytes = transfer.nbytes
 
     def in_caller(self) -> bool:
@@ -75,7 +82,7 @@ class Start:
 
     def begin(self) -> Completion:
         """Start the transfer on the first route that takes it (see :func:`_begin`)."""
-        return _begin(self.routes, self.transfer, self.deadline_ns, self.waiting)
+        return _begin(self.routes, self.transfer, self.deadline_ns, self.waiting, self.metrics)
 
 
 class Wait:
@@ -103,12 +110,6 @@ class TaskCancelled(Exception):
 Call = Generator[Start | Wait | Synchronize, Any, None]
 
 
-def _failed(error: LLMException, deadline_ns: int) -> Completion:
-    future: Future[None] = Future()
-    future.set_exception(error)
-    return Completion(future, deadline_ns)
-
-
 #: How to wait for a call of a single request (its round trip in the waiting thread).
 _ALONE = {Waiting.CALLER: Waiting.EXCHANGE, Waiting.LOOP: Waiting.LOOP_EXCHANGE}
 #: The blocking face's ways of waiting: it starts every request itself.
@@ -116,15 +117,26 @@ _IN_CALLER = frozenset({Waiting.CALLER, Waiting.EXCHANGE})
 
 
 def _begin(
-    routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
+    routes: Sequence[Route],
+    transfer: Transfer,
+    deadline_ns: int,
+    waiting: Waiting,
+    metrics: TransferMetrics | None,
 ) -> Completion:
-    """Start ``transfer`` on the first of ``routes`` that takes it; a failure in the caller
-    becomes a failed completion (so every transfer of a call starts, and the call reports
-    the first failure)."""
-    try:
-        return start_on(routes, transfer, deadline_ns, waiting)
-    except LLMException as exc:
-        return _failed(exc, deadline_ns)
+    """Start ``transfer`` on the first of ``routes`` that takes it (``routes.start_on``);
+    the one place where every transfer is recorded in ``metrics`` as it ends."""
+    if metrics is None:
+        return start_on(routes, transfer, deadline_ns, waiting)[1]
+    started = now_ns()
+    route, completion = start_on(routes, transfer, deadline_ns, waiting)
+    if completion.done():
+        metrics.record(route.name, transfer, started, completion.exception())
+    else:
+        name = route.name
+        completion.add_done_callback(
+            lambda future: metrics.record(name, transfer, started, future.exception())
+        )
+    return completion
 
 
 def _routes(links: LinkTable, cluster_id: int) -> Sequence[Route]:
@@ -137,7 +149,7 @@ def _routes(links: LinkTable, cluster_id: int) -> Sequence[Route]:
 
 def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Start:
     """The start of ``transfer`` on the routes of its link."""
-    return Start(_routes(links, transfer.cluster_id), transfer, deadline_ns, waiting)
+    return Start(_routes(links, transfer.cluster_id), transfer, deadline_ns, waiting, links.metrics)
 
 
 class _Refused(Route):
@@ -171,7 +183,7 @@ def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
         for transfer in plan.transfers:
             if inline:
                 routes = _routes(links, transfer.cluster_id)
-                completion = _begin(routes, transfer, plan.deadline_ns, waiting)
+                completion = _begin(routes, transfer, plan.deadline_ns, waiting, links.metrics)
             else:
                 completion = yield _start(links, transfer, plan.deadline_ns, waiting)
             plan.track(completion)

@@ -12,6 +12,7 @@ from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
 from aio_datadist._engine.domain import CommRoutes
 from aio_datadist._engine.links import LinkTable, check_clusters
+from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.regions import BoardEntry, RegionBoard
 from aio_datadist._engine.registry import CacheEntry
@@ -44,6 +45,7 @@ from aio_datadist.config import (
     OPTION_LISTEN_PORT,
     OPTION_LOCAL_COMM_RES,
     OPTION_MEM_POOL_CONFIG,
+    OPTION_METRICS,
     OPTION_SAME_HOST,
     OPTION_SESSION_DEVICE_ID,
     OPTION_SYNC_KV_TIMEOUT,
@@ -57,6 +59,7 @@ from aio_datadist.config import (
     resolve_link_secret,
 )
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
+from aio_datadist.stats import DataDistStats
 from aio_datadist.status import (
     ExistLinkError,
     FeatureNotEnabledError,
@@ -100,6 +103,8 @@ class EngineSettings:
         self.same_host = options.get(OPTION_SAME_HOST, "1") != "0"
         #: Zero pool memory before a cache is made of it (``aio.ZeroOnAlloc``).
         self.zero_on_alloc = options.get(OPTION_ZERO_ON_ALLOC) == "1"
+        #: Record every transfer for ``stats()`` (``aio.Metrics``, on unless "0").
+        self.metrics = options.get(OPTION_METRICS) != "0"
         self.link_secret = resolve_link_secret(options)
         self.busy_poll_us = _int_option(options, OPTION_BUSY_POLL_US, DEFAULT_BUSY_POLL_US)
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
@@ -207,6 +212,10 @@ class Engine:
                 directional=settings.hixl,
             )
             links.retry_count = max(1, settings.link_retry_count)
+            if settings.metrics:
+                links.metrics = TransferMetrics(
+                    get_logger("transfer", cluster_id=self.cluster_id, role=self.role.name)
+                )
             if settings.listen is not None:
                 try:
                     links.listen(*settings.listen)
@@ -272,6 +281,25 @@ class Engine:
         """
         link = self.link_table().get(cluster_id)
         return None if link is None else link.channel.stats()
+
+    def stats(self) -> DataDistStats:
+        """A snapshot of what this engine moved and holds (``stats()`` of both faces).
+
+        :raises RuntimeError: not initialised.
+        """
+        links = self.link_table()
+        caches = self.caches
+        metrics = links.metrics
+        return DataDistStats(
+            cluster_id=self.cluster_id,
+            metrics=metrics is not None,
+            routes=() if metrics is None else tuple(metrics.routes()),
+            peers=() if metrics is None else tuple(metrics.peers()),
+            links={c: link.channel.stats() for c, link in links.live_links().items()},
+            pools={}
+            if caches is None
+            else {placement.name: pool.stats() for placement, pool in caches.pools.items()},
+        )
 
     def link_faults(self, cluster_id: int) -> LinkFaults:
         """The faults injected into this side's requests on the live loopback link to

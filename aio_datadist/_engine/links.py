@@ -36,6 +36,7 @@ from typing import Any
 
 import structlog
 
+from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
 from aio_datadist._engine.routes import Route, link_routes, with_peer_memory
 from aio_datadist._memory.staging import Staging
@@ -226,6 +227,8 @@ class LinkTable:
         self._log = log
         #: Attempts per address within a link_clusters timeout (``link_retry_count``).
         self.retry_count = 1
+        #: Where every transfer over these links is recorded (None: ``aio.Metrics`` off).
+        self.metrics: TransferMetrics | None = None
 
     # -- listening ------------------------------------------------------------------------
     def listen(self, host: str, port: int) -> None:
@@ -256,6 +259,13 @@ class LinkTable:
             if isinstance(entry, Link) and entry.live:
                 return entry
         return None
+
+    def live_links(self) -> dict[int, Link]:
+        """The live link to each linked cluster (the one transfers use), by cluster id."""
+        with self._lock:
+            clusters = {cluster_id for cluster_id, _ in self._entries}
+            found = {c: self._live(c) for c in clusters}
+        return {c: link for c, link in found.items() if link is not None}
 
     def get(self, cluster_id: int) -> Link | None:
         """The live link to ``cluster_id`` (the one this side made first), or None."""

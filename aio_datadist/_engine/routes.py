@@ -40,6 +40,7 @@ from aio_datadist._engine.request import DONE, Blocks, Completion, Transfer, com
 from aio_datadist._memory.staging import Staged as StagedRows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import Channel, Payload, RequestKind
+from aio_datadist.status import LLMException
 
 __all__ = (
     "CommunicatorRoute",
@@ -349,14 +350,19 @@ def first_accepting(routes: Sequence[Route], transfer: Transfer) -> Route:
 
 def start_on(
     routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
-) -> Completion:
-    """Start ``transfer`` on the first route that accepts it and does not decline.
-
-    :raises LLMException: the transfer failed in the calling thread.
-    """
+) -> tuple[Route, Completion]:
+    """Start ``transfer`` on the first route that accepts it and does not decline: that
+    route and the transfer's completion. A failure in the calling thread becomes a failed
+    completion (so every transfer of a call starts, and the call reports the first
+    failure)."""
     for route in routes:
         if route.accepts(transfer):
-            completion = route.start(transfer, deadline_ns, waiting)
+            try:
+                completion = route.start(transfer, deadline_ns, waiting)
+            except LLMException as exc:
+                future: Future[None] = Future()
+                future.set_exception(exc)
+                return route, Completion(future, deadline_ns)
             if completion is not None:
-                return completion
+                return route, completion
     raise AssertionError("a link's routes accept every transfer")  # pragma: no cover

@@ -1,0 +1,187 @@
+"""Metrics per transfer: what every started request moved, by which route, how long it took
+and how it ended, recorded in one place of the pipeline (``driver._begin``).
+
+A :class:`TransferMetrics` belongs to one engine. Each transfer is recorded once, when it
+ends: in the calling thread for a request completed there (a one-sided copy, an exchange),
+else in the thread that completes its future. Recording takes one lock and a few dict
+updates; an engine with ``LLMConfig.metrics = False`` has no recorder at all.
+
+Kept per (route, op): counts by status, bytes of the transfers that succeeded, a latency
+histogram with fixed bounds (:data:`BUCKETS_S`, for Prometheus) and the durations of the
+last :data:`RECENT` transfers (for exact recent percentiles). Kept per peer cluster: counts,
+failures and bytes. A failed transfer is also logged (``transfer.failed``) with what names
+it on the peer (``req_id``, ``prefix_id``, ``cache_id`` or ``model_id``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import structlog
+
+from aio_datadist._engine.access import Target
+from aio_datadist._engine.request import Transfer
+from aio_datadist._transport.base import RequestKind
+from aio_datadist._transport.deadlines import now_ns
+from aio_datadist.stats import BUCKETS_S, RECENT, PeerSnapshot, RouteSnapshot
+from aio_datadist.status import LLMException, LLMStatusCode
+
+__all__ = ("TransferMetrics",)
+
+_BOUNDS_NS = tuple(int(b * 1e9) for b in BUCKETS_S)
+#: Status codes whose failures are logged as warnings (the link or the peer failed); other
+#: refusals (a missing cache, a bad argument) are logged at info.
+_SERIOUS = frozenset(
+    {LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_TIMEOUT, LLMStatusCode.LLM_FAILED}
+)
+
+
+@dataclass
+class _Series:
+    by_status: dict[int, int] = field(default_factory=dict)
+    nbytes: int = 0
+    total_ns: int = 0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
+    recent: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
+
+
+@dataclass
+class _Peer:
+    transfers: int = 0
+    failed: int = 0
+    nbytes: int = 0
+
+
+_SUCCESS = int(LLMStatusCode.LLM_SUCCESS)
+_FAILED = int(LLMStatusCode.LLM_FAILED)
+
+
+def _by_route_op(item: tuple[tuple[str, RequestKind], _Series]) -> tuple[str, str]:
+    route, kind = item[0]
+    return route, kind.value
+
+
+def _names(transfer: Transfer) -> dict[str, int]:
+    """What names the transfer's memory on the peer, for the failure log."""
+    remote = transfer.remote
+    if remote is not None:
+        return {"model_id": remote.model_id}
+    access = transfer.access
+    key = {
+        Target.REQ_KEY: "req_id",
+        Target.PREFIX_KEY: "prefix_id",
+        Target.CACHE_INDEX: "cache_id",
+        Target.BLOCKS_KEY: "model_id",
+    }.get(access.target)
+    return {} if key is None else {key: access.ident}
+
+
+class TransferMetrics:
+    """The transfer metrics of one engine (thread-safe)."""
+
+    def __init__(self, log: structlog.stdlib.BoundLogger) -> None:
+        self._log = log
+        self._lock = threading.Lock()
+        self._series: dict[tuple[str, RequestKind], _Series] = {}
+        self._peers: dict[int, _Peer] = {}
+
+    def record(
+        self, route: str, transfer: Transfer, started_ns: int, failure: BaseException | None
+    ) -> None:
+        """One transfer on ``route`` ended (``failure``: why, or None when it succeeded)."""
+        took = now_ns() - started_ns
+        if failure is None:
+            status, nbytes = _SUCCESS, transfer.nbytes
+        elif isinstance(failure, LLMException):
+            status, nbytes = int(failure.status_code), 0
+        else:
+            status, nbytes = _FAILED, 0
+        key = (route, transfer.kind)
+        with self._lock:
+            series = self._series.get(key)
+            if series is None:
+                series = self._series[key] = _Series()
+            by_status = series.by_status
+            by_status[status] = by_status.get(status, 0) + 1
+            series.nbytes += nbytes
+            series.total_ns += took
+            series.buckets[bisect.bisect_left(_BOUNDS_NS, took)] += 1
+            series.recent.append(took)
+            peer = self._peers.get(transfer.cluster_id)
+            if peer is None:
+                peer = self._peers[transfer.cluster_id] = _Peer()
+            peer.transfers += 1
+            peer.nbytes += nbytes
+            if failure is not None:
+                peer.failed += 1
+        if failure is not None:
+            self._log_failure(route, transfer, LLMStatusCode(status), took, failure)
+
+    def _log_failure(
+        self,
+        route: str,
+        transfer: Transfer,
+        status: LLMStatusCode,
+        took: int,
+        failure: BaseException,
+    ) -> None:
+        emit = self._log.warning if status in _SERIOUS else self._log.info
+        emit(
+            "transfer.failed",
+            route=route,
+            op=transfer.kind.value,
+            peer_cluster_id=transfer.cluster_id,
+            nbytes=transfer.nbytes,
+            status=status.name,
+            duration_us=round(took / 1e3, 1),
+            reason=str(failure),
+            **_names(transfer),
+        )
+
+    def routes(self) -> list[RouteSnapshot]:
+        """A snapshot of every (route, op) seen, sorted by route then op."""
+        with self._lock:
+            taken = [
+                (
+                    route,
+                    kind.value,
+                    {LLMStatusCode(code).name: n for code, n in s.by_status.items()},
+                    s.nbytes,
+                    s.total_ns,
+                    tuple(s.buckets),
+                    np.fromiter(s.recent, dtype=np.int64, count=len(s.recent)),
+                )
+                for (route, kind), s in sorted(self._series.items(), key=_by_route_op)
+            ]
+        out = []
+        for route, op, by_status, nbytes, total_ns, buckets, recent in taken:
+            p50, p90, p99 = (
+                np.percentile(recent, (50, 90, 99)) / 1e3 if len(recent) else (0.0, 0.0, 0.0)
+            )
+            out.append(
+                RouteSnapshot(
+                    route=route,
+                    op=op,
+                    by_status=by_status,
+                    bytes=nbytes,
+                    seconds=total_ns / 1e9,
+                    buckets=buckets,
+                    p50_us=float(p50),
+                    p90_us=float(p90),
+                    p99_us=float(p99),
+                    max_us=float(recent.max()) / 1e3 if len(recent) else 0.0,
+                )
+            )
+        return out
+
+    def peers(self) -> list[PeerSnapshot]:
+        """A snapshot per peer cluster, sorted by cluster id."""
+        with self._lock:
+            return [
+                PeerSnapshot(cluster_id, p.transfers, p.failed, p.nbytes)
+                for cluster_id, p in sorted(self._peers.items())
+            ]
