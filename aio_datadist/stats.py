@@ -113,6 +113,8 @@ class DataDistStats:
     """Transfers by peer cluster, sorted."""
     links: dict[int, ChannelStats]
     """What each live link holds, by remote cluster id."""
+    link_routes: dict[int, tuple[str, ...]]
+    """The routes each live link offers, in the order a transfer tries them."""
     pools: dict[str, PoolStats]
     """Memory pools by placement name (``DEVICE``, ``HOST``)."""
 

@@ -75,7 +75,7 @@ async def test_stats_count_transfers_by_route_op_status_and_peer(
     assert stats.bytes_by_route() == {"link": route.bytes}
     (peer,) = stats.peers
     assert (peer.cluster_id, peer.transfers, peer.failed, peer.bytes) == (1, 5, 2, route.bytes)
-    assert set(stats.links) == {1}
+    assert set(stats.links) == {1} and stats.link_routes == {1: ("link", "staged-link")}
     assert stats.pools["DEVICE"].used > 0 and stats.pools["DEVICE"].capacity >= 64 << 20
     failed = [r for r in caplog.records if r.getMessage().startswith("transfer.failed")]
     assert len(failed) == 2
@@ -168,6 +168,7 @@ async def test_the_route_of_each_transfer_is_named(tcp_pair: tuple[LinkedPair, b
     names = {(r.route, r.op): r.count for r in stats.routes}
     route = "same-host" if same_host else "link"
     assert names == {(route, "pull"): 1, (route, "push"): 1}
+    assert stats.link_routes[1][-2:] == ("link", "staged-link") and route in stats.link_routes[1]
     assert np.isclose(sum(r.bytes for r in stats.routes), 3 * 2 * BLOCK)
 
 

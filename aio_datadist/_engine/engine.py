@@ -290,12 +290,14 @@ class Engine:
         links = self.link_table()
         caches = self.caches
         metrics = links.metrics
+        live = links.live_links()
         return DataDistStats(
             cluster_id=self.cluster_id,
             metrics=metrics is not None,
             routes=() if metrics is None else tuple(metrics.routes()),
             peers=() if metrics is None else tuple(metrics.peers()),
-            links={c: link.channel.stats() for c, link in links.live_links().items()},
+            links={c: link.channel.stats() for c, link in live.items()},
+            link_routes={c: tuple(r.name for r in link.routes) for c, link in live.items()},
             pools={}
             if caches is None
             else {placement.name: pool.stats() for placement, pool in caches.pools.items()},

@@ -1,0 +1,7 @@
+"""``python -m aio_datadist``: the ``aio-datadist`` command."""
+
+import sys
+
+from aio_datadist.cli import main
+
+sys.exit(main())
