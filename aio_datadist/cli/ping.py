@@ -68,8 +68,8 @@ def ping(
                 dd.cache_manager.pull_blocks(BlocksCacheKey(cluster_id, _NO_MODEL), cache, [0], [0])
             except LLMException as exc:
                 if exc.status_code != LLMStatusCode.LLM_KV_CACHE_NOT_EXIST:
-                    status = LLMStatusCode(exc.status_code).name
-                    out.update(ok=False, status=status, reason=str(exc))
+                    name = LLMStatusCode(exc.status_code).name
+                    out.update(ok=False, status=name, reason=str(exc))
                     return out
             rtts.append(time.perf_counter() - started)
         stats = dd.stats()
