@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from aio_datadist._options import engine_options
 from aio_datadist.aio import AsyncLLMDataDist
 from aio_datadist.cache import Cache
 from aio_datadist.cli._console import Progress
 from aio_datadist.cluster import LLMClusterInfo
-from aio_datadist.config import LLMConfig
 from aio_datadist.data_type import DataType
 from aio_datadist.enums import LLMRole, Placement
 from aio_datadist.sync import LLMDataDist
@@ -62,17 +62,13 @@ def layout(size_mib: int) -> tuple[int, int]:
 
 
 def _options(*, same_host: bool, size_mib: int, listen: str | None, ucx: bool) -> dict[str, str]:
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    cfg.transport = "tcp"
-    cfg.same_host = same_host
-    cfg.sync_kv_timeout = 120_000
-    cfg.mem_pool_cfg = f'{{"memory_size": {(2 * size_mib + 16) << 20}}}'
-    if listen is not None:
-        cfg.listen_ip_info = listen
-    options = dict(cfg.generate_options())
+    options = engine_options(
+        transport="tcp",
+        pool_bytes=(2 * size_mib + 16) << 20,
+        timeout_ms=120_000,
+        listen=listen,
+        same_host=same_host,
+    )
     if ucx:
         options["aio.Ucx"] = "1"
     return options

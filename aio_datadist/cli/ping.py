@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from aio_datadist._options import engine_options
 from aio_datadist.cluster import LinkResults, LLMClusterInfo
-from aio_datadist.config import LLMConfig
 from aio_datadist.data_type import DataType
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -36,17 +36,12 @@ def ping(
     the environment, then time ``count`` request round trips (a pull of a blocks cache the
     peer does not have: it refuses at once, so the time is the link's and the peer's
     serving path's); the outcome as plain data, ``ok`` False with the reason on failure."""
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    cfg.transport = "tcp"
-    cfg.same_host = same_host
-    cfg.sync_kv_timeout = timeout_ms
-    cfg.mem_pool_cfg = '{"memory_size": 1048576}'
+    options = engine_options(
+        transport="tcp", pool_bytes=1 << 20, timeout_ms=timeout_ms, same_host=same_host
+    )
     local_id = (os.getpid() << 16) | 0xA10
     dd = LLMDataDist(LLMRole.DECODER, local_id)
-    dd.init(cfg.generate_options())
+    dd.init(options)
     out: dict[str, Any] = {"target": f"{host}:{port}", "cluster_id": cluster_id}
     try:
         info = LLMClusterInfo()

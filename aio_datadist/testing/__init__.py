@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
+from aio_datadist._options import engine_options
 from aio_datadist._transport.faults import LinkFaults
 from aio_datadist.aio import AsyncLLMDataDist
 from aio_datadist.cluster import LLMClusterInfo
-from aio_datadist.config import LLMConfig
 from aio_datadist.enums import LLMRole
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.sync import LLMDataDist
@@ -97,20 +96,14 @@ def _options(
     listen: str | None,
     extra: Mapping[str, str] | None,
 ) -> dict[str, str]:
-    cfg = LLMConfig()
-    cfg.device_id = 0
-    cfg.enable_cache_manager = True
-    cfg.enable_remote_cache_accessible = True
-    cfg.transport = "loopback"
-    cfg.sync_kv_timeout = timeout_ms
-    cfg.mem_pool_cfg = json.dumps({"memory_size": pool_bytes})
-    if host_pool_bytes is not None:
-        cfg.host_mem_pool_cfg = json.dumps({"memory_size": host_pool_bytes})
-    if link_secret is not None:
-        cfg.link_secret = link_secret
-    if listen is not None:
-        cfg.listen_ip_info = listen
-    options = dict(cfg.generate_options())
+    options = engine_options(
+        transport="loopback",
+        pool_bytes=pool_bytes,
+        timeout_ms=timeout_ms,
+        listen=listen,
+        host_pool_bytes=host_pool_bytes,
+        link_secret=link_secret,
+    )
     options.update(extra or {})
     return options
 
