@@ -48,14 +48,18 @@ import re
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
 
 from aio_datadist._native import ucx as _ucx
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = (
+    "MEMORY_TYPES",
     "Endpoint",
     "Registration",
     "RemoteKey",
@@ -65,6 +69,7 @@ __all__ = (
     "available",
     "get",
     "put",
+    "rma",
     "status_code",
     "ucx_info",
 )
@@ -74,6 +79,23 @@ ffi = _ucx.ffi
 _IDLE_WAKES_FREE = 4
 _IDLE_PAUSE_MIN_S = 50e-6
 _IDLE_PAUSE_MAX_S = 1e-3
+#: Longest round of progress an event loop runs before it lets its other callbacks run.
+_LOOP_BUDGET_NS = 500_000
+
+#: ``ucs_memory_type_t`` values by bit, as :attr:`UcxContext.memory_types` names them.
+_MEMORY_TYPES = {
+    0: "host",
+    1: "cuda",
+    2: "cuda_managed",
+    3: "rocm",
+    4: "rocm_managed",
+    5: "rdma",
+    6: "ze_host",
+    7: "ze_device",
+    8: "ze_managed",
+}
+#: Memory types a :class:`Registration` (and a local side of :func:`rma`) may name.
+MEMORY_TYPES = {"host": _ucx.UCS_MEMORY_TYPE_HOST, "cuda": _ucx.UCS_MEMORY_TYPE_CUDA}
 
 _LINK_STATUSES = frozenset({-3, -6, -10, -13, -14, -16, -17, -23, -24, -25})
 _PARAM_STATUSES = frozenset({-5, -7, -9, -11, -19})
@@ -172,10 +194,14 @@ class UcxContext:
             lib.ucp_config_release(config[0])
         self._handle: Any = handle[0]
         attr = ffi.new("ucp_context_attr_t *")
-        attr.field_mask = _ucx.UCP_ATTR_FIELD_THREAD_MODE
+        attr.field_mask = _ucx.UCP_ATTR_FIELD_THREAD_MODE | _ucx.UCP_ATTR_FIELD_MEMORY_TYPES
         _check("ucp_context_query", lib.ucp_context_query(self._handle, attr))
         self.thread_mode: int = int(attr.thread_mode)
         """The ``ucs_thread_mode_t`` the context was granted."""
+        self.memory_types: frozenset[str] = frozenset(
+            name for bit, name in _MEMORY_TYPES.items() if int(attr.memory_types) >> bit & 1
+        )
+        """The memory types the context's transports reach (``"host"``, ``"cuda"``, ...)."""
 
     @property
     def handle(self) -> Any:
@@ -275,12 +301,15 @@ class UcxWorker:
         with self.lock:
             return int(self._lib.ucp_worker_progress(handle))
 
-    def _drain(self) -> bool:
-        """Progress until nothing is left to do; whether anything was."""
+    def drain(self, budget_ns: int = 0) -> bool | None:
+        """Progress until nothing is left to do; whether anything was. With ``budget_ns``,
+        stop after about that long: None when work was left."""
         if not self.progress():
             return False
+        until = time.monotonic_ns() + budget_ns if budget_ns else 0
         while self.progress():
-            pass
+            if until and time.monotonic_ns() >= until:
+                return None
         return True
 
     def signal(self) -> None:
@@ -303,7 +332,7 @@ class UcxWorker:
         keeps it signalled); after a few such wake-ups in a row the sleep is stretched, from
         50 us doubling to 1 ms, so that a stalled peer costs no more than a timer would.
         """
-        if self._drain():
+        if self.drain():
             idle[0] = 0
         if ready() or not self.arm():
             return True
@@ -323,6 +352,16 @@ class UcxWorker:
         idle[0] += 1
         return True
 
+    def wait_until(self, ready: Callable[[], bool], deadline_ns: int | None = None) -> bool:
+        """Progress and sleep on the event fd until ``ready()`` holds (it is asked after every
+        round of progress); ``False`` when ``deadline_ns`` (``time.monotonic_ns()``) passed
+        first."""
+        idle = [0]
+        while not ready():
+            if not self._sleep(ready, deadline_ns, idle):
+                return ready()
+        return True
+
     def wait(self, request: Request, deadline_ns: int | None = None) -> None:
         """Block until ``request`` completes, sleeping on the event fd between progress calls.
 
@@ -332,33 +371,41 @@ class UcxWorker:
                 request is still in flight and may still write its local buffer: close the
                 endpoint (:meth:`Endpoint.close` with ``force``) before reusing the memory.
         """
-        idle = [0]
-        while not request.done():
-            if not self._sleep(request.done, deadline_ns, idle) and not request.done():
-                raise _timed_out(request)
+        if not self.wait_until(request.done, deadline_ns):
+            raise _timed_out(request)
         request.result()
 
-    async def wait_async(self, request: Request, deadline_ns: int | None = None) -> None:
-        """Await ``request`` on the running event loop: between progress calls the worker's
-        event fd sits in the loop's selector (nothing polls), shared by every request awaited
-        on this worker from that loop. Raises as :meth:`wait`, and the same holds after a
-        timeout: the request is still in flight.
+    async def wait_until_async(
+        self,
+        ready: Callable[[], bool],
+        deadline_ns: int | None = None,
+        *,
+        budget_ns: int = _LOOP_BUDGET_NS,
+    ) -> bool:
+        """Await until ``ready()`` holds (asked after every round of progress); ``False`` when
+        ``deadline_ns`` passed first. Between rounds the worker's event fd sits in the running
+        loop's selector (nothing polls), shared by every waiter of this worker on that loop.
+
+        One round of progress runs on the loop for at most about ``budget_ns``; with work
+        left, the loop runs its other callbacks before the next round, so a large transfer
+        never holds the loop for long.
         """
         loop = asyncio.get_running_loop()
         idle = 0
         while True:
-            if self._drain():
+            drained = self.drain(budget_ns)
+            if drained:
                 idle = 0
-            if request.done():
-                break
-            if not self.arm():
-                await asyncio.sleep(0)  # events pending: let the loop run, then progress
+            if ready():
+                return True
+            if drained is None or not self.arm():
+                await asyncio.sleep(0)  # work left or events pending: let the loop run first
                 continue
             left_s = None
             if deadline_ns is not None:
                 left_s = (deadline_ns - time.monotonic_ns()) / 1e9
                 if left_s <= 0:
-                    raise _timed_out(request)
+                    return ready()
             pause = _idle_pause(idle)  # woken for nothing again: as :meth:`_sleep`
             if pause:
                 await asyncio.sleep(pause if left_s is None else min(pause, left_s))
@@ -369,6 +416,13 @@ class UcxWorker:
                 if not woken.done():  # timed out or cancelled: no longer waiting
                     self._forget_waiter(loop, woken)
             idle += 1
+
+    async def wait_async(self, request: Request, deadline_ns: int | None = None) -> None:
+        """Await ``request`` on the running event loop (:meth:`wait_until_async`). Raises as
+        :meth:`wait`, and the same holds after a timeout: the request is still in flight.
+        """
+        if not await self.wait_until_async(request.done, deadline_ns):
+            raise _timed_out(request)
         request.result()
 
     def _loop_waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
@@ -553,6 +607,26 @@ class Endpoint:
             raise _error("UCX endpoint", self.failure)
         return self._handle
 
+    def transports(self) -> list[str]:
+        """The ``tl/device`` of each of the endpoint's lanes (``ucp_ep_print_info``), in lane
+        order; empty before UCX chose them."""
+        handle = self.handle
+        text = _capture(lambda stream: self._lib.ucp_ep_print_info(handle, stream))
+        found: list[str] = []
+        for match in _LANE.finditer(text):
+            if match[1] not in found:
+                found.append(match[1])
+        return found
+
+    def flush_request(self) -> Request:
+        """Start completing every operation started on this endpoint so far (remotely, for
+        puts): the request completes once they did (``ucp_ep_flush_nbx``)."""
+        handle = self.handle
+        param = ffi.new("ucp_request_param_t *")
+        with self.worker.lock:
+            ptr = self._lib.ucp_ep_flush_nbx(handle, param)
+        return Request(self.worker, ptr, "ucp_ep_flush_nbx")
+
     def flush(self, deadline_ns: int | None = None) -> None:
         """Complete every operation started on this endpoint (``ucp_ep_flush_nbx``)."""
         handle = self.handle
@@ -612,12 +686,39 @@ class Registration:
     """
 
     def __init__(
-        self, context: UcxContext, addr: int, nbytes: int, *, remote_write: bool = True
+        self,
+        context: UcxContext,
+        addr: int,
+        nbytes: int,
+        *,
+        remote_write: bool = True,
+        memory: str = "host",
     ) -> None:
+        """``memory``: where the memory lives (a key of :data:`MEMORY_TYPES`; ``"cuda"``
+        needs a context whose :attr:`~UcxContext.memory_types` has it).
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for an empty span or an unknown memory type,
+                ``LLM_FEATURE_NOT_ENABLED`` for a memory type the context cannot reach, or
+                the code of UCX's failure.
+        """
         _check_span(addr, nbytes, "UCX registration")
+        if memory not in MEMORY_TYPES:
+            raise LLMException(
+                f"UCX registration: unknown memory type {memory!r}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        if memory not in context.memory_types:
+            raise LLMException(
+                f"UCX registration: this UCX reaches no {memory} memory "
+                f"(it reaches {sorted(context.memory_types)})",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
         self.context = context
         self.addr = addr
         self.nbytes = nbytes
+        #: Where the memory lives (a key of :data:`MEMORY_TYPES`).
+        self.memory = memory
         lib = self._lib = context._lib
         params = ffi.new("ucp_mem_map_params_t *")
         params.field_mask = (
@@ -634,7 +735,7 @@ class Registration:
             | _ucx.UCP_MEM_MAP_PROT_REMOTE_READ
             | (_ucx.UCP_MEM_MAP_PROT_REMOTE_WRITE if remote_write else 0)
         )
-        params.memory_type = _ucx.UCS_MEMORY_TYPE_HOST
+        params.memory_type = MEMORY_TYPES[memory]
         memh = ffi.new("ucp_mem_h *")
         _check("ucp_mem_map", lib.ucp_mem_map(context.handle, params, memh))
         self._memh: Any = memh[0]
@@ -758,6 +859,76 @@ def put(ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: Remo
     return _rma("ucp_put_nbx", ep, local_addr, nbytes, remote_addr, rkey)
 
 
+def rma(
+    ep: Endpoint,
+    ops: npt.NDArray[np.uint64],
+    keys: Sequence[RemoteKey],
+    key_of: npt.NDArray[np.intp],
+    *,
+    write: bool,
+    local_memory: str = "host",
+) -> tuple[list[Request], LLMException | None]:
+    """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
+    with ``write``), the remote side through ``keys[key_of[i]]``: a batch of :func:`get` or
+    :func:`put` with one check of the whole batch and one Python loop.
+
+    ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`).
+    Returns the requests still in flight, and the failure of the op UCX refused to start,
+    if one was: the ops before it were started (wait for them), the ones after it were not.
+
+    Raises:
+        LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside its
+            key's registration, a key of another endpoint or a closed one.
+    """
+    if len(ops) != len(key_of):
+        raise LLMException(
+            f"UCX rma: {len(ops)} ops but {len(key_of)} keys",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    if not len(ops):
+        return [], None
+    what = "ucp_put_nbx" if write else "ucp_get_nbx"
+    if any(k.endpoint is not ep for k in keys):
+        raise LLMException(
+            f"{what}: a remote key was unpacked on another endpoint",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    base = np.fromiter((k.addr for k in keys), np.uint64, len(keys))[key_of]
+    end = base + np.fromiter((k.nbytes for k in keys), np.uint64, len(keys))[key_of]
+    local, remote, nbytes = ops[:, 0], ops[:, 1], ops[:, 2]
+    bad = (nbytes == 0) | (local == 0) | (remote < base) | (remote + nbytes > end)
+    bad |= (remote + nbytes < remote) | (local + nbytes < local)
+    if bool(bad.any()):
+        i = int(np.flatnonzero(bad)[0])
+        k = keys[int(key_of[i])]
+        raise LLMException(
+            f"{what}: [0x{int(remote[i]):x}, +{int(nbytes[i])}) from local 0x{int(local[i]):x} "
+            f"is outside the peer's registration [0x{k.addr:x}, +{k.nbytes})",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    handles = [k.handle for k in keys]
+    ep_h = ep.handle
+    param = ffi.new("ucp_request_param_t *")
+    if local_memory != "host":
+        param.op_attr_mask = _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+        param.memory_type = MEMORY_TYPES[local_memory]
+    worker, lib, cast = ep.worker, ep._lib, ffi.cast
+    call = lib.ucp_put_nbx if write else lib.ucp_get_nbx
+    started: list[Request] = []
+    failure: LLMException | None = None
+    with worker.lock:
+        for (src, dst, n), k in zip(ops.tolist(), key_of.tolist(), strict=True):
+            ptr = call(ep_h, cast("void *", src), n, dst, handles[k], param)
+            status = _ucx.ptr_status(ptr)
+            if status == _ucx.UCS_INPROGRESS:
+                started.append(Request(worker, ptr, what))
+            elif status != _ucx.UCS_OK:
+                failure = _error(what, status)
+                break
+    return started, failure
+
+
+_LANE = re.compile(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s")
 _RESOURCE = re.compile(r"#\s*resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)/(\S+)")
 
 
@@ -771,9 +942,9 @@ def _resources(text: str) -> list[str]:
 
 
 def ucx_info() -> dict[str, Any]:
-    """What UCX offers here: ``available``, and when it is, ``path``, ``version`` and the
+    """What UCX offers here: ``available``, and when it is, ``path``, ``version``, the
     ``transports`` (``tl/device`` pairs a context selected under the current ``UCX_*``
-    environment); ``reason`` when it is not."""
+    environment) and the ``memory_types`` they reach; ``reason`` when it is not."""
     reason = _ucx.load_error()
     if reason is not None:
         return {"available": False, "reason": reason}
@@ -790,6 +961,7 @@ def ucx_info() -> dict[str, Any]:
         with UcxContext(name="aio_datadist_info") as context:
             info["transports"] = _resources(context.info())
             info["thread_mode"] = context.thread_mode
+            info["memory_types"] = sorted(context.memory_types)
     except LLMException as exc:
         info["transports"] = []
         info["error"] = str(exc)
