@@ -60,6 +60,7 @@ __all__ = (
     "OPTION_SAME_HOST",
     "OPTION_BUSY_POLL_US",
     "OPTION_ZERO_ON_ALLOC",
+    "OPTION_UCX",
     "MAX_BUSY_POLL_US",
     "DEFAULT_BUSY_POLL_US",
     "DEFAULT_MEM_UTILIZATION",
@@ -116,6 +117,8 @@ OPTION_LINK_SECRET = "aio.LinkSecret"
 OPTION_BUSY_POLL_US = "aio.BusyPollUs"
 #: "1" or "0" (default): zero every cache's memory when the pool hands it out.
 OPTION_ZERO_ON_ALLOC = "aio.ZeroOnAlloc"
+#: "1" or "0" (default): the UCX route (UCP RMA) for links whose two ends enable it.
+OPTION_UCX = "aio.Ucx"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -143,6 +146,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "link_secret": OPTION_LINK_SECRET,
     "busy_poll_us": OPTION_BUSY_POLL_US,
     "zero_on_alloc": OPTION_ZERO_ON_ALLOC,
+    "ucx": OPTION_UCX,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -219,6 +223,7 @@ class LLMConfig:
         "_sync_kv_timeout",
         "_transfer_backend",
         "_transport",
+        "_ucx",
         "_zero_on_alloc",
     )
 
@@ -250,6 +255,7 @@ class LLMConfig:
         self._link_secret: str | bytes | None = None
         self._busy_poll_us: int | None = None
         self._zero_on_alloc: bool | None = None
+        self._ucx: bool | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -320,6 +326,8 @@ class LLMConfig:
             opts[OPTION_BUSY_POLL_US] = str(self._busy_poll_us)
         if self._zero_on_alloc is not None:
             opts[OPTION_ZERO_ON_ALLOC] = _bool_opt(self._zero_on_alloc)
+        if self._ucx is not None:
+            opts[OPTION_UCX] = _bool_opt(self._ucx)
         return opts
 
     @property
@@ -669,6 +677,26 @@ class LLMConfig:
         self._zero_on_alloc = zero_on_alloc
 
     @property
+    def ucx(self) -> bool | None:
+        """The UCX route for transfers (key ``aio.Ucx``, ``"1"``/``"0"``).
+
+        With True, links whose two ends enable it move the bytes of pulls and pushes by
+        blocks key, cache id and batch index, or address with UCP RMA (``ucp_get_nbx`` /
+        ``ucp_put_nbx``) between memory both sides registered with UCX; the link keeps its
+        handshake, authentication, requests by cache key and refusals. ``init`` then needs
+        libucp (``pip install 'aio_datadist[ucx]'``, or ``AIO_DATADIST_UCX=/path/libucp.so``
+        for a system UCX, as RDMA needs) and fails with ``LLM_FEATURE_NOT_ENABLED`` saying
+        why when it cannot be loaded. None (the default) and False mean off. Not part of the
+        reference API.
+        """
+        return self._ucx
+
+    @ucx.setter
+    def ucx(self, ucx: bool | None) -> None:
+        _check_optional("ucx", ucx, bool)
+        self._ucx = ucx
+
+    @property
     def link_secret(self) -> str | bytes | None:
         """The shared secret that authenticates links (key ``aio.LinkSecret``).
 
@@ -869,7 +897,8 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     transport = result.get(OPTION_TRANSPORT)
     if transport is not None and transport not in TRANSPORTS:
         param_invalid(f"{OPTION_TRANSPORT} must be one of {list(TRANSPORTS)}, got {transport!r}")
-    zero = result.get(OPTION_ZERO_ON_ALLOC)
-    if zero is not None and zero not in ("1", "0"):
-        param_invalid(f'{OPTION_ZERO_ON_ALLOC} must be "1" or "0", got {zero!r}')
+    for key in (OPTION_ZERO_ON_ALLOC, OPTION_UCX):
+        flag = result.get(key)
+        if flag is not None and flag not in ("1", "0"):
+            param_invalid(f'{key} must be "1" or "0", got {flag!r}')
     return result
