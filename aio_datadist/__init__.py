@@ -77,6 +77,7 @@ def _features() -> frozenset[str]:
         found |= {f"ucx:memory={memory}" for memory in info.get("memory_types", [])}
     return frozenset(found)
 
+
 # The reference also lists the v1 names TensorDesc, Tensor and KvCacheManager; they are left
 # out here so that ``from aio_datadist import *`` works without the v1 package.
 __all__ = [

@@ -614,11 +614,13 @@ class LinkTable:
                 error = _failure(_S.LLM_LINK_FAILED, f"link to cluster {remote_id}: {reason}")
                 continue
             link = self._equipped(Link(channel.peer, channel, initiator=True))
-            return self._established(link, where)
+            return self._established(link, where, deadline)
         return error
 
-    def _established(self, link: Link, where: str) -> LLMException | None:
-        """Enter a link this side made (the handshake is done)."""
+    def _established(self, link: Link, where: str, deadline: float) -> LLMException | None:
+        """Enter a link this side made (the handshake is done); with UCX on both ends, wait
+        until ``deadline`` (``time.monotonic()``) for the peer's UCX table, so that the
+        transfers after ``link_clusters`` take the UCX route."""
         remote_id = link.remote.cluster_id
         with self._lock:
             duplicate = self._live(remote_id, own_only=True)
@@ -630,7 +632,7 @@ class LinkTable:
             return _failure(_S.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         link.channel.on_close(self._forget)
         if self.ucx is not None:
-            self.ucx.start(link.channel)
+            self.ucx.start(link.channel, max(0.0, deadline - time.monotonic()))
         self._log.info(
             "link.established",
             remote_cluster_id=remote_id,

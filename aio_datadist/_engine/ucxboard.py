@@ -9,15 +9,15 @@ makes a new table with a higher sequence number, pushed to every UCX peer (a
 Release protocol. A peer reads and writes a published cache one-sided, so the board must not
 let a cache's memory go while a peer may still touch it:
 
-* each subscriber *holds* (pins, in the registry) every cache of the tables it was sent;
+* each subscriber *holds* (``CacheRegistry.hold``) every cache of the tables it was sent;
 * a cache that leaves the table (``deallocate_*``, ``unregister_cache``) is withdrawn in the
   next table, sequence ``N``; every subscriber that held it keeps holding it until it
   acknowledges a table ``>= N``. A peer acknowledges ``N`` once it applied that table and no
   transfer it started under an older table is still in flight (``_engine.ucxremote``); a
   transfer whose caches changed under it fails with ``LLM_KV_CACHE_NOT_EXIST``;
-* once no subscriber holds it, the cache's own registrations are unmapped and its pin goes:
-  pool memory returns to its pool only then, and ``unregister_cache`` (which waits for pins)
-  returns only then;
+* once no subscriber holds it, the cache's own registrations are unmapped and the holds go:
+  pool memory returns to its pool only then, and ``deallocate_*`` and ``unregister_cache``
+  (which wait for the holds, ``CacheRegistry.wait_let_go``) return only then;
 * a subscriber that does not acknowledge within :data:`ACK_TIMEOUT_S` is overdue
   (:meth:`UcxBoard.overdue`): the engine breaks its link (logged) and the release goes on.
   So does a subscriber whose link closed.
@@ -57,9 +57,9 @@ class Subscriber:
     name: str
     #: Called (registry lock held) once a newer table is there for it: queue its push.
     notify: Callable[[], None]
-    #: Caches of the tables it was sent, by cache id (each pinned once for it).
+    #: Caches of the tables it was sent, by cache id (each held once for it).
     held: dict[int, CacheEntry] = field(default_factory=dict)
-    #: ``(sequence, since_ns, caches)``: caches withdrawn in that table, still pinned for it
+    #: ``(sequence, since_ns, caches)``: caches withdrawn in that table, still held for it
     #: until it acknowledges the sequence.
     releasing: list[tuple[int, int, list[CacheEntry]]] = field(default_factory=list)
     #: The highest sequence it acknowledged.
@@ -210,7 +210,7 @@ class UcxBoard:
                 sub.releasing.append((self._seq, now, gone))
             for e in added:
                 sub.held[e.cache_id] = e
-            self._registry.pin(added)
+            self._registry.hold(added)
             sub.notify()
         self._reap()
 
@@ -223,7 +223,7 @@ class UcxBoard:
             entries = [e for e, _ in self._published.values()]
             for e in entries:
                 sub.held[e.cache_id] = e
-            self._registry.pin(entries)
+            self._registry.hold(entries)
             self._subs.append(sub)
             sub.notify()
 
@@ -264,10 +264,10 @@ class UcxBoard:
 
     def _release(self, entries: list[CacheEntry]) -> None:
         """(Lock held.) One subscriber let go of ``entries``: unmap the registrations of
-        withdrawn ones nobody holds any more, then drop the pins."""
+        withdrawn ones nobody holds any more, then drop its holds."""
         self._reap()
         if entries:
-            self._registry.unpin(entries)
+            self._registry.let_go(entries)
 
     def _reap(self) -> None:
         """(Lock held.) Unmap the registrations of withdrawn caches nobody holds."""

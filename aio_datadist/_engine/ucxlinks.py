@@ -33,7 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,8 @@ __all__ = ("CONTROL_TIMEOUT_S", "UcxLinks")
 
 #: Seconds a control push (a table, an acknowledgement) may take.
 CONTROL_TIMEOUT_S = 10.0
+#: UCX's cross-memory transports (one process reads and writes another's memory).
+_CROSS_MEMORY = frozenset({"cma", "knem", "xpmem"})
 
 _S = LLMStatusCode
 
@@ -94,6 +96,8 @@ class _Peer:
     peer_acked: int = 0
     #: The highest of the peer's tables this side may acknowledge, not yet sent.
     to_ack: int = 0
+    #: Set once the peer's first table applied (or the route failed, or closed).
+    applied: threading.Event = field(default_factory=threading.Event)
 
 
 class UcxLinks:
@@ -117,6 +121,10 @@ class UcxLinks:
             #: UCX reaches the runtime's device memory: device rows go to UCX directly.
             self.cuda = "cuda" in self.context.memory_types and caches.runtime.name == "cuda"
             self.host = host_identity(local_host_key())
+            #: UCX reads and writes other processes' memory here (cma, knem, xpmem).
+            self.cross_memory = any(
+                tl.split("/")[0] in _CROSS_MEMORY for tl in self.context.transports()
+            )
             self.progress = UcxProgress(self.worker, log)
         except BaseException:
             self.worker.close()
@@ -138,7 +146,12 @@ class UcxLinks:
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="aio-dd-ucx-control", daemon=True)
         self._thread.start()
-        log.info("ucx.ready", cuda=self.cuda, memory_types=sorted(self.context.memory_types))
+        log.info(
+            "ucx.ready",
+            cuda=self.cuda,
+            cross_memory=self.cross_memory,
+            memory_types=sorted(self.context.memory_types),
+        )
 
     # -- links ---------------------------------------------------------------------------
     def attach(
@@ -158,7 +171,13 @@ class UcxLinks:
         name = f"cluster {channel.peer.cluster_id}"
         log = self._log.bind(remote_cluster_id=channel.peer.cluster_id)
         made: list[_Peer] = []  # the peer, for the callbacks of its parts
-        remote = UcxRemote(self.worker, self.host, lambda seq: self._ours_to_ack(made, seq), log)
+        remote = UcxRemote(
+            self.worker,
+            self.host,
+            lambda seq: self._ours_to_ack(made, seq),
+            log,
+            cross_memory=self.cross_memory,
+        )
         sub = Subscriber(name, notify=lambda: self._queue("table", made))
         peer = _Peer(channel, sub, remote, ready, fail)
         made.append(peer)
@@ -168,11 +187,23 @@ class UcxLinks:
         if old is not None and old[1].channel is not channel:
             self._close(old[1], "the link was replaced")
 
-    def start(self, channel: Channel) -> None:
-        """The link this side made is up: subscribe the peer (it is sent the table)."""
+    def start(self, channel: Channel, timeout: float) -> bool:
+        """The link this side made is up: subscribe the peer (it is sent the table), and wait
+        up to ``timeout`` seconds for the peer's table; whether the route is ready (a link
+        whose table comes later gets the route then)."""
         peer = self._peer(channel.peer)
-        if peer is not None:
-            self._subscribe(peer)
+        if peer is None:
+            return False
+        self._subscribe(peer)
+        if peer.applied.wait(timeout):
+            return peer.remote.usable
+        self._log.info(
+            "ucx.not_ready",
+            remote_cluster_id=channel.peer.cluster_id,
+            waited_s=round(timeout, 3),
+            note="transfers use the link until the peer's UCX table comes",
+        )
+        return False
 
     def detach(self, channel: Channel) -> None:
         """The link closed (or is being closed): stop the route, release what the peer held."""
@@ -185,6 +216,7 @@ class UcxLinks:
 
     def _close(self, peer: _Peer, reason: str) -> None:
         peer.closed = True
+        peer.applied.set()
         self.board.unsubscribe(peer.sub)
         peer.remote.close(reason)
 
@@ -242,7 +274,11 @@ class UcxLinks:
             table = decode_table(data.tobytes())
         except WireError as exc:
             raise _invalid(f"malformed UCX table from {peer.sub.name}: {exc}") from None
-        first = peer.remote.apply(table)
+        try:
+            first = peer.remote.apply(table)
+        except LLMException:
+            peer.applied.set()  # the route is off for good: the link carries everything
+            raise
         self._subscribe(peer)  # the other side's first table: answer with ours
         if first and not peer.closed:
             self._log.info(
@@ -251,6 +287,7 @@ class UcxLinks:
                 transports=",".join(peer.remote.transports()),
             )
             peer.ready(UcxRoute(peer.remote, self.progress, cuda=self.cuda))
+        peer.applied.set()
 
     def _acked_by_peer(self, peer: _Peer, seq: int) -> None:
         with self._lock:

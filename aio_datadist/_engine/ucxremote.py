@@ -9,10 +9,12 @@ once: later transfers see only it. Its acknowledgement goes back once no transfe
 under an older table is in flight; only then may the peer free what ``N`` withdrew. Remote
 keys that ``N`` dropped are destroyed at that point too, never under a transfer using them.
 
-The endpoint is made in peer error-handling mode (a failed peer fails its requests, UCX
-never aborts the process), except with a peer on this host: there UCX's shared-memory
-transports (``cma``), which have no peer-failure handling, are let in; a peer that dies is
-then seen by its link closing, which closes the endpoint and fails what was in flight.
+The endpoint is made in peer error-handling mode: a failed peer fails its requests, and
+closing the endpoint by force cancels what is in flight (a transfer past its deadline). The
+one exception is a peer on this host when UCX has a cross-memory transport (``cma``, ``knem``,
+``xpmem``): those have no peer-failure handling, so the endpoint is made without it to let
+them in. They read and write the peer's memory with no help from the peer, so nothing waits
+for a stalled peer, and a dead one fails the request at once (the kernel refuses).
 """
 
 from __future__ import annotations
@@ -50,8 +52,9 @@ class Snapshot:
 class UcxRemote:
     """What one peer offers over UCX (one link), and the endpoint that reaches it.
 
-    ``host`` is this side's host identity (``ucxtable.host_identity``); ``ack(seq)`` queues
-    the acknowledgement of the peer's table ``seq`` (called with no lock held).
+    ``host`` is this side's host identity (``ucxtable.host_identity``) and ``cross_memory``
+    whether UCX has a cross-memory transport here; ``ack(seq)`` queues the acknowledgement of
+    the peer's table ``seq`` (called with no lock held).
     """
 
     def __init__(
@@ -60,9 +63,12 @@ class UcxRemote:
         host: bytes,
         ack: Callable[[int], None],
         log: structlog.stdlib.BoundLogger,
+        *,
+        cross_memory: bool = False,
     ) -> None:
         self._worker = worker
         self._host = host
+        self._cross_memory = cross_memory
         self._ack = ack
         self._log = log
         self._lock = threading.Lock()
@@ -120,7 +126,10 @@ class UcxRemote:
                 if first:
                     same_host = bool(self._host) and table.host == self._host
                     self._ep = Endpoint(
-                        self._worker, table.address, peer_errors=not same_host, name="aio-dd"
+                        self._worker,
+                        table.address,
+                        peer_errors=not (same_host and self._cross_memory),
+                        name="aio-dd",
                     )
                 self._unpack(table)
             except LLMException as exc:

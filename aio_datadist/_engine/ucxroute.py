@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -45,6 +46,12 @@ from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCod
 __all__ = ("Batch", "UcxProgress", "UcxRoute")
 
 _S = LLMStatusCode
+#: The longest round of progress that starting a batch runs (over shared memory it moves
+#: the bytes, in the starting thread; a large payload starts on a worker thread).
+_START_NS = 20_000_000
+#: How long a waiter gives the requests of a batch past its deadline to come back cancelled
+#: before it leaves them to the progress thread (the batch then keeps its local rows).
+_CANCEL_NS = 1_000_000_000
 
 
 class Batch:
@@ -153,6 +160,9 @@ class UcxProgress:
         self._pending: dict[Batch, None] = {}
         self._earliest = 0
         self._wake = False  # the progress thread must look at the deadlines again
+        #: Wakes the progress thread (its sleep on the worker's event fd may miss events
+        #: another thread progressed).
+        self._waker = _Waker()
         self._stop = threading.Event()
         self._pumps: dict[asyncio.AbstractEventLoop, list[object]] = {}
         self._thread = threading.Thread(target=self._run, name="aio-dd-ucx", daemon=True)
@@ -160,20 +170,21 @@ class UcxProgress:
 
     # -- batches ----------------------------------------------------------------------------
     def settle(self, batch: Batch, *, wait: bool) -> Future[None]:
-        """Progress once and see whether ``batch`` completed; else wait for it here (``wait``)
-        or hand it to whoever progresses next. Its future either way."""
-        if self._progress_once(batch) or not wait:
-            if not batch.future.done():
-                self._add(batch)
-            return batch.future
-        if not self.worker.wait_until(batch.poll, batch.deadline_ns):
-            self._expire(batch)
-            self.worker.wait_until(batch.poll)
+        """Progress once and see whether ``batch`` completed; else wait for it here (``wait``,
+        until its deadline, then for its cancellation a while) and hand it to whoever
+        progresses next if it still runs. Its future either way."""
+        if not self._progress_once(batch) and wait:
+            with contextlib.suppress(LLMException):  # the worker closed (finalize)
+                if not self.worker.wait_until(batch.poll, batch.deadline_ns):
+                    self._expire(batch)
+                    self.worker.wait_until(batch.poll, time.monotonic_ns() + _CANCEL_NS)
+        if not batch.future.done():
+            self._add(batch)
         return batch.future
 
     def _progress_once(self, batch: Batch) -> bool:
         with contextlib.suppress(LLMException):  # the worker closed (finalize)
-            self.worker.drain()
+            self.worker.drain(_START_NS)
         return batch.poll()
 
     def _add(self, batch: Batch) -> None:
@@ -187,8 +198,8 @@ class UcxProgress:
             self._signal()
 
     def _signal(self) -> None:
-        with contextlib.suppress(LLMException):
-            self.worker.signal()
+        """Wake the progress thread."""
+        self._waker.wake()
 
     def poll(self) -> bool:
         """Complete the batches whose requests all completed; False (never ready: the
@@ -227,11 +238,18 @@ class UcxProgress:
     # -- waiters ----------------------------------------------------------------------------
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Progress the worker in this thread, sleeping on its event fd, until ``future``
-        completed or ``deadline_ns`` passed (a blocking face waiting for a completion)."""
+        completed or ``deadline_ns`` passed (a blocking face waiting for a completion).
+        Another thread that completes the future wakes this one (its own eventfd)."""
+        waker = _thread_waker()
+        future.add_done_callback(waker.wake)
         try:
-            self.worker.wait_until(lambda: self.poll() or future.done(), deadline_ns)
+            self.worker.wait_until(
+                lambda: self.poll() or future.done(), deadline_ns, wake_fd=waker.fd
+            )
         except LLMException:  # the worker closed: the future fails as it can
             return
+        finally:
+            waker.clear()
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in this thread) progress the worker while a call awaits its
@@ -269,7 +287,7 @@ class UcxProgress:
         self.poll()
         with self._lock:
             due = self._earliest and self._earliest <= time.monotonic_ns()
-            wake, self._wake = self._wake, False
+            wake = self._wake  # cleared where the deadline is read again
         if due:
             self._expire_due()
         return self._stop.is_set() or wake or bool(due)
@@ -278,8 +296,9 @@ class UcxProgress:
         while not self._stop.is_set():
             with self._lock:
                 deadline = self._earliest or None
+                self._wake = False
             try:
-                self.worker.wait_until(self._turn, deadline)
+                self.worker.wait_until(self._turn, deadline, wake_fd=self._waker.fd)
             except LLMException:  # the worker closed under the thread: it is finalize
                 return
             except Exception:  # never the end of the thread: log and go on
@@ -309,6 +328,40 @@ class UcxProgress:
                 batch.future.set_exception(
                     LLMException("the engine was finalized", status_code=_S.LLM_LINK_FAILED)
                 )
+
+
+class _Waker:
+    """An eventfd a thread sleeps on besides the worker's, closed when the last reference
+    goes (the thread's, and those of the futures whose completion writes to it)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def wake(self, _: object = None) -> None:
+        """Make the eventfd readable."""
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        """Take what was written."""
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_wakers = threading.local()
+
+
+def _thread_waker() -> _Waker:
+    """This thread's waker for :meth:`UcxProgress.read_for` (made once per thread)."""
+    waker: _Waker | None = getattr(_wakers, "waker", None)
+    if waker is None:
+        waker = _wakers.waker = _Waker()
+    return waker
 
 
 def _coalesce(

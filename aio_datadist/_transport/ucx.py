@@ -81,6 +81,9 @@ _IDLE_PAUSE_MIN_S = 50e-6
 _IDLE_PAUSE_MAX_S = 1e-3
 #: Longest round of progress an event loop runs before it lets its other callbacks run.
 _LOOP_BUDGET_NS = 500_000
+#: Longest round of progress a waiting thread runs before it looks at its condition and
+#: deadline again.
+_ROUND_NS = 1_000_000
 
 #: ``ucs_memory_type_t`` values by bit, as :attr:`UcxContext.memory_types` names them.
 _MEMORY_TYPES = {
@@ -214,6 +217,10 @@ class UcxContext:
         handle = self.handle
         return _capture(lambda stream: self._lib.ucp_context_print_info(handle, stream))
 
+    def transports(self) -> list[str]:
+        """The ``tl/device`` pairs of the context's resources (what ``UCX_TLS`` let in)."""
+        return _resources(self.info())
+
     def close(self) -> None:
         """Release the context; its workers and registrations must be closed first."""
         if self._handle is not None:
@@ -323,42 +330,56 @@ class UcxWorker:
         handle = self.handle
         return _capture(lambda stream: self._lib.ucp_worker_print_info(handle, stream))
 
-    def _sleep(self, ready: Callable[[], bool], deadline_ns: int | None, idle: list[int]) -> bool:
-        """Progress until idle; unless ``ready()`` then holds, arm the event fd and sleep on it
-        until an event or the deadline. ``False`` once the deadline passed.
+    def _sleep(
+        self, ready: Callable[[], bool], deadline_ns: int | None, idle: list[int], wake_fd: int = -1
+    ) -> bool:
+        """Progress until idle (a round of at most about a millisecond); unless ``ready()``
+        then holds, arm the event fd and sleep on it until an event or the deadline. ``False``
+        once the deadline passed.
 
         ``idle[0]`` counts wake-ups after which progress found nothing to do. UCX's event fd
         can stay readable with no work to do (a tcp endpoint whose peer does not progress
         keeps it signalled); after a few such wake-ups in a row the sleep is stretched, from
         50 us doubling to 1 ms, so that a stalled peer costs no more than a timer would.
         """
-        if self.drain():
+        drained = self.drain(_ROUND_NS)
+        if drained:
             idle[0] = 0
-        if ready() or not self.arm():
+        if ready():
             return True
-        if deadline_ns is None:
-            timeout_ms = -1
-        else:
-            left = deadline_ns - time.monotonic_ns()
-            if left <= 0:
-                return False
-            timeout_ms = max(1, -(-left // 1_000_000))
+        left = None if deadline_ns is None else deadline_ns - time.monotonic_ns()
+        if left is not None and left <= 0:
+            return False
+        if drained is None or not self.arm():
+            return True  # work left, or events pending: progress again (the deadline holds)
+        timeout_ms = -1 if left is None else max(1, -(-left // 1_000_000))
         pause = _idle_pause(idle[0])
         if pause:
             time.sleep(pause if timeout_ms < 0 else min(pause, timeout_ms / 1000))
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
-        poller.poll(timeout_ms)
+        if wake_fd >= 0:
+            poller.register(wake_fd, select.POLLIN)
+        if any(fd == wake_fd for fd, _ in poller.poll(timeout_ms)):
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(wake_fd)
         idle[0] += 1
         return True
 
-    def wait_until(self, ready: Callable[[], bool], deadline_ns: int | None = None) -> bool:
+    def wait_until(
+        self, ready: Callable[[], bool], deadline_ns: int | None = None, *, wake_fd: int = -1
+    ) -> bool:
         """Progress and sleep on the event fd until ``ready()`` holds (it is asked after every
         round of progress); ``False`` when ``deadline_ns`` (``time.monotonic_ns()``) passed
-        first."""
+        first.
+
+        Several threads may wait on one worker, and the one that progresses takes the events
+        the others slept for: a waiter whose condition another thread may make true passes
+        ``wake_fd`` (a non-blocking ``eventfd``) and has that thread write to it.
+        """
         idle = [0]
         while not ready():
-            if not self._sleep(ready, deadline_ns, idle):
+            if not self._sleep(ready, deadline_ns, idle, wake_fd):
                 return ready()
         return True
 
@@ -489,7 +510,8 @@ def _idle_pause(idle: int) -> float:
     found nothing to do (0 for the first few; then from 50 us doubling to 1 ms)."""
     if idle <= _IDLE_WAKES_FREE:
         return 0.0
-    return float(min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle - _IDLE_WAKES_FREE)))
+    doublings = min(idle - _IDLE_WAKES_FREE, 32)  # past the cap long before; never overflows
+    return float(min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2**doublings))
 
 
 def _timed_out(request: Request) -> LLMException:
