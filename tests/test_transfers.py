@@ -117,6 +117,8 @@ async def make_pair(transport: str, face_kind: str) -> AsyncIterator[PairFactory
         pair = Pair(prompt, decoder, transport)
         made.append(pair)
         await decoder.init(make_options(**opts))
+        if transport == "ucx":
+            _publish_before_return(prompt, decoder)
         address = prompt._engine.link_table().listen_address
         assert address is not None
         pair.info.remote_cluster_id = 1
@@ -130,6 +132,33 @@ async def make_pair(transport: str, face_kind: str) -> AsyncIterator[PairFactory
     for pair in made:
         await pair.decoder.finalize()
         await pair.prompt.finalize()
+
+
+def _publish_before_return(prompt: AsyncLLMDataDist, decoder: Face) -> None:
+    """Make the prompt's allocations and registrations return once the decoder applied the
+    UCX table that names them (a new cache reaches the UCX route one table round trip after
+    it was made, the link carrying it until then): the scenarios then test the route."""
+    cm = prompt.cache_manager
+
+    def settled(call: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = await call(*args, **kwargs)
+            link = decoder.dd._engine.link_table().get(1)
+            if link is not None:
+                remote = decoder.dd._engine.ucx_links().route_of(link.channel)
+                seq = prompt._engine.ucx_links().board.seq
+                await wait_until(lambda: remote is None or remote.seq >= seq)
+            return result
+
+        return wrapper
+
+    for name in (
+        "allocate_cache",
+        "allocate_blocks_cache",
+        "register_cache",
+        "register_blocks_cache",
+    ):
+        setattr(cm, name, settled(getattr(cm, name)))
 
 
 def batch_desc(num_tensors: int = 4, rows: int = 2, elems: int = 1024) -> CacheDesc:
