@@ -79,9 +79,9 @@ class VethPair:
         kernel refuses (no ``sch_netem``)."""
         try:
             for ns, dev in ((self.a, self.dev_a), (self.b, self.dev_b)):
+                qdisc = ["tc", "qdisc", "replace", "dev", dev, "root", "netem"]
                 done = subprocess.run(
-                    ["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root"]
-                    + ["netem", "delay", f"{microseconds}us"],
+                    ["ip", "netns", "exec", ns, *qdisc, "delay", f"{microseconds}us"],
                     capture_output=True,
                     timeout=30,
                     check=False,

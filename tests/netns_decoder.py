@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from aio_datadist import (  # noqa: E402
+from aio_datadist import (
     BlocksCacheKey,
     CacheDesc,
     DataType,
@@ -31,7 +31,7 @@ from aio_datadist import (  # noqa: E402
     LLMStatusCode,
     Placement,
 )
-from tests.peer_prompt import TENSORS, pattern  # noqa: E402
+from tests.peer_prompt import TENSORS, pattern
 
 
 def main() -> None:
