@@ -219,6 +219,9 @@ class UcxLinks:
         peer.applied.set()
         self.board.unsubscribe(peer.sub)
         peer.remote.close(reason)
+        # Its requests in flight completed (cancelled) as the endpoint closed: no waiter may
+        # be woken for that, so their batches complete here.
+        self.progress.poll()
 
     def _peer(self, hello: Hello) -> _Peer | None:
         with self._lock:
@@ -278,8 +281,8 @@ class UcxLinks:
             first = peer.remote.apply(table)
         except LLMException:
             peer.applied.set()  # the route is off for good: the link carries everything
+            self.progress.poll()
             raise
-        self._subscribe(peer)  # the other side's first table: answer with ours
         if first and not peer.closed:
             self._log.info(
                 "ucx.route_ready",
@@ -287,6 +290,9 @@ class UcxLinks:
                 transports=",".join(peer.remote.transports()),
             )
             peer.ready(UcxRoute(peer.remote, self.progress, cuda=self.cuda))
+        # The other side's first table: answer with ours (the route is in place first, so
+        # that the side that linked finds it at both ends once it has this answer).
+        self._subscribe(peer)
         peer.applied.set()
 
     def _acked_by_peer(self, peer: _Peer, seq: int) -> None:

@@ -25,9 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
@@ -46,9 +47,11 @@ from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCod
 __all__ = ("Batch", "UcxProgress", "UcxRoute")
 
 _S = LLMStatusCode
-#: The longest round of progress that starting a batch runs (over shared memory it moves
-#: the bytes, in the starting thread; a large payload starts on a worker thread).
-_START_NS = 20_000_000
+#: The longest round of progress that starting a batch on an event loop runs: a small batch
+#: over shared memory completes in it; the rest moves as the loop's waits progress.
+_START_NS = 50_000
+#: The same, in any other thread.
+_START_THREAD_NS = 20_000_000
 #: How long a waiter gives the requests of a batch past its deadline to come back cancelled
 #: before it leaves them to the progress thread (the batch then keeps its local rows).
 _CANCEL_NS = 1_000_000_000
@@ -160,6 +163,7 @@ class UcxProgress:
         self._pending: dict[Batch, None] = {}
         self._earliest = 0
         self._wake = False  # the progress thread must look at the deadlines again
+        self._active = 0  # waiters progressing the worker now (the progress thread waits)
         #: Wakes the progress thread (its sleep on the worker's event fd may miss events
         #: another thread progressed).
         self._waker = _Waker()
@@ -174,7 +178,7 @@ class UcxProgress:
         until its deadline, then for its cancellation a while) and hand it to whoever
         progresses next if it still runs. Its future either way."""
         if not self._progress_once(batch) and wait:
-            with contextlib.suppress(LLMException):  # the worker closed (finalize)
+            with self._foreground(), contextlib.suppress(LLMException):  # (closed: finalize)
                 if not self.worker.wait_until(batch.poll, batch.deadline_ns):
                     self._expire(batch)
                     self.worker.wait_until(batch.poll, time.monotonic_ns() + _CANCEL_NS)
@@ -183,19 +187,52 @@ class UcxProgress:
         return batch.future
 
     def _progress_once(self, batch: Batch) -> bool:
+        # An event loop only looks (its waits progress in bounded rounds); a thread moves
+        # what it can now (over shared memory, the whole batch), as a blocking caller would.
+        on_loop = asyncio._get_running_loop() is not None
         with contextlib.suppress(LLMException):  # the worker closed (finalize)
-            self.worker.drain(_START_NS)
+            self.worker.drain(_START_NS if on_loop else _START_THREAD_NS)
         return batch.poll()
 
+    @contextlib.contextmanager
+    def _foreground(self) -> Iterator[None]:
+        """A waiter progresses the worker meanwhile: the progress thread steps back (two
+        threads progressing one worker only contend for its lock), minding the deadlines."""
+        with self._lock:
+            self._active += 1  # (the progress thread sees it after its next round)
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _leave(self, _: object = None) -> None:
+        """A waiter stopped progressing: the last one gives the worker back to the thread."""
+        with self._lock:
+            self._active -= 1
+            last = not self._active
+        if last:
+            self._signal()
+
     def _add(self, batch: Batch) -> None:
+        loop = asyncio._get_running_loop()
         with self._lock:
             self._pending[batch] = None
             if not self._earliest or batch.deadline_ns < self._earliest:
                 self._earliest = batch.deadline_ns
                 self._wake = True
             wake = self._wake
+            watched = None if loop is None else self._pumps.get(loop)
+            if watched is not None and watched[0] is None:  # a watching loop: pump on it
+                self._active += 1  # from now: the task may start after more batches
+                task = loop.create_task(self._pump())  # type: ignore[union-attr]
+                task.add_done_callback(self._leave)
+                watched[0] = task
+            progressed = self._active > 0
         if wake:
             self._signal()
+        if progressed:  # a waiter asleep on the event fd must progress the new requests
+            with contextlib.suppress(LLMException):
+                self.worker.signal()
 
     def _signal(self) -> None:
         """Wake the progress thread."""
@@ -225,6 +262,7 @@ class UcxProgress:
         batch.expire()
         self._log.warning("ucx.deadline_missed", fallback="link")
         batch.remote.close("a UCX transfer missed its deadline")
+        self.poll()  # what the close cancelled completes now
 
     def _expire_due(self) -> None:
         now = time.monotonic_ns()
@@ -234,6 +272,8 @@ class UcxProgress:
             self._earliest = min(later, default=0)
         for batch in due:
             self._expire(batch)
+        if due:
+            self.poll()
 
     # -- waiters ----------------------------------------------------------------------------
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
@@ -243,9 +283,10 @@ class UcxProgress:
         waker = _thread_waker()
         future.add_done_callback(waker.wake)
         try:
-            self.worker.wait_until(
-                lambda: self.poll() or future.done(), deadline_ns, wake_fd=waker.fd
-            )
+            with self._foreground():
+                self.worker.wait_until(
+                    lambda: self.poll() or future.done(), deadline_ns, wake_fd=waker.fd
+                )
         except LLMException:  # the worker closed: the future fails as it can
             return
         finally:
@@ -253,13 +294,13 @@ class UcxProgress:
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in this thread) progress the worker while a call awaits its
-        batches: the worker's event fd joins its selector until the returned call ends the
-        watch (the last watch of the loop)."""
+        batches: from the first batch started on the loop that did not complete at once, the
+        worker's event fd joins its selector until the returned call ends the watch (the last
+        watch of the loop)."""
         with self._lock:
             pump = self._pumps.get(loop)
             if pump is None:
-                task = loop.create_task(self._pump())
-                pump = self._pumps[loop] = [task, 0]
+                pump = self._pumps[loop] = [None, 0]  # the pump starts with a batch
             pump[1] = int(pump[1]) + 1  # type: ignore[call-overload]
 
         def end() -> None:
@@ -268,26 +309,26 @@ class UcxProgress:
                 last = pump[1] == 0 and self._pumps.get(loop) is pump
                 if last:
                     del self._pumps[loop]
-            if last:
+            if last and pump[0] is not None:
                 pump[0].cancel()  # type: ignore[attr-defined]
 
         return end
 
     async def _pump(self) -> None:
-        """Progress the worker on the running loop until cancelled."""
-        try:
+        """Progress the worker on the running loop until cancelled (it counts as a waiter
+        from its creation to its end)."""
+        with contextlib.suppress(LLMException):  # the worker closed (finalize)
             await self.worker.wait_until_async(self.poll)
-        except LLMException:  # the worker closed (finalize)
-            return
 
     # -- the progress thread ----------------------------------------------------------------
     def _turn(self) -> bool:
         """After a round of progress in the progress thread: complete batches, fail the ones
-        past their deadline; True when the thread must stop or look at the deadlines again."""
+        past their deadline; True when the thread must stop, look at the deadlines again, or
+        step back for a waiter that progresses."""
         self.poll()
         with self._lock:
             due = self._earliest and self._earliest <= time.monotonic_ns()
-            wake = self._wake  # cleared where the deadline is read again
+            wake = self._wake or self._active > 0  # cleared where the deadline is read again
         if due:
             self._expire_due()
         return self._stop.is_set() or wake or bool(due)
@@ -297,8 +338,12 @@ class UcxProgress:
             with self._lock:
                 deadline = self._earliest or None
                 self._wake = False
+                stepped_back = self._active > 0
             try:
-                self.worker.wait_until(self._turn, deadline, wake_fd=self._waker.fd)
+                if stepped_back:  # a waiter progresses: only the deadlines are this thread's
+                    self._waker.sleep(deadline)
+                else:
+                    self.worker.wait_until(self._turn, deadline, wake_fd=self._waker.fd)
             except LLMException:  # the worker closed under the thread: it is finalize
                 return
             except Exception:  # never the end of the thread: log and go on
@@ -306,6 +351,7 @@ class UcxProgress:
                 time.sleep(0.01)
             if deadline is not None and time.monotonic_ns() >= deadline:
                 self._expire_due()
+                self.poll()  # what the expiry cancelled completes now: a waiter may sleep on
 
     def close(self) -> None:
         """Stop the progress thread and the loops' pumps (finalize, before the worker goes);
@@ -318,7 +364,8 @@ class UcxProgress:
             pumps, self._pumps = self._pumps, {}
             pending, self._pending = list(self._pending), {}
         for task, _ in pumps.values():
-            task.cancel()  # type: ignore[attr-defined]
+            if task is not None:
+                task.cancel()  # type: ignore[attr-defined]
         for batch in pending:
             if not batch.future.done():
                 batch.remote.close("the engine was finalized")
@@ -348,6 +395,16 @@ class _Waker:
         """Take what was written."""
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.fd)
+
+    def sleep(self, deadline_ns: int | None) -> None:
+        """Sleep until woken or ``deadline_ns`` (``time.monotonic_ns()``)."""
+        timeout = -1
+        if deadline_ns is not None:
+            timeout = max(0, -(-(deadline_ns - time.monotonic_ns()) // 1_000_000))
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if poller.poll(timeout):
+            self.clear()
 
     def __del__(self) -> None:
         os.close(self.fd)
@@ -394,6 +451,11 @@ class UcxRoute(Carrier):
 
     def link(self) -> UcxProgress:
         return self.progress
+
+    def in_caller(self, transfer: Transfer) -> bool:
+        # Starting only issues the requests (microseconds each): the bytes move as the
+        # worker is progressed, by waiters in bounded rounds or by the progress thread.
+        return False
 
     def takes(self, transfer: Transfer) -> bool:
         """True when the route may take ``transfer``'s request, its rows aside."""

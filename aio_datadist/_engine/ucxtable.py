@@ -15,6 +15,7 @@ inside one registration.
 
 from __future__ import annotations
 
+import bisect
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ __all__ = ("KeySpans", "UcxKey", "UcxTable", "decode_table", "encode_table", "ho
 _MEMORY_BY_VALUE = {value: name.lower() for name, value in wire.UCX_MEMORY.items()}
 _MEMORY_VALUE = {name: value for value, name in _MEMORY_BY_VALUE.items()}
 _ADDR_LIMIT = 1 << 64
+#: Up to this many spans a lookup runs in plain Python.
+_SMALL = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +163,7 @@ class KeySpans:
         self.keys = keys
         self._starts = np.fromiter((k.addr for k in keys), np.uint64, len(keys))
         self._ends = np.fromiter((k.end for k in keys), np.uint64, len(keys))
+        self._start_list = [k.addr for k in keys]
 
     def index(
         self, addrs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint64]
@@ -168,6 +172,8 @@ class KeySpans:
         whole; None when one is held by none."""
         if not len(self.keys):
             return None if len(addrs) else np.empty(0, dtype=np.intp)
+        if len(addrs) <= _SMALL:
+            return self._index_small(addrs.tolist(), lens.tolist())
         found = np.searchsorted(self._starts, addrs, side="right").astype(np.intp) - 1
         held = (found >= 0) & (addrs + lens >= addrs)
         held &= addrs + lens <= self._ends[np.maximum(found, 0)]
@@ -180,3 +186,16 @@ class KeySpans:
             else:
                 return None
         return found
+
+    def _index_small(self, addrs: list[int], lens: list[int]) -> npt.NDArray[np.intp] | None:
+        """:meth:`index` of a few spans, without numpy."""
+        keys, found = self.keys, []
+        for addr, n in zip(addrs, lens, strict=True):
+            at = bisect.bisect_right(self._start_list, addr) - 1
+            for j in range(at, max(-1, at - 1 - self.BACKTRACK), -1):
+                if addr + n <= keys[j].end:
+                    found.append(j)
+                    break
+            else:
+                return None
+        return np.array(found, dtype=np.intp)

@@ -239,6 +239,7 @@ class UcxWorker:
 
     def __init__(self, context: UcxContext, *, name: str = "aio_datadist") -> None:
         self._lib = context._lib
+        self._words = _ucx.load_words()
         self.context = context
         params = ffi.new("ucp_worker_params_t *")
         self._name = ffi.new("char[]", name.encode()[:31])
@@ -533,19 +534,21 @@ class Request:
     def __init__(self, worker: UcxWorker, ptr: Any, what: str) -> None:
         self.worker = worker
         self.what = what
-        status = _ucx.ptr_status(ptr)
+        word = ptr if isinstance(ptr, int) else _ucx.word(ptr)
+        status = _ucx.word_status(word)
         self._status = status
-        self._ptr: Any = ptr if status == _ucx.UCS_INPROGRESS else None
+        #: The request's address while it is in flight (0 once it is not).
+        self._ptr = word if status == _ucx.UCS_INPROGRESS else 0
 
     def done(self) -> bool:
         """Whether the operation finished (successfully or not)."""
-        if self._ptr is not None:
-            lib = self.worker._lib
+        if self._ptr:
+            words = self.worker._words
             with self.worker.lock:
-                status = int(lib.ucp_request_check_status(self._ptr))
+                status = int(words.ucp_request_check_status(self._ptr))
                 if status != _ucx.UCS_INPROGRESS:
-                    lib.ucp_request_free(self._ptr)
-                    self._ptr = None
+                    words.ucp_request_free(self._ptr)
+                    self._ptr = 0
             self._status = status
         return self._status != _ucx.UCS_INPROGRESS
 
@@ -568,10 +571,10 @@ class Request:
 
     def abandon(self) -> None:
         """Stop tracking an unfinished request: UCX frees it when it completes."""
-        if self._ptr is not None:
+        if self._ptr:
             with self.worker.lock:
-                self.worker._lib.ucp_request_free(self._ptr)
-            self._ptr = None
+                self.worker._words.ucp_request_free(self._ptr)
+            self._ptr = 0
 
 
 class Endpoint:
@@ -881,6 +884,34 @@ def put(ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: Remo
     return _rma("ucp_put_nbx", ep, local_addr, nbytes, remote_addr, rkey)
 
 
+#: Up to this many ops a batch is checked op by op in Python (numpy costs more below it).
+_SMALL_BATCH = 32
+
+
+def _outside(
+    ops: npt.NDArray[np.uint64],
+    op_list: list[list[int]],
+    keys: Sequence[RemoteKey],
+    key_of: npt.NDArray[np.intp],
+    key_list: list[int],
+) -> int | None:
+    """The index of the first op that is empty or not inside its key's registration."""
+    if len(op_list) <= _SMALL_BATCH:
+        for i, ((local, remote, n), j) in enumerate(zip(op_list, key_list, strict=True)):
+            k = keys[j]
+            if not n or not local or remote < k.addr or remote + n > k.addr + k.nbytes:
+                return i
+            if local + n > 1 << 64:
+                return i
+        return None
+    base = np.fromiter((k.addr for k in keys), np.uint64, len(keys))[key_of]
+    end = base + np.fromiter((k.nbytes for k in keys), np.uint64, len(keys))[key_of]
+    here, there, size = ops[:, 0], ops[:, 1], ops[:, 2]
+    bad = (size == 0) | (here == 0) | (there < base) | (there + size > end)
+    bad |= (there + size < there) | (here + size < here)
+    return int(np.flatnonzero(bad)[0]) if bool(bad.any()) else None
+
+
 def rma(
     ep: Endpoint,
     ops: npt.NDArray[np.uint64],
@@ -910,43 +941,43 @@ def rma(
     if not len(ops):
         return [], None
     what = "ucp_put_nbx" if write else "ucp_get_nbx"
-    if any(k.endpoint is not ep for k in keys):
+    op_list, key_list = ops.tolist(), key_of.tolist()
+    used = {j: keys[j] for j in set(key_list)}
+    if any(k.endpoint is not ep for k in used.values()):
         raise LLMException(
             f"{what}: a remote key was unpacked on another endpoint",
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
-    base = np.fromiter((k.addr for k in keys), np.uint64, len(keys))[key_of]
-    end = base + np.fromiter((k.nbytes for k in keys), np.uint64, len(keys))[key_of]
-    local, remote, nbytes = ops[:, 0], ops[:, 1], ops[:, 2]
-    bad = (nbytes == 0) | (local == 0) | (remote < base) | (remote + nbytes > end)
-    bad |= (remote + nbytes < remote) | (local + nbytes < local)
-    if bool(bad.any()):
-        i = int(np.flatnonzero(bad)[0])
-        k = keys[int(key_of[i])]
+    bad = _outside(ops, op_list, keys, key_of, key_list)
+    if bad is not None:
+        (local, remote, nbytes), k = op_list[bad], keys[key_list[bad]]
         raise LLMException(
-            f"{what}: [0x{int(remote[i]):x}, +{int(nbytes[i])}) from local 0x{int(local[i]):x} "
-            f"is outside the peer's registration [0x{k.addr:x}, +{k.nbytes})",
+            f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the peer's "
+            f"registration [0x{k.addr:x}, +{k.nbytes})",
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
-    handles = [k.handle for k in keys]
-    ep_h = ep.handle
+    handles = {j: _ucx.word(k.handle) for j, k in used.items()}
+    ep_h = _ucx.word(ep.handle)
     param = ffi.new("ucp_request_param_t *")
     if local_memory != "host":
         param.op_attr_mask = _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
         param.memory_type = MEMORY_TYPES[local_memory]
-    worker, lib, cast = ep.worker, ep._lib, ffi.cast
-    call = lib.ucp_put_nbx if write else lib.ucp_get_nbx
+    param_w = _ucx.word(param)
+    worker = ep.worker
+    words = worker._words
+    call = words.ucp_put_nbx if write else words.ucp_get_nbx
+    errors = _ucx.UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
     started: list[Request] = []
     failure: LLMException | None = None
-    with worker.lock:
-        for (src, dst, n), k in zip(ops.tolist(), key_of.tolist(), strict=True):
-            ptr = call(ep_h, cast("void *", src), n, dst, handles[k], param)
-            status = _ucx.ptr_status(ptr)
-            if status == _ucx.UCS_INPROGRESS:
-                started.append(Request(worker, ptr, what))
-            elif status != _ucx.UCS_OK:
-                failure = _error(what, status)
+    with worker.lock:  # ints all the way: no cdata per request (``_native.ucx``)
+        for (src, dst, n), k in zip(op_list, key_list, strict=True):
+            ptr = call(ep_h, src, n, dst, handles[k], param_w)
+            if not ptr:
+                continue  # done at once
+            if ptr >= errors:
+                failure = _error(what, ptr - (1 << 64))
                 break
+            started.append(Request(worker, ptr, what))
     return started, failure
 
 
