@@ -58,10 +58,26 @@ from aio_datadist.types import (
     TransferWithCacheKeyConfig,
 )
 
-#: What this build can do: native kernels and the runtimes it can load (``runtime:cuda`` and
-#: ``runtime:acl`` load their vendor library at ``init``; whether a device exists is decided
-#: there, see ``AIO_DATADIST_RUNTIME``).
-features: frozenset[str] = _native_features | {"runtime:host", "runtime:cuda", "runtime:acl"}
+#: What this build can do, worked out on first use: native kernels, the runtimes it can load
+#: (``runtime:cuda`` and ``runtime:acl`` load their vendor library at ``init``; whether a
+#: device exists is decided there, see ``AIO_DATADIST_RUNTIME``) and, where libucp loads,
+#: the UCX route: ``ucx``, ``ucx:version=<x.y.z>``, ``ucx:path=<the libucp loaded>``, one
+#: ``ucx:transport=<tl/device>`` per transport UCX offers under the current ``UCX_*``
+#: environment, and one ``ucx:memory=<type>`` per memory type it reaches.
+features: frozenset[str]
+
+
+def _features() -> frozenset[str]:
+    from aio_datadist._transport.ucx import ucx_info
+
+    found = set(_native_features | {"runtime:host", "runtime:cuda", "runtime:acl"})
+    info = ucx_info()
+    if info["available"]:
+        found |= {"ucx", f"ucx:version={info['version']}", f"ucx:path={info['path']}"}
+        found |= {f"ucx:transport={tl}" for tl in info.get("transports", [])}
+        found |= {f"ucx:memory={memory}" for memory in info.get("memory_types", [])}
+    return frozenset(found)
+
 
 # The reference also lists the v1 names TensorDesc, Tensor and KvCacheManager; they are left
 # out here so that ``from aio_datadist import *`` works without the v1 package.
@@ -125,6 +141,9 @@ _V1_NAMES = frozenset({"TensorDesc", "Tensor", "KvCacheManager"})
 
 
 def __getattr__(name: str) -> _Any:
+    if name == "features":
+        value = globals()["features"] = _features()
+        return value
     if name in _V1_NAMES:
         raise ImportError(
             f"{name} belongs to the v1 llm_datadist API (package llm_datadist_v1), "

@@ -361,7 +361,9 @@ class AsyncCacheManager(_LoopBound):
         returns to the pool once every key bound to its rows was pulled (by ``CacheKey``) or removed
         with ``remove_cache_key``. An unknown or already released cache is a no-op.
 
-        Runs inline: nothing is awaited.
+        Runs inline; with the UCX route, the wait for the linked peers that could reach the cache
+        to acknowledge that they no longer can (as the blocking call waits) runs on a worker
+        thread and is awaited.
 
         :param cache: the batch ``Cache`` to release.
         :raises TypeError: ``cache`` is not a ``Cache``.
@@ -370,7 +372,9 @@ class AsyncCacheManager(_LoopBound):
         :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
         """
         self._check_loop()
-        self._service.deallocate_cache(cache)
+        held = self._service.deallocate_cache(cache)
+        if held is not None:
+            await anyio.to_thread.run_sync(self._service.registry.wait_let_go, held)
 
     async def remove_cache_key(self, cache_key: Any) -> None:
         """Unbind a ``CacheKey`` so that its row can no longer be pulled.
@@ -420,7 +424,8 @@ class AsyncCacheManager(_LoopBound):
         Its memory returns to the pool and ``cache.tensor_addrs`` becomes ``[]``. An unknown or
         already released cache is a no-op.
 
-        Runs inline: nothing is awaited.
+        Runs inline; with the UCX route, the wait for the linked peers runs on a worker thread
+        and is awaited, as in ``deallocate_cache``.
 
         :param cache: the blocks ``Cache`` to release.
         :raises TypeError: ``cache`` is not a ``Cache``.
@@ -429,7 +434,9 @@ class AsyncCacheManager(_LoopBound):
         :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
         """
         self._check_loop()
-        self._service.deallocate_blocks_cache(cache)
+        held = self._service.deallocate_blocks_cache(cache)
+        if held is not None:
+            await anyio.to_thread.run_sync(self._service.registry.wait_let_go, held)
 
     async def register_cache(
         self, cache_desc: Any, addrs: Any, cache_keys: Any = (), remote_accessible: Any = None
@@ -497,9 +504,10 @@ class AsyncCacheManager(_LoopBound):
     async def unregister_cache(self, cache_id: Any) -> None:
         """Forget a registered cache; its memory goes back to the caller.
 
-        Completes once no copy or transfer still uses the memory. An unknown or already unregistered
-        id, or the id of a pool-allocated cache, is a no-op. Unlink the peers that may still address
-        the memory first.
+        Completes once no copy or transfer still uses the memory (and, with the UCX route, once the
+        linked peers that could reach it acknowledged that they no longer can). An unknown or
+        already unregistered id, or the id of a pool-allocated cache, is a no-op. Unlink the peers
+        that may still address the memory first.
 
         The cache is forgotten inline; when copies still use the memory, the wait for them runs on a
         worker thread and is awaited.

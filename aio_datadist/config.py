@@ -61,6 +61,7 @@ __all__ = (
     "OPTION_BUSY_POLL_US",
     "OPTION_METRICS",
     "OPTION_ZERO_ON_ALLOC",
+    "OPTION_UCX",
     "MAX_BUSY_POLL_US",
     "DEFAULT_BUSY_POLL_US",
     "DEFAULT_MEM_UTILIZATION",
@@ -119,6 +120,8 @@ OPTION_BUSY_POLL_US = "aio.BusyPollUs"
 OPTION_ZERO_ON_ALLOC = "aio.ZeroOnAlloc"
 #: "1" (default) or "0": record metrics per transfer (``stats()``).
 OPTION_METRICS = "aio.Metrics"
+#: "1" or "0" (default): the UCX route (UCP RMA) for links whose two ends enable it.
+OPTION_UCX = "aio.Ucx"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -147,6 +150,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "busy_poll_us": OPTION_BUSY_POLL_US,
     "zero_on_alloc": OPTION_ZERO_ON_ALLOC,
     "metrics": OPTION_METRICS,
+    "ucx": OPTION_UCX,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -224,6 +228,7 @@ class LLMConfig:
         "_sync_kv_timeout",
         "_transfer_backend",
         "_transport",
+        "_ucx",
         "_zero_on_alloc",
     )
 
@@ -256,6 +261,7 @@ class LLMConfig:
         self._busy_poll_us: int | None = None
         self._zero_on_alloc: bool | None = None
         self._metrics: bool | None = None
+        self._ucx: bool | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -328,6 +334,8 @@ class LLMConfig:
             opts[OPTION_ZERO_ON_ALLOC] = _bool_opt(self._zero_on_alloc)
         if self._metrics is not None:
             opts[OPTION_METRICS] = _bool_opt(self._metrics)
+        if self._ucx is not None:
+            opts[OPTION_UCX] = _bool_opt(self._ucx)
         return opts
 
     @property
@@ -691,6 +699,26 @@ class LLMConfig:
         self._metrics = metrics
 
     @property
+    def ucx(self) -> bool | None:
+        """The UCX route for transfers (key ``aio.Ucx``, ``"1"``/``"0"``).
+
+        With True, links whose two ends enable it move the bytes of pulls and pushes by
+        blocks key, cache id and batch index, or address with UCP RMA (``ucp_get_nbx`` /
+        ``ucp_put_nbx``) between memory both sides registered with UCX; the link keeps its
+        handshake, authentication, requests by cache key and refusals. ``init`` then needs
+        libucp (``pip install 'aio_datadist[ucx]'``, or ``AIO_DATADIST_UCX=/path/libucp.so``
+        for a system UCX, as RDMA needs) and fails with ``LLM_FEATURE_NOT_ENABLED`` saying
+        why when it cannot be loaded. None (the default) and False mean off. Not part of the
+        reference API.
+        """
+        return self._ucx
+
+    @ucx.setter
+    def ucx(self, ucx: bool | None) -> None:
+        _check_optional("ucx", ucx, bool)
+        self._ucx = ucx
+
+    @property
     def link_secret(self) -> str | bytes | None:
         """The shared secret that authenticates links (key ``aio.LinkSecret``).
 
@@ -891,7 +919,7 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     transport = result.get(OPTION_TRANSPORT)
     if transport is not None and transport not in TRANSPORTS:
         param_invalid(f"{OPTION_TRANSPORT} must be one of {list(TRANSPORTS)}, got {transport!r}")
-    for key in (OPTION_ZERO_ON_ALLOC, OPTION_METRICS):
+    for key in (OPTION_ZERO_ON_ALLOC, OPTION_METRICS, OPTION_UCX):
         switch = result.get(key)
         if switch is not None and switch not in ("1", "0"):
             param_invalid(f'{key} must be "1" or "0", got {switch!r}')

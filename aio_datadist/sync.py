@@ -105,12 +105,18 @@ class CacheManager:
         returns to the pool once every key bound to its rows was pulled (by ``CacheKey``) or removed
         with ``remove_cache_key``. An unknown or already released cache is a no-op.
 
+        With the UCX route, waits in the calling thread until the linked peers that could reach
+        the cache acknowledged that they no longer can (one round trip; a peer that does not
+        answer in ``ucxboard.ACK_TIMEOUT_S`` has its link broken).
+
         :param cache: the batch ``Cache`` to release.
         :raises TypeError: ``cache`` is not a ``Cache``.
         :raises LLMException: ``LLM_PARAM_INVALID`` for a blocks cache or registered memory (use
             ``deallocate_blocks_cache`` / ``unregister_cache``), ``LLM_FAILED`` after ``finalize``.
         """
-        self._service.deallocate_cache(cache)
+        held = self._service.deallocate_cache(cache)
+        if held is not None:
+            self._service.registry.wait_let_go(held)
 
     def remove_cache_key(self, cache_key: Any) -> None:
         """Unbind a ``CacheKey`` so that its row can no longer be pulled.
@@ -149,14 +155,17 @@ class CacheManager:
         """Release a blocks cache made by ``allocate_blocks_cache``.
 
         Its memory returns to the pool and ``cache.tensor_addrs`` becomes ``[]``. An unknown or
-        already released cache is a no-op.
+        already released cache is a no-op. With the UCX route, waits for the linked peers as
+        ``deallocate_cache`` does.
 
         :param cache: the blocks ``Cache`` to release.
         :raises TypeError: ``cache`` is not a ``Cache``.
         :raises LLMException: ``LLM_PARAM_INVALID`` for a batch cache or registered memory,
             ``LLM_FAILED`` after ``finalize``.
         """
-        self._service.deallocate_blocks_cache(cache)
+        held = self._service.deallocate_blocks_cache(cache)
+        if held is not None:
+            self._service.registry.wait_let_go(held)
 
     def register_cache(
         self, cache_desc: Any, addrs: Any, cache_keys: Any = (), remote_accessible: Any = None
@@ -216,9 +225,10 @@ class CacheManager:
     def unregister_cache(self, cache_id: Any) -> None:
         """Forget a registered cache; its memory goes back to the caller.
 
-        Completes once no copy or transfer still uses the memory. An unknown or already unregistered
-        id, or the id of a pool-allocated cache, is a no-op. Unlink the peers that may still address
-        the memory first.
+        Completes once no copy or transfer still uses the memory (and, with the UCX route, once the
+        linked peers that could reach it acknowledged that they no longer can). An unknown or
+        already unregistered id, or the id of a pool-allocated cache, is a no-op. Unlink the peers
+        that may still address the memory first.
 
         Waits in the calling thread for copies still using the memory.
 

@@ -7,8 +7,25 @@ Run beside the peers, in one run (compare only figures of one run):
     EXTRA="$A:aio-tcp-async $A:aio-tcp-blocking $A:aio-samehost-async $A:aio-samehost-blocking" \\
         ../shared/bench/run_peers.sh
 
-The harness's ``PY`` must have aio_datadist installed (``$PY -m pip install -e .``). Its
-``common.py`` is found through ``AIO_BENCH_HARNESS`` or at ``../shared/bench/peers``.
+The harness's ``PY`` must have aio_datadist installed (``$PY -m pip install -e .``, or this
+tree on ``PYTHONPATH``; the ``aio-ucx-*`` variants need UCX: the ``[ucx]`` extra, or
+``AIO_DATADIST_UCX``). Its ``common.py`` is found through ``AIO_BENCH_HARNESS`` or at
+``../shared/bench/peers``.
+
+Variants: ``aio-tcp-*`` (every byte on the TCP link), ``aio-samehost-*`` (one-sided with
+``process_vm_readv``), ``aio-ucx-*`` (the UCX route with the transports UCX picks: cma on one
+host) and ``aio-ucx-tcp-*`` (the UCX route with UCX's tcp transport only), each through the
+async face and the blocking one.
+
+CPU time: each run also prints one ``AIO_CPU`` line: for W1 and W2, the bytes moved and the
+CPU seconds both processes spent while the initiator's calls ran (the initiator's whole
+process; the target's threads but its main one, which runs the harness's checksums, read
+from ``/proc``), and their sum per GB. W3 is timed without sampling.
+
+Two hosts, simulated (``benchmarks/bench_veth.py``): with ``AIO_BENCH_TARGET_NETNS`` the
+target process enters that network namespace before it starts, listens on
+``AIO_BENCH_LISTEN_IP`` and applies ``AIO_BENCH_TARGET_ENV`` (a JSON object) to its
+environment.
 
 Both sides register the harness's 2 GiB buffer as one blocks cache: 64 tensors (32 layers x
 K/V) of 512 blocks of 64 KiB. A harness descriptor list becomes block lists per tensor;
@@ -20,9 +37,12 @@ in flight on one link) or made in turn on the blocking face.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import json
 import os
 import socket
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -62,7 +82,9 @@ def _desc() -> CacheDesc:
     return CacheDesc(TENSORS, [common.NBLOCKS, common.BLOCK], DataType.DT_UINT8, Placement.DEVICE)
 
 
-def _options(transport: str, same_host: bool, listen: str | None = None) -> dict[str, str]:
+def _options(
+    transport: str, same_host: bool, ucx: bool, listen: str | None = None
+) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = True
@@ -70,9 +92,48 @@ def _options(transport: str, same_host: bool, listen: str | None = None) -> dict
     cfg.sync_kv_timeout = 60_000
     cfg.transport = transport
     cfg.same_host = same_host
+    cfg.ucx = ucx
     if listen is not None:
         cfg.listen_ip_info = listen
     return cfg.generate_options()
+
+
+_CLONE_NEWNET = 0x40000000
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process (its only thread so far) into the network namespace ``name``."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user and system) the threads of process ``pid`` but its main one used
+    so far: the transfer's threads; the harness's checksums run in the main thread."""
+    used = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        if int(task) == pid:
+            continue
+        try:
+            fields = Path(f"/proc/{pid}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        used += int(fields[11]) + int(fields[12])
+    return used / os.sysconf("SC_CLK_TCK")
+
+
+def _workload(lengths: list[int]) -> str:
+    """Which harness workload a descriptor list is (W1: one 256 MiB run, W2: a batch of
+    4096 blocks, W3: one block)."""
+    if len(lengths) > 1:
+        return "W2"
+    return "W3" if lengths[0] <= common.BLOCK else "W1"
 
 
 def _free_port() -> int:
@@ -87,42 +148,55 @@ class AioDataDistAdapter:
     name = "aio_datadist"
 
     def __init__(
-        self, transport: str = "tcp", face: str = "async", same_host: bool = False
+        self,
+        transport: str = "tcp",
+        face: str = "async",
+        same_host: bool = False,
+        ucx: bool = False,
     ) -> None:
         self.transport = transport
         self.face = face
         self.same_host = same_host
+        self.ucx = ucx
         self.dd: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        # per workload: [bytes, initiator CPU s, target CPU s, wall s]
+        self.cpu: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0, 0.0])
 
     # -- target -----------------------------------------------------------------------
-    def target_init(self, addr: int, size: int) -> tuple[int, int]:
-        """Serve the buffer; the metadata is the listen port and the buffer's address."""
+    def target_init(self, addr: int, size: int) -> tuple[int, int, str, int]:
+        """Serve the buffer; the metadata is the listen port, the buffer's address, the
+        listen address and the target's pid."""
+        netns = os.environ.get("AIO_BENCH_TARGET_NETNS")
+        if netns:
+            _enter_netns(netns)
+        os.environ.update(json.loads(os.environ.get("AIO_BENCH_TARGET_ENV", "{}")))
+        host = os.environ.get("AIO_BENCH_LISTEN_IP", "127.0.0.1")
         port = _free_port()
         self.dd = LLMDataDist(LLMRole.PROMPT, TARGET_ID)
-        self.dd.init(_options(self.transport, self.same_host, f"127.0.0.1:{port}"))
+        self.dd.init(_options(self.transport, self.same_host, self.ucx, f"{host}:{port}"))
         self.cache = self.dd.cache_manager.register_blocks_cache(
             _desc(), self._addrs(addr), BlocksCacheKey(TARGET_ID, 0)
         )
-        return port, addr
+        return port, addr, host, os.getpid()
 
     def target_close(self) -> None:
         self.dd.cache_manager.unregister_cache(self.cache.cache_id)
         self.dd.finalize()
 
     # -- initiator --------------------------------------------------------------------
-    def init_init(self, addr: int, size: int, remote_meta: tuple[int, int]) -> None:
-        port, self.remote_base = remote_meta
+    def init_init(self, addr: int, size: int, remote_meta: tuple[int, int, str, int]) -> None:
+        port, self.remote_base, host, self.target_pid = remote_meta
         self.base = addr
         self.key = BlocksCacheKey(TARGET_ID, 0)
         info = LLMClusterInfo()
         info.remote_cluster_id = TARGET_ID
-        info.append_local_ip_info("127.0.0.1", 0)
-        info.append_remote_ip_info("127.0.0.1", port)
+        info.append_local_ip_info(host, 0)
+        info.append_remote_ip_info(host, port)
         self.info = info
         if self.face == "blocking":
             self.dd = LLMDataDist(LLMRole.DECODER, INITIATOR_ID)
-            self.dd.init(_options(self.transport, self.same_host))
+            self.dd.init(_options(self.transport, self.same_host, self.ucx))
             self.cm = self.dd.cache_manager
             self.cache = self.cm.register_blocks_cache(
                 _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
@@ -136,7 +210,7 @@ class AioDataDistAdapter:
 
     async def _async_init(self, addr: int, info: LLMClusterInfo) -> LLMStatusCode:
         self.dd = AsyncLLMDataDist(LLMRole.DECODER, INITIATOR_ID)
-        await self.dd.init(_options(self.transport, self.same_host))
+        await self.dd.init(_options(self.transport, self.same_host, self.ucx))
         self.cm = self.dd.cache_manager
         self.cache = await self.cm.register_blocks_cache(
             _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
@@ -145,6 +219,17 @@ class AioDataDistAdapter:
         return ret
 
     def init_close(self) -> None:
+        per_gb = {
+            name: {
+                "bytes": int(n),
+                "initiator_cpu_s": round(mine, 4),
+                "target_cpu_s": round(theirs, 4),
+                "wall_s": round(wall, 4),
+                "cpu_s_per_gb": round((mine + theirs) / (n / 1e9), 4),
+            }
+            for name, (n, mine, theirs, wall) in sorted(self.cpu.items())
+        }
+        print("AIO_CPU " + json.dumps(per_gb), flush=True)
         if self.loop is not None:
             self.loop.run_until_complete(self._async_close())
             self.loop.close()
@@ -198,6 +283,19 @@ class AioDataDistAdapter:
     def xfer(self, op: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         calls = self._calls(local, remote, lengths, self.remote_base)
         key = self.key
+        workload = _workload(lengths)
+        if workload == "W3":  # a latency: no CPU sampling in its way
+            self._move(op, key, calls)
+            return
+        mine, theirs, wall = time.process_time(), _cpu_s(self.target_pid), time.perf_counter()
+        self._move(op, key, calls)
+        tally = self.cpu[workload]
+        tally[0] += sum(lengths)
+        tally[1] += time.process_time() - mine
+        tally[2] += _cpu_s(self.target_pid) - theirs
+        tally[3] += time.perf_counter() - wall
+
+    def _move(self, op: str, key: BlocksCacheKey, calls: list[Any]) -> None:
         if self.loop is None:
             for tensors, lb, rb in calls:
                 self._one(op, key, tensors, lb, rb)
@@ -240,6 +338,18 @@ VARIANTS = {
     # the default on one host: one-sided process_vm_readv/writev
     "aio-samehost-async": ({"transport": "tcp", "face": "async", "same_host": True}, {}),
     "aio-samehost-blocking": ({"transport": "tcp", "face": "blocking", "same_host": True}, {}),
+    # the UCX route (UCP RMA), with the transports UCX picks (cma between two processes of
+    # one host), then with its tcp transport only
+    "aio-ucx-async": ({"transport": "tcp", "face": "async", "ucx": True}, {}),
+    "aio-ucx-blocking": ({"transport": "tcp", "face": "blocking", "ucx": True}, {}),
+    "aio-ucx-tcp-async": (
+        {"transport": "tcp", "face": "async", "ucx": True},
+        {"UCX_TLS": "tcp,self"},
+    ),
+    "aio-ucx-tcp-blocking": (
+        {"transport": "tcp", "face": "blocking", "ucx": True},
+        {"UCX_TLS": "tcp,self"},
+    ),
 }
 
 

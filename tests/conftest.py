@@ -47,6 +47,7 @@ def make_options(
     sync_kv_timeout: int | None = None,
     same_host: bool | None = None,
     link_secret: str | bytes | None = None,
+    ucx: bool | None = None,
 ) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
@@ -60,6 +61,8 @@ def make_options(
         cfg.same_host = same_host
     if link_secret is not None:
         cfg.link_secret = link_secret
+    if ucx is not None:
+        cfg.ucx = ucx
     if device_pool is not None:
         cfg.mem_pool_cfg = device_pool
     if host_pool is not None:

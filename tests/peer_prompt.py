@@ -9,7 +9,9 @@ bound to row 0, prints ``ready`` and serves until stdin closes. Remote caches ar
 accessible, so peers may also push into it.
 
 With ``AIO_TEST_THREAD_BUDGET=N`` in the environment it then runs as user ``nobody`` (when
-started as root) with ``RLIMIT_NPROC`` set so that at most N more threads can start.
+started as root) with ``RLIMIT_NPROC`` set so that at most N more threads can start. With
+``AIO_TEST_UCX=1`` it enables the UCX route (``LLMConfig.ucx``); ``AIO_TEST_LISTEN_IP`` is the
+address it listens on (``127.0.0.1`` by default).
 """
 
 from __future__ import annotations
@@ -79,8 +81,10 @@ def main() -> None:
     cfg.device_id = 0
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
-    cfg.listen_ip_info = f"127.0.0.1:{port}"
+    cfg.listen_ip_info = f"{os.environ.get('AIO_TEST_LISTEN_IP', '127.0.0.1')}:{port}"
     cfg.mem_pool_cfg = json.dumps({"memory_size": 1 << 24})
+    if os.environ.get("AIO_TEST_UCX") == "1":
+        cfg.ucx = True
     dd = LLMDataDist(LLMRole.PROMPT, cluster_id)
     dd.init(cfg.generate_options())
     cm = dd.cache_manager

@@ -116,6 +116,7 @@ def test_every_setting_writes_its_key() -> None:
     cfg.busy_poll_us = 0
     cfg.zero_on_alloc = True
     cfg.metrics = False
+    cfg.ucx = True
     assert cfg.generate_options() == {
         "ge.flowGraphMemMaxSize": "4106127360",
         "ge.exec.deviceId": "0;1",
@@ -145,6 +146,7 @@ def test_every_setting_writes_its_key() -> None:
         "aio.BusyPollUs": "0",
         "aio.ZeroOnAlloc": "1",
         "aio.Metrics": "0",
+        "aio.Ucx": "1",
     }
     # The table names exactly the keys the settings wrote (plus ge_options and the session id).
     written = set(cfg.options) - {"ge.flowGraphMemMaxSize", "ge.session_device_id"}

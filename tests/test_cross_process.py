@@ -1,9 +1,10 @@
 """Transfers with a real second process over TCP: data, stalls, kills, loop responsiveness.
 
 The peer (``tests/peer_prompt.py``) is a blocking-API prompt; the decoder here runs through
-both faces and both routes: ``link`` (every byte through the socket) and ``samehost`` (the
-one-sided path, where the kernel allows it). A stalled peer is stopped with SIGSTOP, a dead
-one killed with SIGKILL.
+both faces and every route: ``link`` (every byte through the socket), ``samehost`` (the
+one-sided path, where the kernel allows it) and, where UCX is installed, ``ucx`` (UCP RMA,
+the same-host route off at both ends' request). A stalled peer is stopped with SIGSTOP, a
+dead one killed with SIGKILL.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist._transport import ucx
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
 from tests.peer_prompt import ROW_BYTES, TENSORS, pattern
 
@@ -133,11 +135,30 @@ class Peer:
                 self.proc.wait(5)
 
 
+#: The routes every cross-process scenario runs over.
+ROUTES = ["link", "samehost"] + (["ucx"] if ucx.available() is None else [])
+#: The routes of the scenarios where the peer stops: over UCX, with UCX's tcp transport
+#: only ("ucx-tcp": the target must progress, as over a network; on one host UCX would read
+#: with cma, which needs no help from the peer).
+STALL_ROUTES = ["link"] + (["ucx-tcp"] if ucx.available() is None else [])
+#: What ``UCX_TLS`` each UCX route runs under.
+UCX_TLS = {"ucx": None, "ucx-tcp": "tcp,self"}
+
+
+@pytest.fixture(params=ROUTES)
+def route(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def peer_factory() -> Iterator[Callable[[int, int], Peer]]:
+def peer_factory(route: str) -> Iterator[Callable[[int, int], Peer]]:
+    """Peers that enable the UCX route where the test runs over it."""
     made: list[Peer] = []
 
     def factory(blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> Peer:
+        if route in UCX_TLS:
+            tls = UCX_TLS[route]
+            kwargs["env"] = {"AIO_TEST_UCX": "1", **({"UCX_TLS": tls} if tls else {})}
         peer = Peer(blocks, block_bytes, **kwargs)
         made.append(peer)
         return peer
@@ -147,11 +168,6 @@ def peer_factory() -> Iterator[Callable[[int, int], Peer]]:
         peer.close()
 
 
-@pytest.fixture(params=["link", "samehost"])
-def route(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
 def peer_memory(face: Face) -> Any:
     """The decoder's one-sided route to cluster 1 (None when the link carries everything)."""
     link = face.dd._engine.links.get(1)
@@ -159,9 +175,21 @@ def peer_memory(face: Face) -> Any:
     return link.peer_memory
 
 
+def ucx_route(face: Face) -> Any:
+    """The decoder's UCX route to cluster 1 (None when the link has none)."""
+    link = face.dd._engine.links.get(1)
+    assert link is not None
+    return next((r for r in link.routes if r.name == "ucx"), None)
+
+
 def check_route(face: Face, route: str) -> None:
     """The transfers took the route the test asked for (or the kernel refused it)."""
     memory = peer_memory(face)
+    if route in UCX_TLS:
+        found = ucx_route(face)
+        assert memory is None and found is not None and found.remote.usable
+        return
+    assert ucx_route(face) is None
     if route == "link":
         assert memory is None
         return
@@ -171,8 +199,12 @@ def check_route(face: Face, route: str) -> None:
 
 
 @pytest.fixture
-async def decoder(face_kind: str, route: str) -> AsyncIterator[Callable[..., Any]]:
+async def decoder(
+    face_kind: str, route: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Callable[..., Any]]:
     faces: list[Face] = []
+    if UCX_TLS.get(route):
+        monkeypatch.setenv("UCX_TLS", UCX_TLS[route])
 
     async def factory(timeout_ms: int = 5000, remote_accessible: bool = True) -> Face:
         face = Face(face_kind, LLMRole.DECODER, 2)
@@ -184,6 +216,7 @@ async def decoder(face_kind: str, route: str) -> AsyncIterator[Callable[..., Any
                 transport="tcp",
                 sync_kv_timeout=timeout_ms,
                 same_host=route == "samehost",
+                ucx=route in UCX_TLS or None,
             )
         )
         return face
@@ -254,7 +287,7 @@ async def test_pull_by_key_drops_the_key_on_the_peer(decoder: Any, peer_factory:
     await face.cm.deallocate_cache(rows)
 
 
-@pytest.mark.parametrize("route", ["link"], indirect=True)
+@pytest.mark.parametrize("route", STALL_ROUTES, indirect=True)
 async def test_stalled_peer_times_out_within_the_deadline(decoder: Any, peer_factory: Any) -> None:
     peer = peer_factory(16, 64 * 1024)
     face = await decoder(timeout_ms=500)
@@ -276,10 +309,12 @@ async def test_stalled_peer_times_out_within_the_deadline(decoder: Any, peer_fac
     await face.cm.deallocate_blocks_cache(cache)
 
 
-@pytest.mark.parametrize("route", ["samehost"], indirect=True)
+@pytest.mark.parametrize("route", [r for r in ROUTES if r != "link"], indirect=True)
 async def test_one_sided_transfers_need_no_help_from_a_stalled_peer(
-    decoder: Any, peer_factory: Any
+    decoder: Any, peer_factory: Any, route: str
 ) -> None:
+    # UCX between two processes of one host reads with cma (process_vm_readv), as the
+    # same-host route does: the peer's threads take no part.
     peer = peer_factory(16, 64 * 1024)
     face = await decoder(timeout_ms=500)
     await link(face, peer)
@@ -287,7 +322,7 @@ async def test_one_sided_transfers_need_no_help_from_a_stalled_peer(
     peer.signal(signal.SIGSTOP)
     try:
         await face.cm.pull_blocks(BlocksCacheKey(1, 0), cache, [4], [1])
-        check_route(face, "samehost")
+        check_route(face, route)
         for t, view in enumerate(cache.as_numpy()):
             np.testing.assert_array_equal(view[1], pattern(t, 16, 64 * 1024)[4])
         # a pull by key still needs the peer, and times out
@@ -295,9 +330,11 @@ async def test_one_sided_transfers_need_no_help_from_a_stalled_peer(
         with pytest.raises(LLMException) as info:
             await face.cm.pull_cache(CacheKeyByIdAndIndex(1, 99, 0), rows)
         assert info.value.status_code == S.LLM_TIMEOUT
-        await face.cm.deallocate_cache(rows)
     finally:
         peer.signal(signal.SIGCONT)
+    # (Releasing a cache the UCX peer may reach waits for its acknowledgement: not while
+    # it is stopped.)
+    await face.cm.deallocate_cache(rows)
     await face.cm.deallocate_blocks_cache(cache)
 
 

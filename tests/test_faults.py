@@ -4,8 +4,10 @@ Each case runs a real prompt process (``tests/peer_prompt.py``) and checks the s
 invariants: the call fails with a documented ``LLMException`` code within its deadline (never
 a hang), the decoder's pool is back to its usage before the call, nothing is reported
 transferred that was not, and the decoder's other links (or a fresh one) still work.
-Routes: ``link`` (every byte on the socket) and ``samehost`` (one-sided where the kernel
-allows); faces: blocking and async.
+Routes: ``link`` (every byte on the socket), ``samehost`` (one-sided where the kernel
+allows) and, where UCX is installed, ``ucx`` (UCP RMA; the scenarios where the peer stops
+run it with UCX's tcp transport, ``ucx-tcp``, where the target must progress); faces:
+blocking and async.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from aio_datadist import (
 from tests.conftest import Face, push_blocks
 from tests.peer_prompt import ROW_BYTES, TENSORS, pattern
 from tests.test_cross_process import (  # noqa: F401 - fixtures
+    STALL_ROUTES,
     MiB,
     Peer,
     blocks_desc,
@@ -220,7 +223,7 @@ async def test_peer_killed(decoder: Any, peer_factory: Any, route: str, op: str,
 
 
 @pytest.mark.parametrize("op", ["pull_blocks", "push_blocks", "transfer_cache_async"])
-@pytest.mark.parametrize("route", ["link"], indirect=True)
+@pytest.mark.parametrize("route", STALL_ROUTES, indirect=True)
 async def test_peer_stalls_mid_transfer(decoder: Any, peer_factory: Any, op: str) -> None:
     peer, face, caches, used = await linked(decoder, peer_factory, 1000)
     stopper = later(0.2, lambda: peer.signal(signal.SIGSTOP))
@@ -294,7 +297,7 @@ async def test_listener_restarted_and_relinked(decoder: Any, peer_factory: Any, 
     await caches.release()
 
 
-@pytest.mark.parametrize("route", ["link"], indirect=True)
+@pytest.mark.parametrize("route", STALL_ROUTES, indirect=True)
 async def test_every_call_that_takes_a_timeout_keeps_it(decoder: Any, peer_factory: Any) -> None:
     face = await decoder(timeout_ms=800)
     # one stalled peer per call (cluster ids 11, 12, ...): a timed-out push takes its link down
@@ -356,7 +359,7 @@ async def test_every_call_that_takes_a_timeout_keeps_it(decoder: Any, peer_facto
 
 
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)
-@pytest.mark.parametrize("route", ["link"], indirect=True)
+@pytest.mark.parametrize("route", STALL_ROUTES, indirect=True)
 async def test_cancelled_pull_writes_nothing_after_the_cancel(
     decoder: Any, peer_factory: Any
 ) -> None:

@@ -9,10 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from aio_datadist._transport import ucx
+
 SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
+ROUTES = ["link", "samehost"] + (["ucx"] if ucx.available() is None else [])
 
 
-@pytest.mark.parametrize("route", ["link", "samehost"])
+@pytest.mark.parametrize("route", ROUTES)
 def test_soak_slice(route: str) -> None:
     args = ["--transfers", "400", "--seed", "3", "--route", route, "--cancel-rate", "0.3"]
     done = subprocess.run(

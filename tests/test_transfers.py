@@ -1,6 +1,7 @@
 """Pulls, pushes and layer-wise transfers between two engines, over every transport.
 
-Each scenario runs over the loopback and TCP transports and through both faces: the decoder
+Each scenario runs over the loopback and TCP transports, and over TCP links whose transfers
+take the UCX route (where UCX is installed), through both faces: the decoder
 (cluster 2) is the engine under test, blocking or async; the prompt (cluster 1) is an
 ``AsyncLLMDataDist`` that listens and serves. Memory is checked byte for byte.
 """
@@ -39,14 +40,17 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist._transport import tcp
+from aio_datadist._transport import tcp, ucx
 from aio_datadist._transport.tcp import TcpChannel
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
 
 S = LLMStatusCode
-TRANSPORTS = ["loopback"] + (
-    ["tcp"] if importlib.util.find_spec("aio_datadist._transport.tcp") else []
+#: "ucx": TCP links whose transfers take the UCX route (the same-host route off).
+TRANSPORTS = (
+    ["loopback"]
+    + (["tcp"] if importlib.util.find_spec("aio_datadist._transport.tcp") else [])
+    + (["ucx"] if ucx.available() is None else [])
 )
 _ports = itertools.count(31000)
 
@@ -66,9 +70,17 @@ class Pair:
     info: LLMClusterInfo = field(default_factory=LLMClusterInfo)
     keep: list[Any] = field(default_factory=list)
 
+    @property
+    def wire(self) -> str:
+        """The transport the links run on."""
+        return "tcp" if self.transport == "ucx" else self.transport
+
     async def link(self) -> None:
         ret, rets = await self.decoder.call(self.decoder.dd.link_clusters, [self.info], 5000)
         assert (ret, rets) == (S.LLM_SUCCESS, [S.LLM_SUCCESS])
+        if self.transport == "ucx":  # the route is there once link_clusters returned
+            routes = self.decoder.dd._engine.link_table().get(1).routes
+            assert [r.name for r in routes][:2] == ["ucx", "staged-ucx"], routes
 
     def arrays(self, num_tensors: int, rows: int, elems: int, seed: int) -> list[np.ndarray]:
         """Random float32 tensors of ``rows x elems``, kept alive for the test."""
@@ -88,21 +100,25 @@ async def make_pair(transport: str, face_kind: str) -> AsyncIterator[PairFactory
     async def factory(
         *, remote_accessible: bool = False, link: bool = True, same_host: bool | None = None
     ) -> Pair:
-        port = 0 if transport == "tcp" else next(_ports)
+        wire = "tcp" if transport == "ucx" else transport
+        port = 0 if wire == "tcp" else next(_ports)
         prompt = AsyncLLMDataDist(LLMRole.PROMPT, 1)
         opts = dict(
             device_pool=pool_cfg(),
             host_pool=pool_cfg(),
             remote_accessible=remote_accessible,
-            transport=transport,
+            transport=wire,
             sync_kv_timeout=5000,
-            same_host=same_host,
+            same_host=False if transport == "ucx" else same_host,
+            ucx=transport == "ucx" or None,
         )
         await prompt.init(make_options(**opts, listen=f"127.0.0.1:{port}"))
         decoder = Face(face_kind, LLMRole.DECODER, 2)
         pair = Pair(prompt, decoder, transport)
         made.append(pair)
         await decoder.init(make_options(**opts))
+        if transport == "ucx":
+            _publish_before_return(prompt, decoder)
         address = prompt._engine.link_table().listen_address
         assert address is not None
         pair.info.remote_cluster_id = 1
@@ -116,6 +132,33 @@ async def make_pair(transport: str, face_kind: str) -> AsyncIterator[PairFactory
     for pair in made:
         await pair.decoder.finalize()
         await pair.prompt.finalize()
+
+
+def _publish_before_return(prompt: AsyncLLMDataDist, decoder: Face) -> None:
+    """Make the prompt's allocations and registrations return once the decoder applied the
+    UCX table that names them (a new cache reaches the UCX route one table round trip after
+    it was made, the link carrying it until then): the scenarios then test the route."""
+    cm = prompt.cache_manager
+
+    def settled(call: Callable[..., Any]) -> Callable[..., Any]:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            result = await call(*args, **kwargs)
+            link = decoder.dd._engine.link_table().get(1)
+            if link is not None:
+                remote = decoder.dd._engine.ucx_links().route_of(link.channel)
+                seq = prompt._engine.ucx_links().board.seq
+                await wait_until(lambda: remote is None or remote.seq >= seq)
+            return result
+
+        return wrapper
+
+    for name in (
+        "allocate_cache",
+        "allocate_blocks_cache",
+        "register_cache",
+        "register_blocks_cache",
+    ):
+        setattr(cm, name, settled(getattr(cm, name)))
 
 
 def batch_desc(num_tensors: int = 4, rows: int = 2, elems: int = 1024) -> CacheDesc:
@@ -769,7 +812,7 @@ async def test_link_unlink_and_switch_role(make_pair: PairFactory) -> None:
         [S.LLM_ALREADY_LINK],
     )
     options = LLMConfig()
-    options.listen_ip_info = "127.0.0.1:0" if pair.transport == "tcp" else "127.0.0.1:31999"
+    options.listen_ip_info = "127.0.0.1:0" if pair.wire == "tcp" else "127.0.0.1:31999"
     await expect_status(
         S.LLM_EXIST_LINK, dd.call(dd.dd.switch_role, LLMRole.PROMPT, options.generate_options())
     )
@@ -858,7 +901,7 @@ def free_port() -> int:
 
 def rank_table(pair: Pair) -> str:
     """A rank table of two ranks on 127.0.0.1, with free endpoints on the pair's transport."""
-    ports = [free_port(), free_port()] if pair.transport == "tcp" else [next(_ports), next(_ports)]
+    ports = [free_port(), free_port()] if pair.wire == "tcp" else [next(_ports), next(_ports)]
     return json.dumps(
         {
             "version": "1.0",

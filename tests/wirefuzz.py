@@ -30,6 +30,7 @@ import numpy as np
 import aio_datadist as llm
 from aio_datadist._engine.access import Access, Target, decode_access, encode_access
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions, encode_entries
+from aio_datadist._engine.ucxtable import UcxKey, decode_table, encode_table
 from aio_datadist._transport import _wire as wire
 from aio_datadist._transport.samehost import decode_extensions
 
@@ -549,7 +550,8 @@ def parse_frame(data: bytes) -> None:
 
 
 def fuzz_parsers(rng: random.Random, frames: int, report: FuzzReport) -> None:
-    """Push ``frames`` mutated frames (and as many board tables) through the decoders."""
+    """Push ``frames`` mutated frames (and a tenth as many region-board and UCX tables)
+    through the decoders."""
     seeds = [
         *(pull_frame(i, a, n) for i, (a, n) in enumerate(valid_accesses())),
         hello_frame(3),
@@ -571,6 +573,16 @@ def fuzz_parsers(rng: random.Random, frames: int, report: FuzzReport) -> None:
             report.parser["board accepted"] += 1
         except (ValueError, struct.error) as exc:
             report.parser[f"board: {_reason(exc)}"] += 1
+    keys = [UcxKey(0x10000, 0x20000, "host", b"rkey"), UcxKey(0x1, 0x100, "cuda", b"k")]
+    ucx_table = encode_table(
+        3, b"worker", bytes(24), keys, [BoardEntry(1, 5, 128, 8, 1024, (0x10000, 0x20000))]
+    )
+    for _ in range(frames // 10):
+        try:
+            decode_table(mutate(rng, ucx_table, [ucx_table]))
+            report.parser["ucx table accepted"] += 1
+        except wire.WireError as exc:  # the one error a UCX table decoder raises
+            report.parser[f"ucx table: {_reason(exc)}"] += 1
 
 
 # -- floods: a peer that pipelines requests and reads the answers slowly -------------------------

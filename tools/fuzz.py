@@ -4,9 +4,10 @@ Usage (from the repository root)::
 
     python tools/fuzz.py [--frames 100000] [--seed 1]
 
-Pushes ``--frames`` mutated frames through every decoder a server applies (plus a tenth as
-many mutated region-board tables), then as many through a live server in this process:
-most over handshaken links, one in ten as the first frame of a new connection. Checks that
+Pushes ``--frames`` mutated frames through every decoder a server applies (plus a tenth
+as many mutated region-board tables and UCX tables), then as many through a live server in
+this process: most over handshaken links, one in ten as the first frame of a new
+connection. Checks that
 the server stays up, that open descriptors, threads, pool use and pins come back to where
 they were, and that a good client still gets exact bytes. Prints counts and exits 1 on any
 failure. CI runs a bounded slice of the same code (``tests/test_fuzz.py``).

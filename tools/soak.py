@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Soak: thousands of mixed transfers between two processes, with random cancellations.
 
-    python tools/soak.py --transfers 10000 --seed 1 [--route link|samehost] [--json]
+    python tools/soak.py --transfers 10000 --seed 1 [--route link|samehost|ucx] [--json]
 
 A prompt process (``tests/peer_prompt.py``) serves a paged cache and a batch row. This
 process runs two decoders linked to it, the blocking ``LLMDataDist`` (calls on worker
 threads) and an ``AsyncLLMDataDist`` (several tasks at once), and drives a random mix of
 ``pull_blocks``, ``push_blocks``, ``pull_cache`` and ``push_cache``; async calls are
-cancelled at random points. Every completed pull is checked byte for byte; every completed
+cancelled at random points. ``--route ucx`` enables UCX at both ends (the same-host route
+off), so the transfers take the UCX route; ``UCX_TLS`` in the environment picks its
+transports for both processes. Every completed pull is checked byte for byte; every completed
 push is read back and checked. Pulls read blocks no push writes; each worker pushes into
 blocks of its own.
 
@@ -77,13 +79,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def options(same_host: bool) -> dict[str, str]:
+def options(route: str) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
     cfg.sync_kv_timeout = 10_000
-    cfg.same_host = same_host
+    cfg.same_host = route == "samehost"
+    cfg.ucx = route == "ucx"
     cfg.mem_pool_cfg = json.dumps({"memory_size": 256 * MiB})
     return dict(cfg.generate_options())
 
@@ -204,6 +207,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["AIO_DATADIST_RUNTIME"] = "host"
+    if args.route == "ucx":
+        env["AIO_TEST_UCX"] = "1"
     os.environ["AIO_DATADIST_RUNTIME"] = "host"
     peer = subprocess.Popen(
         [
@@ -218,11 +223,10 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         env=env,
     )
     assert peer.stdout is not None and peer.stdout.readline().strip() == b"ready"
-    same_host = args.route == "samehost"
     blocking = LLMDataDist(LLMRole.DECODER, 2)
-    blocking.init(options(same_host))
+    blocking.init(options(args.route))
     awaited = AsyncLLMDataDist(LLMRole.DECODER, 3)
-    await awaited.init(options(same_host))
+    await awaited.init(options(args.route))
     info = LLMClusterInfo()
     info.remote_cluster_id = 1
     info.append_local_ip_info("127.0.0.1", 0)
@@ -297,7 +301,7 @@ def main() -> int:
     parser.add_argument("--transfers", type=argtypes.positive_int, default=10_000)
     parser.add_argument("--seed", type=argtypes.non_negative_int, default=1)
     parser.add_argument("--cancel-rate", type=argtypes.fraction, default=0.1)
-    parser.add_argument("--route", choices=("link", "samehost"), default="link")
+    parser.add_argument("--route", choices=("link", "samehost", "ucx"), default="link")
     parser.add_argument("--rss-slack-mib", type=argtypes.non_negative_float, default=32.0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args()

@@ -65,6 +65,11 @@ class Target(IntEnum):
     BLOCKS_KEY = wire.TARGETS["BLOCKS_KEY"]
     #: Raw addresses of registered or allocated memory (TransferConfig).
     ADDRESSES = wire.TARGETS["ADDRESSES"]
+    #: The UCX route's control plane: a push of the sender's UCX table (ident = its
+    #: sequence; ``_engine.ucxtable``).
+    UCX_TABLE = wire.TARGETS["UCX_TABLE"]
+    #: The UCX route's control plane: the sender applied the receiver's table ``ident``.
+    UCX_ACK = wire.TARGETS["UCX_ACK"]
 
 
 @dataclass(slots=True, eq=False)

@@ -394,7 +394,7 @@ class CacheService:
             cache_desc, (), blocks_cache_key, is_blocks=True, call="allocate_blocks_cache"
         )
 
-    def _deallocate(self, cache: Any, *, is_blocks: bool, call: str) -> None:
+    def _deallocate(self, cache: Any, *, is_blocks: bool, call: str) -> CacheEntry | None:
         check_type("cache", cache, Cache)
         self.check_open()
         if cache.is_blocks_cache != is_blocks:
@@ -405,21 +405,26 @@ class CacheService:
         with self.registry.lock:
             entry = self.registry.get(cache.cache_id) if cache._owner is self else None
             if entry is None or entry.cache is not cache:
-                return
+                return None
             if entry.registered:
                 raise _invalid(
                     f"cache {cache.cache_id} is registered memory: release it with unregister_cache"
                 )
             self.registry.release(entry)
+            held = entry.holds > 0
         self._log.debug("cache.deallocated", cache_id=cache.cache_id, keys_left=len(entry.keys))
+        return entry if held else None
 
-    def deallocate_cache(self, cache: Any) -> None:
-        """Drop the id reference of a batch cache; memory returns once no key remains."""
-        self._deallocate(cache, is_blocks=False, call="deallocate_cache")
+    def deallocate_cache(self, cache: Any) -> CacheEntry | None:
+        """Drop the id reference of a batch cache; memory returns once no key remains.
+        Returns its entry while a linked peer may still reach it (wait with
+        ``registry.wait_let_go``)."""
+        return self._deallocate(cache, is_blocks=False, call="deallocate_cache")
 
-    def deallocate_blocks_cache(self, cache: Any) -> None:
-        """Release a pool-allocated blocks cache."""
-        self._deallocate(cache, is_blocks=True, call="deallocate_blocks_cache")
+    def deallocate_blocks_cache(self, cache: Any) -> CacheEntry | None:
+        """Release a pool-allocated blocks cache; returns its entry as
+        :meth:`deallocate_cache` does."""
+        return self._deallocate(cache, is_blocks=True, call="deallocate_blocks_cache")
 
     def remove_cache_key(self, cache_key: Any) -> None:
         """Unbind ``cache_key``; an unknown or already removed key is a no-op."""
@@ -506,7 +511,8 @@ class CacheService:
         )
 
     def unregister_cache(self, cache_id: Any) -> CacheEntry | None:
-        """Forget a registered cache; returns its entry when copies still use it (to wait on)."""
+        """Forget a registered cache; returns its entry when copies still use it or a linked
+        peer may still reach it (to wait on)."""
         check_int("cache_id", cache_id, "int64")
         self.check_open()
         with self.registry.lock:
@@ -515,7 +521,7 @@ class CacheService:
                 return None
             self.registry.remove(entry)
         self._log.debug("cache.unregistered", cache_id=cache_id)
-        return entry if entry.pins else None
+        return entry if entry.pins or entry.holds else None
 
     def remap_registered_memory(self, mem_infos: Any) -> None:
         """Validate ``mem_infos``, then refuse: the call is reserved in the documented API."""

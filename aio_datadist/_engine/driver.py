@@ -73,12 +73,13 @@ class Start:
         return first_accepting(self.routes, self.transfer).in_caller(self.transfer)
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> tuple[object, Callable[[], None]] | None:
-        """Let ``loop`` read the answers of the link the request will cross (the first route
-        that accepts the transfer says; ``Channel.watch``): that link, and the call that
-        ends the watch; None when the request moves one-sided or the link declines."""
-        channel = first_accepting(self.routes, self.transfer).link()
-        end = None if channel is None else channel.watch(loop)
-        return None if end is None else (channel, end)
+        """Let ``loop`` drive the request's pump (the first route that accepts the transfer
+        says): read the answers of the link it will cross (``Channel.watch``), or progress
+        the UCX worker that will move it. That pump, and the call that ends the watch; None
+        when the request moves one-sided in the caller or the pump declines."""
+        pump = first_accepting(self.routes, self.transfer).link()
+        end = None if pump is None else pump.watch(loop)
+        return None if end is None else (pump, end)
 
     def begin(self) -> Completion:
         """Start the transfer on the first route that takes it (see :func:`_begin`)."""

@@ -17,6 +17,7 @@ from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.regions import BoardEntry, RegionBoard
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.serving import Server
+from aio_datadist._engine.ucxlinks import UcxLinks
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import MemoryPool
 from aio_datadist._runtime import select_runtime
@@ -26,6 +27,7 @@ from aio_datadist._transport.base import ChannelStats, Hello
 from aio_datadist._transport.faults import LinkFaults
 from aio_datadist._transport.loopback import LoopbackChannel
 from aio_datadist._transport.samehost import HostPresence, local_host_key
+from aio_datadist._transport.ucx import available as ucx_available
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.cluster import LinkResults
 from aio_datadist.config import (
@@ -51,6 +53,7 @@ from aio_datadist.config import (
     OPTION_SYNC_KV_TIMEOUT,
     OPTION_TRANSFER_BACKEND,
     OPTION_TRANSPORT,
+    OPTION_UCX,
     OPTION_ZERO_ON_ALLOC,
     TRANSFER_BACKEND_HIXL,
     parse_listen_ip_info,
@@ -105,6 +108,8 @@ class EngineSettings:
         self.zero_on_alloc = options.get(OPTION_ZERO_ON_ALLOC) == "1"
         #: Record every transfer for ``stats()`` (``aio.Metrics``, on unless "0").
         self.metrics = options.get(OPTION_METRICS) != "0"
+        #: The UCX route for links whose two ends enable it (``aio.Ucx``).
+        self.ucx = options.get(OPTION_UCX) == "1"
         self.link_secret = resolve_link_secret(options)
         self.busy_poll_us = _int_option(options, OPTION_BUSY_POLL_US, DEFAULT_BUSY_POLL_US)
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
@@ -152,6 +157,7 @@ class Engine:
         self.links: LinkTable | None = None
         self.planner: Planner | None = None
         self._board: RegionBoard | None = None
+        self._ucx: UcxLinks | None = None
         self.comms: CommDomains | None = None
         self._lock = threading.Lock()
         self._log = get_logger("engine", cluster_id=cluster_id, role=role.name)
@@ -195,6 +201,11 @@ class Engine:
                 remote_cache_accessible=settings.remote_cache_accessible,
                 log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
             )
+            try:
+                ucx = self._open_ucx(settings, caches)
+            except BaseException:
+                caches.close()
+                raise
             board = self._open_board(settings, caches, log)
             presence = None
             host_key = local_host_key()
@@ -202,14 +213,15 @@ class Engine:
                 presence = HostPresence(host_key[0], host_key[1], board_fd=board.fd)
             routes: CommRoutes = {}
             links = LinkTable(
-                Hello(self.cluster_id, self.role, presence=presence),
+                Hello(self.cluster_id, self.role, presence=presence, ucx=ucx is not None),
                 make_transport(
                     settings.transport, settings.link_secret, busy_poll_us=settings.busy_poll_us
                 ),
-                Server(caches, routes),
+                Server(caches, routes, ucx),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
                 staging=caches.staging,
                 directional=settings.hixl,
+                ucx=ucx,
             )
             links.retry_count = max(1, settings.link_retry_count)
             if settings.metrics:
@@ -220,6 +232,8 @@ class Engine:
                 try:
                     links.listen(*settings.listen)
                 except OSError as exc:
+                    if ucx is not None:
+                        ucx.close()
                     caches.close()
                     if board is not None:
                         board.close()
@@ -228,7 +242,7 @@ class Engine:
                         f"cannot listen on {host}:{port}: {exc}",
                         status_code=LLMStatusCode.LLM_FAILED,
                     ) from None
-            self.caches, self.links, self._board = caches, links, board
+            self.caches, self.links, self._board, self._ucx = caches, links, board, ucx
             self.comms = CommDomains(
                 links, caches, routes, settings.comm_base_port, settings.link_total_time_s
             )
@@ -431,15 +445,42 @@ class Engine:
             links, self.links, self.planner = self.links, None, None
             board, self._board = self._board, None
             comms, self.comms = self.comms, None
+            ucx, self._ucx = self._ucx, None
         if comms is not None:
             comms.close()  # communicators first: they hold the memory bound
         if links is not None:
             links.close()
+        if ucx is not None:
+            ucx.close()  # after the links, before the pools its registrations hold
         if caches is not None:
             caches.close()
             self._log.info("engine.finalized")
         if board is not None:
             board.close()
+
+    def _open_ucx(self, settings: EngineSettings, caches: CacheService) -> UcxLinks | None:
+        """The UCX route when ``aio.Ucx`` asks for it.
+
+        :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming why UCX cannot be loaded,
+            or the code of UCX's failure to start.
+        """
+        if not settings.ucx:
+            return None
+        reason = ucx_available()
+        if reason is not None:
+            raise FeatureNotEnabledError(
+                f"{OPTION_UCX}=1 needs UCX, which cannot be loaded: {reason}",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
+        return UcxLinks(
+            caches,
+            get_logger("ucx", cluster_id=self.cluster_id, role=self.role.name),
+            name=f"aio-dd-{self.cluster_id}",
+        )
+
+    def ucx_links(self) -> UcxLinks | None:
+        """The UCX route of the initialised engine (None without ``aio.Ucx``)."""
+        return self._ucx
 
     @staticmethod
     def _open_board(

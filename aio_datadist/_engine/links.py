@@ -38,7 +38,14 @@ import structlog
 
 from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
-from aio_datadist._engine.routes import Route, link_routes, with_peer_memory
+from aio_datadist._engine.routes import (
+    Carrier,
+    Route,
+    link_routes,
+    with_carrier,
+    with_peer_memory,
+)
+from aio_datadist._engine.ucxlinks import UcxLinks
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import (
     Channel,
@@ -140,13 +147,16 @@ class BrokenLink:
 _Entry = Link | BrokenLink
 
 
-def _close_peer_memory(entry: _Entry) -> None:
+def _close_peer_memory(entry: _Entry, ucx: UcxLinks | None) -> None:
+    """Stop a link's one-sided and UCX routes (the link is going)."""
     if not isinstance(entry, Link):
         return
     if entry.channel.same_host is not None:
         entry.channel.same_host.close()
     if entry.peer_memory is not None:
         entry.peer_memory.close()
+    if ucx is not None:
+        ucx.detach(entry.channel)
 
 
 def check_clusters(clusters: Any, timeout: Any, *, need_local_ip: bool) -> None:
@@ -212,10 +222,13 @@ class LinkTable:
         *,
         staging: Staging | None = None,
         directional: bool = False,
+        ucx: UcxLinks | None = None,
     ) -> None:
         self.local = local
         #: How same-host routes reach device memory; None: this engine publishes no board.
         self.staging = staging
+        #: The UCX route's control plane, for links whose two ends offer UCX.
+        self.ucx = ucx
         self.transport = transport
         self.directional = directional
         self._handler = handler
@@ -356,7 +369,7 @@ class LinkTable:
                     self._register(link)
                     break
             if time.monotonic() >= deadline:
-                _close_peer_memory(link)
+                _close_peer_memory(link, self.ucx)
                 raise LinkRefused(_S.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked")
             time.sleep(0.002)
         channel.on_close(self._forget)
@@ -372,7 +385,7 @@ class LinkTable:
         cluster_id = link.remote.cluster_id
         old = self._entries.pop((cluster_id, link.initiator), None)
         if old is not None:
-            _close_peer_memory(old)
+            _close_peer_memory(old, self.ucx)
         if not self.directional:
             other = (cluster_id, not link.initiator)
             if isinstance(self._entries.get(other), BrokenLink):
@@ -388,14 +401,42 @@ class LinkTable:
             )
 
     def _equipped(self, link: Link) -> Link:
-        """``link`` with its routes: the link itself, and once the kernel proved the peer a
+        """``link`` with its routes: the link itself, once the kernel proved the peer a
         process on this host (``samehost``; both ends must offer it), the one-sided ones
-        before it."""
+        before it, and once the peer's UCX table came (both ends must offer UCX), the UCX
+        route before the link's own."""
         link.routes = link_routes(link.channel, self.staging)
         proof = link.channel.same_host
         if proof is not None and self.local.presence is not None and self.staging is not None:
             proof.then(functools.partial(self._same_host, link))
+        if self.ucx is not None and self.local.ucx and link.channel.peer.ucx:
+            self.ucx.attach(
+                link.channel,
+                functools.partial(self._ucx_ready, link),
+                functools.partial(self._ucx_failed, link),
+                initiator=link.initiator,
+            )
         return link
+
+    def _ucx_ready(self, link: Link, route: Carrier) -> None:
+        """The peer's UCX table arrived: add the UCX route (never to a link that went)."""
+        with self._lock:
+            if not link.channel.closed:
+                link.routes = with_carrier(link.routes, route, self.staging)
+
+    def _ucx_failed(self, link: Link, reason: str) -> None:
+        """Break ``link`` for ``reason`` (its peer failed the UCX protocol): transfers to
+        its cluster fail with ``LLM_LINK_FAILED`` saying so, until it is unlinked or linked
+        again; the peer sees its end closed."""
+        with self._lock:
+            for key, entry in self._entries_of(link.channel):
+                self._entries[key] = BrokenLink(
+                    key[0], entry.initiator, link.channel.remote, reason
+                )
+                self._trim_broken()
+        self._log.warning("link.broken", remote_cluster_id=link.remote.cluster_id, reason=reason)
+        _close_peer_memory(link, self.ucx)
+        link.channel.close(notify_peer=False, timeout=1.0)
 
     def _same_host(self, link: Link, peer: SameHostPeer) -> None:
         """The peer of ``link`` was proven to run on this host: add the one-sided routes
@@ -421,7 +462,7 @@ class LinkTable:
         with self._lock:
             for key, entry in self._entries_of(channel):
                 cluster_id = key[0]
-                _close_peer_memory(entry)
+                _close_peer_memory(entry, self.ucx)
                 if (
                     channel.unlinked_by_peer
                     or (self.directional and not entry.initiator)
@@ -583,21 +624,25 @@ class LinkTable:
                 error = _failure(_S.LLM_LINK_FAILED, f"link to cluster {remote_id}: {reason}")
                 continue
             link = self._equipped(Link(channel.peer, channel, initiator=True))
-            return self._established(link, where)
+            return self._established(link, where, deadline)
         return error
 
-    def _established(self, link: Link, where: str) -> LLMException | None:
-        """Enter a link this side made (the handshake is done)."""
+    def _established(self, link: Link, where: str, deadline: float) -> LLMException | None:
+        """Enter a link this side made (the handshake is done); with UCX on both ends, wait
+        until ``deadline`` (``time.monotonic()``) for the peer's UCX table, so that the
+        transfers after ``link_clusters`` take the UCX route."""
         remote_id = link.remote.cluster_id
         with self._lock:
             duplicate = self._live(remote_id, own_only=True)
             if duplicate is None:
                 self._register(link)
         if duplicate is not None:  # another call of this side linked it meanwhile
-            _close_peer_memory(link)
+            _close_peer_memory(link, self.ucx)
             link.channel.close(notify_peer=True, timeout=1.0)
             return _failure(_S.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         link.channel.on_close(self._forget)
+        if self.ucx is not None:
+            self.ucx.start(link.channel, max(0.0, deadline - time.monotonic()))
         self._log.info(
             "link.established",
             remote_cluster_id=remote_id,
@@ -630,7 +675,7 @@ class LinkTable:
                 del self._entries[(cluster_id, own)]
                 taken.append(entry)
         for entry in taken:
-            _close_peer_memory(entry)
+            _close_peer_memory(entry, self.ucx)
         return taken
 
     def _unlink_one(self, info: LLMClusterInfo, timeout: float, force: bool) -> LLMException | None:
@@ -682,6 +727,6 @@ class LinkTable:
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
-            _close_peer_memory(entry)
+            _close_peer_memory(entry, self.ucx)
             if isinstance(entry, Link):
                 entry.channel.close(notify_peer=True, timeout=timeout, finalizing=True)

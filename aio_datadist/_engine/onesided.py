@@ -47,7 +47,7 @@ from aio_datadist.status import (
     ParamInvalidError,
 )
 
-__all__ = ("ONE_SIDED_TARGETS", "PeerMemory", "open_peer_memory")
+__all__ = ("ONE_SIDED_TARGETS", "PeerMemory", "open_peer_memory", "paired", "resolve")
 
 #: Targets a peer's board can resolve without the peer.
 ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADDRESSES})
@@ -122,7 +122,7 @@ class PeerMemory:
         regions = self._view.regions()
         if regions is None:
             return False
-        resolved = self._resolve(regions, access)
+        resolved = resolve(regions, access)
         if resolved is None:
             return False
         entries, remote = resolved
@@ -131,18 +131,18 @@ class PeerMemory:
             mapped = self._map(entries, remote) if all(on_device) else None
             if mapped is None:
                 return False
-            ops = _paired(kind, local, mapped)
+            ops = paired(kind, local, mapped)
             self._staging.runtime.copy_batch(ops, _SHARED_COPY[local_on_device, kind])
             self._check_still_there(regions, entries)
             return True
         if not local_on_device:
-            moved = self._ops_copy(kind, _paired(kind, local, remote), regions, entries)
+            moved = self._ops_copy(kind, paired(kind, local, remote), regions, entries)
         else:
             pull = kind is RequestKind.PULL
             staged = self._staging.inbound(local) if pull else self._staging.outbound(local)
             ok = False
             try:
-                ops = _paired(kind, staged.iov, remote)
+                ops = paired(kind, staged.iov, remote)
                 moved = self._ops_copy(kind, ops, regions, entries)
                 ok = moved
             finally:
@@ -262,29 +262,6 @@ class PeerMemory:
             ) from None
         return True
 
-    def _resolve(
-        self, regions: RemoteRegions, access: Access
-    ) -> tuple[list[BoardEntry], Iov] | None:
-        """(the peer's entries used, its rows) for ``access``; None when the board lacks it."""
-        if access.target is Target.ADDRESSES:
-            rows = access.rows
-            if not len(rows):
-                return None
-            used: dict[int, BoardEntry] = {}
-            for addr, nbytes in rows.tolist():
-                holder = regions.holder(addr, nbytes)
-                if holder is None:
-                    return None  # the peer answers with the documented refusal
-                used[holder.cache_id] = holder
-            return list(used.values()), np.ascontiguousarray(rows, dtype=np.uint64)
-        if access.target is Target.BLOCKS_KEY:
-            entry, row = regions.by_model.get(access.ident), 0
-        else:
-            entry, row = regions.by_id.get(access.ident), access.row
-        if entry is None:
-            return None
-        return [entry], access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
-
     def _check_still_there(self, before: RemoteRegions, entries: list[BoardEntry]) -> None:
         """Fail the transfer when the peer released a cache it used while the bytes moved."""
         seq = self._view.seq()
@@ -304,7 +281,36 @@ class PeerMemory:
         )
 
 
-def _paired(kind: RequestKind, local: Iov, remote: Iov) -> np.ndarray:
+def resolve(regions: RemoteRegions, access: Access) -> tuple[list[BoardEntry], Iov] | None:
+    """(the peer's entries used, its rows) for ``access`` against a peer's published
+    ``regions``, checked as its serving side checks a request; None when they do not show
+    the memory (the peer then answers the request itself, with its documented refusal).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
+    """
+    if access.target is Target.ADDRESSES:
+        rows = access.rows
+        if not len(rows):
+            return None
+        used: dict[int, BoardEntry] = {}
+        for addr, nbytes in rows.tolist():
+            holder = regions.holder(addr, nbytes)
+            if holder is None:
+                return None  # the peer answers with the documented refusal
+            used[holder.cache_id] = holder
+        return list(used.values()), np.ascontiguousarray(rows, dtype=np.uint64)
+    if access.target is Target.BLOCKS_KEY:
+        entry, row = regions.by_model.get(access.ident), 0
+    elif access.target is Target.CACHE_INDEX:
+        entry, row = regions.by_id.get(access.ident), access.row
+    else:
+        return None
+    if entry is None:
+        return None
+    return [entry], access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
+
+
+def paired(kind: RequestKind, local: Iov, remote: Iov) -> np.ndarray:
     """Copy ops from ``remote`` into ``local`` (pull) or back (push).
 
     :raises LLMException: ``LLM_PARAM_INVALID`` when the two sides differ in size.

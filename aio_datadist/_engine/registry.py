@@ -1,8 +1,10 @@
 """The cache registry: live caches, their key references and in-flight pins. Pure and sync.
 
 A pool-allocated cache is referenced by its id and by each bound key. Its memory returns to
-the pool only when the id reference was dropped (``deallocate_*``), no key remains, and no
-copy is using it (pins). All state changes happen under one lock.
+the pool only when the id reference was dropped (``deallocate_*``), no key remains, no copy
+is using it (pins), and no linked peer may still reach it one-sided (holds: the UCX route's
+peers, until they acknowledge that they stopped; ``_engine.ucxboard``). All state changes
+happen under one lock.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class CacheEntry:
     blocks_key: BlocksCacheKey | None = None
     released: bool = False
     pins: int = 0
+    #: Peers that may still reach the memory one-sided (it stays until they let go).
+    holds: int = 0
     #: Bytes of one tensor.
     tensor_bytes: int = field(init=False)
     #: Batch rows (or blocks) of each tensor.
@@ -175,12 +179,35 @@ class CacheRegistry:
             if self._waiting:
                 self._unpinned.notify_all()
 
+    def hold(self, entries: Iterable[CacheEntry]) -> None:
+        """A peer may reach ``entries`` one-sided: their memory stays until it lets go (lock
+        held)."""
+        for entry in entries:
+            entry.holds += 1
+
+    def let_go(self, entries: Iterable[CacheEntry]) -> None:
+        """Undo :meth:`hold`; frees entries whose release waited for the peer."""
+        with self.lock:
+            for entry in entries:
+                entry.holds -= 1
+                self._maybe_free(entry)
+            if self._waiting:
+                self._unpinned.notify_all()
+
     def wait_unpinned(self, entry: CacheEntry, timeout: float | None = None) -> bool:
-        """Block until no copy uses ``entry``; False if ``timeout`` (seconds) ran out first."""
+        """Block until no copy uses ``entry`` and no peer may reach it; False if ``timeout``
+        (seconds) ran out first."""
+        return self._wait(lambda: entry.pins == 0 and entry.holds == 0, timeout)
+
+    def wait_let_go(self, entry: CacheEntry, timeout: float | None = None) -> bool:
+        """Block until no peer may reach ``entry``; False if ``timeout`` (seconds) ran out."""
+        return self._wait(lambda: entry.holds == 0, timeout)
+
+    def _wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
         with self.lock:
             self._waiting += 1
             try:
-                return self._unpinned.wait_for(lambda: entry.pins == 0, timeout)
+                return self._unpinned.wait_for(done, timeout)
             finally:
                 self._waiting -= 1
 
@@ -197,7 +224,7 @@ class CacheRegistry:
             self._changed()
 
     def _maybe_free(self, entry: CacheEntry) -> None:
-        if not entry.released or entry.keys or entry.pins:
+        if not entry.released or entry.keys or entry.pins or entry.holds:
             return
         if self._entries.pop(entry.cache_id, None) is None:
             return

@@ -12,10 +12,12 @@ wait for completions.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol
 
 import numpy as np
 
@@ -23,11 +25,20 @@ from aio_datadist._engine.access import NO_ROWS, Access, Target
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._native import api
 from aio_datadist._native.api import BlockLayout
-from aio_datadist._transport.base import Channel, Iov, RequestKind
+from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.deadlines import now_ns
 from aio_datadist.status import LLMStatusCode, LLMTimeoutError
 
-__all__ = ("DONE", "GRACE_S", "Blocks", "Completion", "Plan", "RemoteBlocks", "Transfer")
+__all__ = (
+    "DONE",
+    "GRACE_S",
+    "Blocks",
+    "Completion",
+    "Plan",
+    "Pump",
+    "RemoteBlocks",
+    "Transfer",
+)
 
 #: Extra time a waiter gives a transport past the deadline before reporting a timeout itself.
 GRACE_S = 5.0
@@ -165,21 +176,36 @@ def _completed() -> Future[None]:
 _DONE_FUTURE: Future[None] = _completed()
 
 
+class Pump(Protocol):
+    """What a waiter may drive so that its requests complete sooner: the frame pump of the
+    link they crossed (a :class:`~aio_datadist._transport.base.Channel`), or the progress of
+    the UCX worker that moves them (``_engine.ucxroute.UcxProgress``)."""
+
+    def read_for(self, future: Future[None], deadline_ns: int) -> None:
+        """Help ``future`` complete in the calling thread, which would otherwise just wait;
+        return once it completed or the helping stopped."""
+        ...
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+        """Let ``loop`` (running in the calling thread) help complete the requests it awaits
+        until the returned call ends the watch; None when it does not."""
+        ...
+
+
 class Completion:
     """A started request: done already, or a future completed by another thread.
 
-    One type for every route. ``channel`` is set when the request crossed a link, so that
-    a waiter may read its answer itself (the waiting policy of the face).
+    One type for every route. ``pump`` is set when a waiter may drive the request itself:
+    read its answer from the link it crossed, or progress the UCX worker that moves it (the
+    waiting policy of the face).
     """
 
-    __slots__ = ("channel", "deadline_ns", "future")
+    __slots__ = ("deadline_ns", "future", "pump")
 
-    def __init__(
-        self, future: Future[None], deadline_ns: int, channel: Channel | None = None
-    ) -> None:
+    def __init__(self, future: Future[None], deadline_ns: int, pump: Pump | None = None) -> None:
         self.future = future
         self.deadline_ns = deadline_ns
-        self.channel = channel
+        self.pump = pump
 
     def done(self) -> bool:
         """True once the request completed (successfully or not)."""
@@ -206,16 +232,17 @@ class Completion:
         return max(0.0, (self.deadline_ns - now_ns()) / 1e9) + GRACE_S
 
     def wait(self) -> None:
-        """Wait in this thread (the blocking face): read the answer here where the link
-        can, then sleep on the future until the deadline (plus :data:`GRACE_S`).
+        """Wait in this thread (the blocking face): drive the request here where its pump
+        can (read the link's answer, progress the UCX worker), then sleep on the future
+        until the deadline (plus :data:`GRACE_S`).
 
         :raises LLMException: the request failed, or ``LLM_TIMEOUT``.
         """
         future = self.future
         if future is _DONE_FUTURE:
             return
-        if self.channel is not None and not future.done():
-            self.channel.read_for(future, self.deadline_ns)
+        if self.pump is not None and not future.done():
+            self.pump.read_for(future, self.deadline_ns)
         try:
             future.result(timeout=self.timeout_s())
         except FutureTimeout:
@@ -229,11 +256,11 @@ class Completion:
 DONE = Completion(_DONE_FUTURE, 0)
 
 
-def completed(future: Future[None] | None, deadline_ns: int, channel: Channel | None) -> Completion:
+def completed(future: Future[None] | None, deadline_ns: int, pump: Pump | None) -> Completion:
     """The completion of a request whose future is ``future`` (None: completed already)."""
     if future is None or future is _DONE_FUTURE:
         return DONE
-    return Completion(future, deadline_ns, channel)
+    return Completion(future, deadline_ns, pump)
 
 
 #: Guards the pending counts of every plan (held for one decrement: no plan needs its own).

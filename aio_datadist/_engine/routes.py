@@ -15,14 +15,22 @@ For a link to cluster ``c`` the list is, in order:
                            runtime has a collective library (HCCL one-sided calls)
 :class:`DeviceIpcRoute`    device rows, one-sided: the peer's shared device memory mapped
                            here (CUDA IPC), or staged around ``process_vm``
+``UcxRoute``               host rows (and device rows where UCX reaches the runtime's
+                           memory), one-sided by UCP RMA against the peer's UCX table
+                           (``_engine.ucxroute``)
+:class:`Staged` (UCX)      device rows UCX cannot reach directly, through pinned host
+                           buffers around ``UcxRoute``
 :class:`LinkRoute`         host rows over the link (always accepts them)
-:class:`Staged`            device rows over the link, through pinned host buffers (the one
+:class:`Staged` (link)     device rows over the link, through pinned host buffers (the one
                            staging wrapper, around :class:`LinkRoute`)
 =========================  ==============================================================
 
-The one-sided routes are present only when both ends share a host; a one-sided route may
-still decline a transfer it accepted (the board does not show the cache, the kernel refused
-access), and the next route takes it.
+The one-sided routes are present only when both ends share a host; the UCX routes only when
+both ends enabled UCX (``aio.Ucx``) and the peer's table arrived over the link after its
+handshake. A one-sided or UCX route may still decline a transfer it accepted (the board or
+table does not show the cache, the kernel refused access, the UCX endpoint failed), and the
+next route takes it. ``aio.SameHost = "0"`` leaves the same-host routes out, so that two
+processes of one host use UCX (tests and benchmarks do).
 """
 
 from __future__ import annotations
@@ -36,13 +44,14 @@ from enum import Enum
 from aio_datadist._engine.access import encode_access, encode_blocks_access
 from aio_datadist._engine.domain import NO_ROWS, CommRoute
 from aio_datadist._engine.onesided import PeerMemory
-from aio_datadist._engine.request import DONE, Blocks, Completion, Transfer, completed
+from aio_datadist._engine.request import DONE, Blocks, Completion, Pump, Transfer, completed
 from aio_datadist._memory.staging import Staged as StagedRows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import Channel, Payload, RequestKind
 from aio_datadist.status import LLMException
 
 __all__ = (
+    "Carrier",
     "CommunicatorRoute",
     "DeviceIpcRoute",
     "LinkRoute",
@@ -52,6 +61,7 @@ __all__ = (
     "Waiting",
     "link_routes",
     "start_on",
+    "with_carrier",
     "with_communicator",
     "without_communicator",
 )
@@ -81,8 +91,10 @@ class Route(ABC):
     #: Short name, for logs and docs.
     name: str
 
-    def link(self) -> Channel | None:
-        """The link its requests cross (a waiter may watch it); None for one-sided routes."""
+    def link(self) -> Pump | None:
+        """What a waiter may drive for its requests (watch, or read for): the link they
+        cross, or the UCX worker that moves them; None for routes that move bytes in the
+        caller."""
         return None
 
     @abstractmethod
@@ -199,7 +211,27 @@ class CommunicatorRoute(Route):
         return completed(future, deadline_ns, self.channel)
 
 
-class LinkRoute(Route):
+class Carrier(Route):
+    """A route that carries host rows and that :class:`Staged` may wrap for device rows."""
+
+    #: True when :meth:`send` also takes :class:`~aio_datadist._transport.base.Segments`.
+    streams: bool = False
+
+    def takes(self, transfer: Transfer) -> bool:
+        """True when the route may take ``transfer``'s request, wherever its rows live."""
+        return True
+
+    @abstractmethod
+    def send(self, transfer: Transfer, local: Payload, deadline_ns: int) -> Future[None] | None:
+        """Start ``transfer`` with its payload from or into the host rows ``local`` (or
+        segments where the route ``streams``): its future, or None when the route declines
+        it after all (nothing moved).
+
+        :raises LLMException: the transfer failed in the calling thread.
+        """
+
+
+class LinkRoute(Carrier):
     """Host rows over the link: the request, and its payload streamed to or from them."""
 
     name = "link"
@@ -207,7 +239,12 @@ class LinkRoute(Route):
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
 
-    def link(self) -> Channel | None:
+    @property
+    def streams(self) -> bool:  # type: ignore[override]
+        """True where the link's channel streams segments."""
+        return self.channel.streams
+
+    def link(self) -> Pump | None:
         return self.channel
 
     def accepts(self, transfer: Transfer) -> bool:
@@ -246,27 +283,27 @@ class LinkRoute(Route):
 
 
 class Staged(Route):
-    """Device rows over a route that reaches only host memory, through pinned host buffers
-    of the runtime: streamed in bounded chunks where the channel streams, else staged whole
-    (read out before bytes leave; written to the device once every byte arrived)."""
+    """Device rows over a route that reaches only host memory (the link, or UCX where it
+    cannot reach the runtime's memory), through pinned host buffers of the runtime:
+    streamed in bounded chunks where the route streams, else staged whole (read out before
+    bytes leave; written to the device once every byte arrived)."""
 
-    name = "staged-link"
-
-    def __init__(self, inner: LinkRoute, staging: Staging) -> None:
+    def __init__(self, inner: Carrier, staging: Staging) -> None:
         self.inner = inner
         self.staging = staging
+        self.name = f"staged-{inner.name}"
 
-    def link(self) -> Channel | None:
-        return self.inner.channel
+    def link(self) -> Pump | None:
+        return self.inner.link()
 
     def accepts(self, transfer: Transfer) -> bool:
-        return transfer.device
+        return transfer.device and self.inner.takes(transfer)
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         inner, pull = self.inner, transfer.kind is RequestKind.PULL
-        if inner.channel.streams:  # device copies overlap the socket, in bounded memory
+        if inner.streams:  # device copies overlap the socket, in bounded memory
             stream = self.staging.stream(transfer.rows, outbound=not pull)
-            return completed(inner.send(transfer, stream, deadline_ns), deadline_ns, inner.channel)
+            return completed(inner.send(transfer, stream, deadline_ns), deadline_ns, inner.link())
         staged = (
             self.staging.inbound(transfer.rows) if pull else self.staging.outbound(transfer.rows)
         )
@@ -275,7 +312,10 @@ class Staged(Route):
         except BaseException:
             staged.finish(False)
             raise
-        return completed(_finished_after(moved, staged), deadline_ns, inner.channel)
+        if moved is None:  # declined after all: the next route takes it
+            staged.finish(False)
+            return None
+        return completed(_finished_after(moved, staged), deadline_ns, inner.link())
 
 
 def _finished_after(moved: Future[None], staged: StagedRows) -> Future[None]:
@@ -316,7 +356,7 @@ def with_peer_memory(routes: Sequence[Route], peer: PeerMemory) -> list[Route]:
     """``routes`` with the one-sided routes to a same-host ``peer`` first (the peer was
     proven after the link was made; a domain's communicator route stays where it was)."""
     kept = [r for r in routes if not isinstance(r, SameHostRoute | DeviceIpcRoute)]
-    at = next((i for i, r in enumerate(kept) if isinstance(r, LinkRoute | Staged)), len(kept))
+    at = next((i for i, r in enumerate(kept) if isinstance(r, Carrier | Staged)), len(kept))
     return [SameHostRoute(peer), *kept[:at], DeviceIpcRoute(peer), *kept[at:]]
 
 
@@ -325,10 +365,31 @@ def with_communicator(routes: Sequence[Route], route: CommunicatorRoute) -> list
     before every other route that takes device rows."""
     kept = [r for r in routes if not isinstance(r, CommunicatorRoute)]
     at = next(
-        (i for i, r in enumerate(kept) if isinstance(r, DeviceIpcRoute | LinkRoute | Staged)),
+        (i for i, r in enumerate(kept) if isinstance(r, DeviceIpcRoute | Carrier | Staged)),
         len(kept),
     )
     return [*kept[:at], route, *kept[at:]]
+
+
+def _over_link(route: Route) -> bool:
+    return isinstance(route, LinkRoute) or (
+        isinstance(route, Staged) and isinstance(route.inner, LinkRoute)
+    )
+
+
+def with_carrier(routes: Sequence[Route], route: Carrier, staging: Staging | None) -> list[Route]:
+    """``routes`` with ``route`` (the UCX route), and with ``staging`` the staging wrapper
+    around it, in their place: after the one-sided and communicator routes, just before
+    the link's own (a carrier of the same kind that was there goes)."""
+    kind = type(route)
+    kept = [
+        r
+        for r in routes
+        if not isinstance(r, kind) and not (isinstance(r, Staged) and isinstance(r.inner, kind))
+    ]
+    at = next((i for i, r in enumerate(kept) if _over_link(r)), len(kept))
+    added: list[Route] = [route] if staging is None else [route, Staged(route, staging)]
+    return [*kept[:at], *added, *kept[at:]]
 
 
 def without_communicator(routes: Sequence[Route], member: CommRoute) -> list[Route]:

@@ -16,6 +16,7 @@ before it is answered.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,10 +30,20 @@ from aio_datadist._native import api
 from aio_datadist._native.serve import ServeTable
 from aio_datadist._transport import WireError, after_s
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
-from aio_datadist.status import KvCacheNotExistError, LLMStatusCode, ParamInvalidError
+from aio_datadist.status import (
+    FeatureNotEnabledError,
+    KvCacheNotExistError,
+    LLMStatusCode,
+    ParamInvalidError,
+)
+
+if TYPE_CHECKING:  # the UCX route's modules import this one
+    from aio_datadist._engine.ucxlinks import UcxLinks
 
 __all__ = ("Server", "access_rows")
 
+#: Targets of the UCX route's control plane (``_engine.ucxlinks``).
+_UCX_CONTROL = frozenset({Target.UCX_TABLE, Target.UCX_ACK})
 #: How long a change of the served caches waits for native answers still reading a cache
 #: that left (each is bounded by the link's stall timeout).
 _UNPIN_WAIT_S = 60.0
@@ -109,9 +120,15 @@ class Server:
     path leaves (anything else, and every refusal) comes to :meth:`serve`.
     """
 
-    def __init__(self, caches: CacheService, routes: CommRoutes | None = None) -> None:
+    def __init__(
+        self,
+        caches: CacheService,
+        routes: CommRoutes | None = None,
+        ucx: UcxLinks | None = None,
+    ) -> None:
         self._caches = caches
         self._routes: CommRoutes = {} if routes is None else routes
+        self._ucx = ucx
         self._log = get_logger("serve")
         self.serve_table = ServeTable()
         caches.registry.add_listener(self._publish)
@@ -148,6 +165,14 @@ class Server:
             access = decode_access(body)
         except WireError as exc:
             raise _invalid(f"malformed request from cluster {peer.cluster_id}: {exc}") from None
+        if access.target in _UCX_CONTROL:  # the UCX route's control plane, not memory
+            if self._ucx is None:
+                raise FeatureNotEnabledError(
+                    f"cluster {peer.cluster_id} sent a UCX {access.target.name}, but this "
+                    "engine does not enable UCX (aio.Ucx)",
+                    status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+                )
+            return self._ucx.serve(peer, kind, access, nbytes)
         may_drop = kind is RequestKind.PULL and access.target is Target.REQ_KEY
         if access.drop_key and not may_drop:
             # Only a pull by req key may drop its key; honouring the flag elsewhere would let

@@ -28,6 +28,11 @@ Two things in the headers are not plain declarations and are reproduced by hand:
   returned by the ``*_nbx`` calls: :func:`ptr_status` implements them.
 * ``ucp_init`` is a static inline wrapper around ``ucp_init_version(UCP_API_MAJOR,
   UCP_API_MINOR, ...)``; :data:`API_MAJOR`/:data:`API_MINOR` are the headers' values.
+
+The hot calls of a batch of RMA requests (start one, check one, free one) are bound a second
+time, by :func:`load_words`, with every pointer declared ``uintptr_t``: a batch then passes
+addresses and handles as Python ints, with no cdata made per request. On the LP64 ABIs this
+package builds for (x86-64, AArch64) a pointer and a ``uintptr_t`` travel alike.
 """
 
 from __future__ import annotations
@@ -44,12 +49,16 @@ __all__ = (
     "ENV_VAR",
     "UcxLoadError",
     "ffi",
+    "ffi_words",
     "libc",
     "load",
     "load_error",
+    "load_words",
     "loaded_path",
     "ptr_status",
     "status_name",
+    "word",
+    "word_status",
 )
 
 ENV_VAR = "AIO_DATADIST_UCX"
@@ -256,9 +265,21 @@ int fclose(FILE *stream);
 void free(void *ptr);
 """
 
+_WORDS_CDEF = r"""
+uintptr_t ucp_put_nbx(uintptr_t ep, uintptr_t buffer, size_t count, uint64_t remote_addr,
+                      uintptr_t rkey, uintptr_t param);
+uintptr_t ucp_get_nbx(uintptr_t ep, uintptr_t buffer, size_t count, uint64_t remote_addr,
+                      uintptr_t rkey, uintptr_t param);
+int8_t ucp_request_check_status(uintptr_t request);
+void ucp_request_free(uintptr_t request);
+"""
+
 ffi = cffi.FFI()
 ffi.cdef(_CDEF)
 ffi.cdef(_LIBC_CDEF)
+#: The hot calls again, every pointer a ``uintptr_t`` (see the module docstring).
+ffi_words = cffi.FFI()
+ffi_words.cdef(_WORDS_CDEF)
 
 # ucs_status_t values (ucs/type/status.h).
 UCS_OK = 0
@@ -342,6 +363,7 @@ UCP_MEM_MAP_PROT_LOCAL_WRITE = 1 << 1
 UCP_MEM_MAP_PROT_REMOTE_READ = 1 << 8
 UCP_MEM_MAP_PROT_REMOTE_WRITE = 1 << 9
 UCS_MEMORY_TYPE_HOST = 0
+UCS_MEMORY_TYPE_CUDA = 1
 # ucp_request_param_t op_attr_mask.
 UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
 UCP_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
@@ -353,15 +375,27 @@ class UcxLoadError(OSError):
     """libucp could not be loaded; the message says where it was looked for and why it failed."""
 
 
+_ERR_WORDS = UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
+
+
 def ptr_status(ptr: Any) -> int:
     """``UCS_PTR_STATUS`` of a ``ucs_status_ptr_t``: ``UCS_OK`` for NULL (done at once), the
     error for an error pointer, ``UCS_INPROGRESS`` for a request pointer."""
-    value = int(ffi.cast("uintptr_t", ptr))
+    return word_status(int(ffi.cast("uintptr_t", ptr)))
+
+
+def word_status(value: int) -> int:
+    """:func:`ptr_status` of a ``ucs_status_ptr_t`` given as an int."""
     if value == 0:
         return UCS_OK
-    if value >= (UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF):  # UCS_PTR_IS_ERR
+    if value >= _ERR_WORDS:  # UCS_PTR_IS_ERR
         return value - (1 << 64)
     return UCS_INPROGRESS  # UCS_PTR_IS_PTR
+
+
+def word(cdata: Any) -> int:
+    """The address of a pointer cdata, as an int for :data:`ffi_words` calls."""
+    return int(ffi.cast("uintptr_t", cdata))
 
 
 def status_name(status: int) -> str:
@@ -378,6 +412,7 @@ def status_name(status: int) -> str:
 
 _lock = threading.Lock()
 _lib: Any = None
+_words: Any = None
 _path: str | None = None
 _error: str | None = None
 _wheel_handles: list[Any] = []  # the wheel's ctypes handles: keep its libraries loaded
@@ -449,6 +484,21 @@ def load() -> Any:
         return _lib
 
 
+def load_words() -> Any:
+    """The loaded libucp's hot calls with every pointer an int (:data:`ffi_words`).
+
+    Raises:
+        UcxLoadError: as :func:`load`.
+    """
+    global _words
+    load()
+    with _lock:
+        if _words is None:
+            assert _path is not None
+            _words = ffi_words.dlopen(_path)  # the library loaded already: the same one
+        return _words
+
+
 def load_error() -> str | None:
     """``None`` when UCX loads, else the reason it does not (never raises)."""
     try:
@@ -465,6 +515,6 @@ def loaded_path() -> str | None:
 
 def _reset_for_tests() -> None:
     """Forget the cached outcome, so that a test can load again under another environment."""
-    global _lib, _path, _error
+    global _lib, _words, _path, _error
     with _lock:
-        _lib = _path = _error = None
+        _lib = _words = _path = _error = None

@@ -70,7 +70,8 @@ enum {
     /* 1: retired (an unverified process id and board descriptor); skipped like any unknown */
     DD_HELLO_EXT_AUTH_NONCE = 2,    /* the client's nonce: it starts authentication */
     DD_HELLO_EXT_COMM_NAME = 3,     /* the communication domain a client links for */
-    DD_HELLO_EXT_HOST_PRESENCE = 4  /* same host: the host's identity, where to prove it */
+    DD_HELLO_EXT_HOST_PRESENCE = 4, /* same host: the host's identity, where to prove it */
+    DD_HELLO_EXT_UCX = 5            /* the sender offers the UCX route: one byte, DD_UCX_VERSION */
 };
 
 /* A PULL body: the u64 payload bytes the requester expects, then the access. A PUSH body is
@@ -114,7 +115,31 @@ enum {
     DD_TARGET_PREFIX_KEY = 2,  /* CacheKey by prefix_id: ident = prefix_id */
     DD_TARGET_CACHE_INDEX = 3, /* CacheKeyByIdAndIndex: ident = cache_id, row = batch_index */
     DD_TARGET_BLOCKS_KEY = 4,  /* BlocksCacheKey: ident = model_id */
-    DD_TARGET_ADDRESSES = 5    /* raw addresses of registered or allocated memory */
+    DD_TARGET_ADDRESSES = 5,   /* raw addresses of registered or allocated memory */
+    /* The UCX route's control plane (pushes, served by the engine, never by native code): */
+    DD_TARGET_UCX_TABLE = 6,   /* the payload is the sender's UCX table: ident = its sequence */
+    DD_TARGET_UCX_ACK = 7      /* no payload: the sender applied the receiver's table ident and
+                                * no transfer it started under an older table is in flight */
+};
+
+/* A UCX table (the payload of a DD_TARGET_UCX_TABLE push): what its sender offers over UCX.
+ * u32 version (DD_UCX_VERSION), u64 sequence (grows with every change), then counted fields
+ * (u32 length or count first): the sender's UCX worker address (at most
+ * DD_UCX_MAX_ADDRESS bytes), its host identity (empty, or DD_UCX_HOST_SIZE bytes: boot id
+ * and pid-namespace inode), its registrations (a count, then for each: u64 address, u64
+ * length, u32 memory type (DD_UCX_MEMORY_*), the packed remote key of at most
+ * DD_UCX_MAX_RKEY bytes), and the caches it publishes (one blob in the region board's table
+ * layout, ``_engine/regions.py``). A table is at most DD_UCX_MAX_TABLE bytes and names at
+ * most DD_UCX_MAX_KEYS registrations. */
+enum {
+    DD_UCX_VERSION = 1,
+    DD_UCX_HOST_SIZE = 24,
+    DD_UCX_MAX_ADDRESS = 1 << 16,
+    DD_UCX_MAX_RKEY = 1 << 14,
+    DD_UCX_MAX_KEYS = 1 << 16,
+    DD_UCX_MAX_TABLE = 1 << 24,
+    DD_UCX_MEMORY_HOST = 0,
+    DD_UCX_MEMORY_CUDA = 1
 };
 
 /* A decoded frame header, and an access body's fixed part: the fields as they are, unchecked. */

@@ -39,6 +39,13 @@ __all__ = (
     "MAX_PAYLOAD",
     "PULL_NBYTES",
     "TARGETS",
+    "UCX_HOST_SIZE",
+    "UCX_MAX_ADDRESS",
+    "UCX_MAX_KEYS",
+    "UCX_MAX_RKEY",
+    "UCX_MAX_TABLE",
+    "UCX_MEMORY",
+    "UCX_VERSION",
     "VERSION",
 )
 
@@ -145,6 +152,16 @@ ACCESS_DROP_KEY: int = lib.DD_ACCESS_DROP_KEY
 ACCESS_DELIVER: int = lib.DD_ACCESS_DELIVER
 #: Access targets by name (``REQ_KEY``: 1, ...).
 TARGETS: dict[str, int] = _members("DD_TARGET_")
+
+#: The UCX table's version, and the limits its decoder enforces (bytes, or counts).
+UCX_VERSION: int = lib.DD_UCX_VERSION
+UCX_HOST_SIZE: int = lib.DD_UCX_HOST_SIZE
+UCX_MAX_ADDRESS: int = lib.DD_UCX_MAX_ADDRESS
+UCX_MAX_RKEY: int = lib.DD_UCX_MAX_RKEY
+UCX_MAX_KEYS: int = lib.DD_UCX_MAX_KEYS
+UCX_MAX_TABLE: int = lib.DD_UCX_MAX_TABLE
+#: Memory types of a UCX registration by name (``HOST``: 0, ``CUDA``: 1).
+UCX_MEMORY: dict[str, int] = _members("DD_UCX_MEMORY_")
 
 if ACCESS_NDELIVER.size != lib.DD_ACCESS_NDELIVER_SIZE:
     raise ImportError(f"wire.h's delivery count has {lib.DD_ACCESS_NDELIVER_SIZE} bytes")

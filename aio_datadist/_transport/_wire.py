@@ -380,6 +380,8 @@ class HelloExtension(IntEnum):
     #: The communication domain a client links for (UTF-8 name): a shared rank endpoint
     #: routes the link by it (``rendezvous``).
     COMM_NAME = wire.HELLO_EXTENSIONS["COMM_NAME"]
+    #: The sender offers the UCX route (one byte: the UCX table version it speaks).
+    UCX = wire.HELLO_EXTENSIONS["UCX"]
 
 
 _RECORD = struct.Struct("<HH")

@@ -87,6 +87,9 @@ class Hello:
     #: The communication domain a connecting side links for (rank-table ``link``): a rank
     #: endpoint that several domains share hands the link to that domain's member.
     comm: str | None = None
+    #: The sender offers the UCX route (``_engine.ucxlinks``): both ends must, for a link
+    #: to use it.
+    ucx: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +180,9 @@ class RequestHandler(Protocol):
         self, peer: Hello, kind: RequestKind, body: bytes, nbytes: int, *, stream: bool = False
     ) -> Served:
         """Resolve a request ``body`` from ``peer`` into this side's memory rows.
+
+        ``peer`` is the requesting channel's own :attr:`Channel.peer` (the same object for
+        every request of one channel), so a handler may tell links apart by it.
 
         ``nbytes`` is the payload size the requester expects; the rows must add up to it.
         With ``stream`` (a stream-based transport asking) memory that needs staging may come

@@ -6,6 +6,7 @@ them (``auth.Transcript``).
 
 from __future__ import annotations
 
+from aio_datadist._native.wire import UCX_VERSION
 from aio_datadist._transport._wire import (
     HelloBody,
     HelloExtension,
@@ -33,6 +34,8 @@ def hello_to_wire(hello: Hello, *, auth_nonce: bytes | None = None) -> bytes:
         extensions += encode_extension_record(HelloExtension.COMM_NAME, hello.comm.encode())
     if auth_nonce is not None:
         extensions += encode_extension_record(HelloExtension.AUTH_NONCE, auth_nonce)
+    if hello.ucx:
+        extensions += encode_extension_record(HelloExtension.UCX, bytes((UCX_VERSION,)))
     return encode_hello(
         HelloBody(hello.cluster_id, int(hello.role), hello.to_cluster_id, extensions)
     )
@@ -58,5 +61,7 @@ def hello_from_wire(data: bytes | bytearray) -> tuple[Hello, bytes | None]:
     except UnicodeDecodeError:
         raise WireError("communication domain name in hello is not UTF-8") from None
     presence = presence_from_records(records)
-    hello = Hello(body.cluster_id, role, body.to_cluster_id, presence, comm_name)
+    # A UCX offer of another table version is no offer: the link goes without the route.
+    ucx = records.get(HelloExtension.UCX, b"")[:1] == bytes((UCX_VERSION,))
+    hello = Hello(body.cluster_id, role, body.to_cluster_id, presence, comm_name, ucx)
     return hello, nonce

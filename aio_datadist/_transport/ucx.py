@@ -48,14 +48,18 @@ import re
 import select
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Self
+
+import numpy as np
+import numpy.typing as npt
 
 from aio_datadist._native import ucx as _ucx
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = (
+    "MEMORY_TYPES",
     "Endpoint",
     "Registration",
     "RemoteKey",
@@ -65,6 +69,7 @@ __all__ = (
     "available",
     "get",
     "put",
+    "rma",
     "status_code",
     "ucx_info",
 )
@@ -74,6 +79,26 @@ ffi = _ucx.ffi
 _IDLE_WAKES_FREE = 4
 _IDLE_PAUSE_MIN_S = 50e-6
 _IDLE_PAUSE_MAX_S = 1e-3
+#: Longest round of progress an event loop runs before it lets its other callbacks run.
+_LOOP_BUDGET_NS = 500_000
+#: Longest round of progress a waiting thread runs before it looks at its condition and
+#: deadline again.
+_ROUND_NS = 1_000_000
+
+#: ``ucs_memory_type_t`` values by bit, as :attr:`UcxContext.memory_types` names them.
+_MEMORY_TYPES = {
+    0: "host",
+    1: "cuda",
+    2: "cuda_managed",
+    3: "rocm",
+    4: "rocm_managed",
+    5: "rdma",
+    6: "ze_host",
+    7: "ze_device",
+    8: "ze_managed",
+}
+#: Memory types a :class:`Registration` (and a local side of :func:`rma`) may name.
+MEMORY_TYPES = {"host": _ucx.UCS_MEMORY_TYPE_HOST, "cuda": _ucx.UCS_MEMORY_TYPE_CUDA}
 
 _LINK_STATUSES = frozenset({-3, -6, -10, -13, -14, -16, -17, -23, -24, -25})
 _PARAM_STATUSES = frozenset({-5, -7, -9, -11, -19})
@@ -172,10 +197,14 @@ class UcxContext:
             lib.ucp_config_release(config[0])
         self._handle: Any = handle[0]
         attr = ffi.new("ucp_context_attr_t *")
-        attr.field_mask = _ucx.UCP_ATTR_FIELD_THREAD_MODE
+        attr.field_mask = _ucx.UCP_ATTR_FIELD_THREAD_MODE | _ucx.UCP_ATTR_FIELD_MEMORY_TYPES
         _check("ucp_context_query", lib.ucp_context_query(self._handle, attr))
         self.thread_mode: int = int(attr.thread_mode)
         """The ``ucs_thread_mode_t`` the context was granted."""
+        self.memory_types: frozenset[str] = frozenset(
+            name for bit, name in _MEMORY_TYPES.items() if int(attr.memory_types) >> bit & 1
+        )
+        """The memory types the context's transports reach (``"host"``, ``"cuda"``, ...)."""
 
     @property
     def handle(self) -> Any:
@@ -187,6 +216,10 @@ class UcxContext:
         """UCX's own description of the context (``ucp_context_print_info``)."""
         handle = self.handle
         return _capture(lambda stream: self._lib.ucp_context_print_info(handle, stream))
+
+    def transports(self) -> list[str]:
+        """The ``tl/device`` pairs of the context's resources (what ``UCX_TLS`` let in)."""
+        return _resources(self.info())
 
     def close(self) -> None:
         """Release the context; its workers and registrations must be closed first."""
@@ -206,6 +239,7 @@ class UcxWorker:
 
     def __init__(self, context: UcxContext, *, name: str = "aio_datadist") -> None:
         self._lib = context._lib
+        self._words = _ucx.load_words()
         self.context = context
         params = ffi.new("ucp_worker_params_t *")
         self._name = ffi.new("char[]", name.encode()[:31])
@@ -275,12 +309,15 @@ class UcxWorker:
         with self.lock:
             return int(self._lib.ucp_worker_progress(handle))
 
-    def _drain(self) -> bool:
-        """Progress until nothing is left to do; whether anything was."""
+    def drain(self, budget_ns: int = 0) -> bool | None:
+        """Progress until nothing is left to do; whether anything was. With ``budget_ns``,
+        stop after about that long: None when work was left."""
         if not self.progress():
             return False
+        until = time.monotonic_ns() + budget_ns if budget_ns else 0
         while self.progress():
-            pass
+            if until and time.monotonic_ns() >= until:
+                return None
         return True
 
     def signal(self) -> None:
@@ -294,33 +331,57 @@ class UcxWorker:
         handle = self.handle
         return _capture(lambda stream: self._lib.ucp_worker_print_info(handle, stream))
 
-    def _sleep(self, ready: Callable[[], bool], deadline_ns: int | None, idle: list[int]) -> bool:
-        """Progress until idle; unless ``ready()`` then holds, arm the event fd and sleep on it
-        until an event or the deadline. ``False`` once the deadline passed.
+    def _sleep(
+        self, ready: Callable[[], bool], deadline_ns: int | None, idle: list[int], wake_fd: int = -1
+    ) -> bool:
+        """Progress until idle (a round of at most about a millisecond); unless ``ready()``
+        then holds, arm the event fd and sleep on it until an event or the deadline. ``False``
+        once the deadline passed.
 
         ``idle[0]`` counts wake-ups after which progress found nothing to do. UCX's event fd
         can stay readable with no work to do (a tcp endpoint whose peer does not progress
         keeps it signalled); after a few such wake-ups in a row the sleep is stretched, from
         50 us doubling to 1 ms, so that a stalled peer costs no more than a timer would.
         """
-        if self._drain():
+        drained = self.drain(_ROUND_NS)
+        if drained:
             idle[0] = 0
-        if ready() or not self.arm():
+        if ready():
             return True
-        if deadline_ns is None:
-            timeout_ms = -1
-        else:
-            left = deadline_ns - time.monotonic_ns()
-            if left <= 0:
-                return False
-            timeout_ms = max(1, -(-left // 1_000_000))
+        left = None if deadline_ns is None else deadline_ns - time.monotonic_ns()
+        if left is not None and left <= 0:
+            return False
+        if drained is None or not self.arm():
+            return True  # work left, or events pending: progress again (the deadline holds)
+        timeout_ms = -1 if left is None else max(1, -(-left // 1_000_000))
         pause = _idle_pause(idle[0])
         if pause:
             time.sleep(pause if timeout_ms < 0 else min(pause, timeout_ms / 1000))
         poller = select.poll()
         poller.register(self._fd, select.POLLIN)
-        poller.poll(timeout_ms)
+        if wake_fd >= 0:
+            poller.register(wake_fd, select.POLLIN)
+        if any(fd == wake_fd for fd, _ in poller.poll(timeout_ms)):
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(wake_fd)
         idle[0] += 1
+        return True
+
+    def wait_until(
+        self, ready: Callable[[], bool], deadline_ns: int | None = None, *, wake_fd: int = -1
+    ) -> bool:
+        """Progress and sleep on the event fd until ``ready()`` holds (it is asked after every
+        round of progress); ``False`` when ``deadline_ns`` (``time.monotonic_ns()``) passed
+        first.
+
+        Several threads may wait on one worker, and the one that progresses takes the events
+        the others slept for: a waiter whose condition another thread may make true passes
+        ``wake_fd`` (a non-blocking ``eventfd``) and has that thread write to it.
+        """
+        idle = [0]
+        while not ready():
+            if not self._sleep(ready, deadline_ns, idle, wake_fd):
+                return ready()
         return True
 
     def wait(self, request: Request, deadline_ns: int | None = None) -> None:
@@ -332,33 +393,41 @@ class UcxWorker:
                 request is still in flight and may still write its local buffer: close the
                 endpoint (:meth:`Endpoint.close` with ``force``) before reusing the memory.
         """
-        idle = [0]
-        while not request.done():
-            if not self._sleep(request.done, deadline_ns, idle) and not request.done():
-                raise _timed_out(request)
+        if not self.wait_until(request.done, deadline_ns):
+            raise _timed_out(request)
         request.result()
 
-    async def wait_async(self, request: Request, deadline_ns: int | None = None) -> None:
-        """Await ``request`` on the running event loop: between progress calls the worker's
-        event fd sits in the loop's selector (nothing polls), shared by every request awaited
-        on this worker from that loop. Raises as :meth:`wait`, and the same holds after a
-        timeout: the request is still in flight.
+    async def wait_until_async(
+        self,
+        ready: Callable[[], bool],
+        deadline_ns: int | None = None,
+        *,
+        budget_ns: int = _LOOP_BUDGET_NS,
+    ) -> bool:
+        """Await until ``ready()`` holds (asked after every round of progress); ``False`` when
+        ``deadline_ns`` passed first. Between rounds the worker's event fd sits in the running
+        loop's selector (nothing polls), shared by every waiter of this worker on that loop.
+
+        One round of progress runs on the loop for at most about ``budget_ns``; with work
+        left, the loop runs its other callbacks before the next round, so a large transfer
+        never holds the loop for long.
         """
         loop = asyncio.get_running_loop()
         idle = 0
         while True:
-            if self._drain():
+            drained = self.drain(budget_ns)
+            if drained:
                 idle = 0
-            if request.done():
-                break
-            if not self.arm():
-                await asyncio.sleep(0)  # events pending: let the loop run, then progress
+            if ready():
+                return True
+            if drained is None or not self.arm():
+                await asyncio.sleep(0)  # work left or events pending: let the loop run first
                 continue
             left_s = None
             if deadline_ns is not None:
                 left_s = (deadline_ns - time.monotonic_ns()) / 1e9
                 if left_s <= 0:
-                    raise _timed_out(request)
+                    return ready()
             pause = _idle_pause(idle)  # woken for nothing again: as :meth:`_sleep`
             if pause:
                 await asyncio.sleep(pause if left_s is None else min(pause, left_s))
@@ -369,6 +438,13 @@ class UcxWorker:
                 if not woken.done():  # timed out or cancelled: no longer waiting
                     self._forget_waiter(loop, woken)
             idle += 1
+
+    async def wait_async(self, request: Request, deadline_ns: int | None = None) -> None:
+        """Await ``request`` on the running event loop (:meth:`wait_until_async`). Raises as
+        :meth:`wait`, and the same holds after a timeout: the request is still in flight.
+        """
+        if not await self.wait_until_async(request.done, deadline_ns):
+            raise _timed_out(request)
         request.result()
 
     def _loop_waiter(self, loop: asyncio.AbstractEventLoop) -> asyncio.Future[None]:
@@ -435,7 +511,8 @@ def _idle_pause(idle: int) -> float:
     found nothing to do (0 for the first few; then from 50 us doubling to 1 ms)."""
     if idle <= _IDLE_WAKES_FREE:
         return 0.0
-    return float(min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2 ** (idle - _IDLE_WAKES_FREE)))
+    doublings = min(idle - _IDLE_WAKES_FREE, 32)  # past the cap long before; never overflows
+    return float(min(_IDLE_PAUSE_MAX_S, _IDLE_PAUSE_MIN_S * 2**doublings))
 
 
 def _timed_out(request: Request) -> LLMException:
@@ -457,19 +534,21 @@ class Request:
     def __init__(self, worker: UcxWorker, ptr: Any, what: str) -> None:
         self.worker = worker
         self.what = what
-        status = _ucx.ptr_status(ptr)
+        word = ptr if isinstance(ptr, int) else _ucx.word(ptr)
+        status = _ucx.word_status(word)
         self._status = status
-        self._ptr: Any = ptr if status == _ucx.UCS_INPROGRESS else None
+        #: The request's address while it is in flight (0 once it is not).
+        self._ptr = word if status == _ucx.UCS_INPROGRESS else 0
 
     def done(self) -> bool:
         """Whether the operation finished (successfully or not)."""
-        if self._ptr is not None:
-            lib = self.worker._lib
+        if self._ptr:
+            words = self.worker._words
             with self.worker.lock:
-                status = int(lib.ucp_request_check_status(self._ptr))
+                status = int(words.ucp_request_check_status(self._ptr))
                 if status != _ucx.UCS_INPROGRESS:
-                    lib.ucp_request_free(self._ptr)
-                    self._ptr = None
+                    words.ucp_request_free(self._ptr)
+                    self._ptr = 0
             self._status = status
         return self._status != _ucx.UCS_INPROGRESS
 
@@ -492,10 +571,10 @@ class Request:
 
     def abandon(self) -> None:
         """Stop tracking an unfinished request: UCX frees it when it completes."""
-        if self._ptr is not None:
+        if self._ptr:
             with self.worker.lock:
-                self.worker._lib.ucp_request_free(self._ptr)
-            self._ptr = None
+                self.worker._words.ucp_request_free(self._ptr)
+            self._ptr = 0
 
 
 class Endpoint:
@@ -552,6 +631,26 @@ class Endpoint:
         if self.failure is not None:
             raise _error("UCX endpoint", self.failure)
         return self._handle
+
+    def transports(self) -> list[str]:
+        """The ``tl/device`` of each of the endpoint's lanes (``ucp_ep_print_info``), in lane
+        order; empty before UCX chose them."""
+        handle = self.handle
+        text = _capture(lambda stream: self._lib.ucp_ep_print_info(handle, stream))
+        found: list[str] = []
+        for match in _LANE.finditer(text):
+            if match[1] not in found:
+                found.append(match[1])
+        return found
+
+    def flush_request(self) -> Request:
+        """Start completing every operation started on this endpoint so far (remotely, for
+        puts): the request completes once they did (``ucp_ep_flush_nbx``)."""
+        handle = self.handle
+        param = ffi.new("ucp_request_param_t *")
+        with self.worker.lock:
+            ptr = self._lib.ucp_ep_flush_nbx(handle, param)
+        return Request(self.worker, ptr, "ucp_ep_flush_nbx")
 
     def flush(self, deadline_ns: int | None = None) -> None:
         """Complete every operation started on this endpoint (``ucp_ep_flush_nbx``)."""
@@ -612,12 +711,39 @@ class Registration:
     """
 
     def __init__(
-        self, context: UcxContext, addr: int, nbytes: int, *, remote_write: bool = True
+        self,
+        context: UcxContext,
+        addr: int,
+        nbytes: int,
+        *,
+        remote_write: bool = True,
+        memory: str = "host",
     ) -> None:
+        """``memory``: where the memory lives (a key of :data:`MEMORY_TYPES`; ``"cuda"``
+        needs a context whose :attr:`~UcxContext.memory_types` has it).
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for an empty span or an unknown memory type,
+                ``LLM_FEATURE_NOT_ENABLED`` for a memory type the context cannot reach, or
+                the code of UCX's failure.
+        """
         _check_span(addr, nbytes, "UCX registration")
+        if memory not in MEMORY_TYPES:
+            raise LLMException(
+                f"UCX registration: unknown memory type {memory!r}",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        if memory not in context.memory_types:
+            raise LLMException(
+                f"UCX registration: this UCX reaches no {memory} memory "
+                f"(it reaches {sorted(context.memory_types)})",
+                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+            )
         self.context = context
         self.addr = addr
         self.nbytes = nbytes
+        #: Where the memory lives (a key of :data:`MEMORY_TYPES`).
+        self.memory = memory
         lib = self._lib = context._lib
         params = ffi.new("ucp_mem_map_params_t *")
         params.field_mask = (
@@ -634,7 +760,7 @@ class Registration:
             | _ucx.UCP_MEM_MAP_PROT_REMOTE_READ
             | (_ucx.UCP_MEM_MAP_PROT_REMOTE_WRITE if remote_write else 0)
         )
-        params.memory_type = _ucx.UCS_MEMORY_TYPE_HOST
+        params.memory_type = MEMORY_TYPES[memory]
         memh = ffi.new("ucp_mem_h *")
         _check("ucp_mem_map", lib.ucp_mem_map(context.handle, params, memh))
         self._memh: Any = memh[0]
@@ -758,6 +884,104 @@ def put(ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: Remo
     return _rma("ucp_put_nbx", ep, local_addr, nbytes, remote_addr, rkey)
 
 
+#: Up to this many ops a batch is checked op by op in Python (numpy costs more below it).
+_SMALL_BATCH = 32
+
+
+def _outside(
+    ops: npt.NDArray[np.uint64],
+    op_list: list[list[int]],
+    keys: Sequence[RemoteKey],
+    key_of: npt.NDArray[np.intp],
+    key_list: list[int],
+) -> int | None:
+    """The index of the first op that is empty or not inside its key's registration."""
+    if len(op_list) <= _SMALL_BATCH:
+        for i, ((local, remote, n), j) in enumerate(zip(op_list, key_list, strict=True)):
+            k = keys[j]
+            if not n or not local or remote < k.addr or remote + n > k.addr + k.nbytes:
+                return i
+            if local + n > 1 << 64:
+                return i
+        return None
+    base = np.fromiter((k.addr for k in keys), np.uint64, len(keys))[key_of]
+    end = base + np.fromiter((k.nbytes for k in keys), np.uint64, len(keys))[key_of]
+    here, there, size = ops[:, 0], ops[:, 1], ops[:, 2]
+    bad = (size == 0) | (here == 0) | (there < base) | (there + size > end)
+    bad |= (there + size < there) | (here + size < here)
+    return int(np.flatnonzero(bad)[0]) if bool(bad.any()) else None
+
+
+def rma(
+    ep: Endpoint,
+    ops: npt.NDArray[np.uint64],
+    keys: Sequence[RemoteKey],
+    key_of: npt.NDArray[np.intp],
+    *,
+    write: bool,
+    local_memory: str = "host",
+) -> tuple[list[Request], LLMException | None]:
+    """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
+    with ``write``), the remote side through ``keys[key_of[i]]``: a batch of :func:`get` or
+    :func:`put` with one check of the whole batch and one Python loop.
+
+    ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`).
+    Returns the requests still in flight, and the failure of the op UCX refused to start,
+    if one was: the ops before it were started (wait for them), the ones after it were not.
+
+    Raises:
+        LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside its
+            key's registration, a key of another endpoint or a closed one.
+    """
+    if len(ops) != len(key_of):
+        raise LLMException(
+            f"UCX rma: {len(ops)} ops but {len(key_of)} keys",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    if not len(ops):
+        return [], None
+    what = "ucp_put_nbx" if write else "ucp_get_nbx"
+    op_list, key_list = ops.tolist(), key_of.tolist()
+    used = {j: keys[j] for j in set(key_list)}
+    if any(k.endpoint is not ep for k in used.values()):
+        raise LLMException(
+            f"{what}: a remote key was unpacked on another endpoint",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    bad = _outside(ops, op_list, keys, key_of, key_list)
+    if bad is not None:
+        (local, remote, nbytes), k = op_list[bad], keys[key_list[bad]]
+        raise LLMException(
+            f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the peer's "
+            f"registration [0x{k.addr:x}, +{k.nbytes})",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        )
+    handles = {j: _ucx.word(k.handle) for j, k in used.items()}
+    ep_h = _ucx.word(ep.handle)
+    param = ffi.new("ucp_request_param_t *")
+    if local_memory != "host":
+        param.op_attr_mask = _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+        param.memory_type = MEMORY_TYPES[local_memory]
+    param_w = _ucx.word(param)
+    worker = ep.worker
+    words = worker._words
+    call = words.ucp_put_nbx if write else words.ucp_get_nbx
+    errors = _ucx.UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
+    started: list[Request] = []
+    failure: LLMException | None = None
+    with worker.lock:  # ints all the way: no cdata per request (``_native.ucx``)
+        for (src, dst, n), k in zip(op_list, key_list, strict=True):
+            ptr = call(ep_h, src, n, dst, handles[k], param_w)
+            if not ptr:
+                continue  # done at once
+            if ptr >= errors:
+                failure = _error(what, ptr - (1 << 64))
+                break
+            started.append(Request(worker, ptr, what))
+    return started, failure
+
+
+_LANE = re.compile(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s")
 _RESOURCE = re.compile(r"#\s*resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)/(\S+)")
 
 
@@ -771,9 +995,9 @@ def _resources(text: str) -> list[str]:
 
 
 def ucx_info() -> dict[str, Any]:
-    """What UCX offers here: ``available``, and when it is, ``path``, ``version`` and the
+    """What UCX offers here: ``available``, and when it is, ``path``, ``version``, the
     ``transports`` (``tl/device`` pairs a context selected under the current ``UCX_*``
-    environment); ``reason`` when it is not."""
+    environment) and the ``memory_types`` they reach; ``reason`` when it is not."""
     reason = _ucx.load_error()
     if reason is not None:
         return {"available": False, "reason": reason}
@@ -790,6 +1014,7 @@ def ucx_info() -> dict[str, Any]:
         with UcxContext(name="aio_datadist_info") as context:
             info["transports"] = _resources(context.info())
             info["thread_mode"] = context.thread_mode
+            info["memory_types"] = sorted(context.memory_types)
     except LLMException as exc:
         info["transports"] = []
         info["error"] = str(exc)

@@ -1,0 +1,528 @@
+"""The UCX route: pulls and pushes moved with UCP RMA through the peer's published table.
+
+A transfer that names the peer's memory by blocks key, by cache id and batch index, or by raw
+addresses (the one-sided targets) is resolved against the peer's UCX table with the same
+checks the same-host route and the serving side use (``onesided.resolve``), paired with the
+local rows, and started as one ``ucp_get_nbx`` (pull) or ``ucp_put_nbx`` (push, then a flush
+so that completion means the bytes are in the peer's memory) per contiguous piece: a
+:class:`Batch`. Anything else (requests by cache key, which may drop the key) goes over the
+link: the route declines and the next route takes it.
+
+Completion, without polling. Whoever waits drives the engine's one UCX worker
+(:class:`UcxProgress`): a blocking caller progresses it and sleeps on its event fd
+(:meth:`UcxProgress.read_for`); an event loop that awaits a call watches the route
+(:meth:`UcxProgress.watch`) and keeps the event fd in its selector while the call runs; and
+the engine's progress thread sleeps on the same fd meanwhile. It serves the peers' transfers
+over software transports (tcp: the target must progress for a get or put to move), completes
+what no one waits for, and fails a batch whose deadline passed: it closes the endpoint by
+force (UCX completes every request still in flight as cancelled, so nothing writes the local
+rows afterwards), the batch fails with ``LLM_TIMEOUT`` and the link carries the peer's later
+transfers. Every request a batch started has completed before its future does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+
+import numpy as np
+import numpy.typing as npt
+import structlog
+
+from aio_datadist._engine.onesided import ONE_SIDED_TARGETS, paired, resolve
+from aio_datadist._engine.regions import BoardEntry
+from aio_datadist._engine.request import DONE, Completion, Transfer, completed
+from aio_datadist._engine.routes import Carrier, Waiting
+from aio_datadist._engine.ucxremote import Snapshot, UcxRemote
+from aio_datadist._transport.base import Payload, RequestKind
+from aio_datadist._transport.ucx import Request, UcxWorker
+from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCode
+
+__all__ = ("Batch", "UcxProgress", "UcxRoute")
+
+_S = LLMStatusCode
+#: The longest round of progress that starting a batch on an event loop runs: a small batch
+#: over shared memory completes in it; the rest moves as the loop's waits progress.
+_START_NS = 50_000
+#: The same, in any other thread.
+_START_THREAD_NS = 20_000_000
+#: How long a waiter gives the requests of a batch past its deadline to come back cancelled
+#: before it leaves them to the progress thread (the batch then keeps its local rows).
+_CANCEL_NS = 1_000_000_000
+
+
+class Batch:
+    """One transfer's UCX requests; its :attr:`future` completes once every one completed."""
+
+    __slots__ = (
+        "_at",
+        "_lock",
+        "deadline_ns",
+        "entries",
+        "expired",
+        "failure",
+        "future",
+        "remote",
+        "requests",
+        "snap",
+    )
+
+    def __init__(
+        self,
+        remote: UcxRemote,
+        snap: Snapshot,
+        entries: list[BoardEntry],
+        requests: list[Request],
+        failure: LLMException | None,
+        deadline_ns: int,
+    ) -> None:
+        self.remote = remote
+        self.snap = snap
+        self.entries = entries
+        self.requests = requests
+        self.failure = failure
+        self.deadline_ns = deadline_ns
+        self.expired = False
+        self.future: Future[None] = Future()
+        self._at = 0
+        self._lock = threading.Lock()
+
+    def poll(self) -> bool:
+        """Look at the requests (never two threads at once); True once the batch completed."""
+        if self.future.done():
+            return True
+        if not self._lock.acquire(blocking=False):
+            return False  # another thread looks at them now
+        try:
+            if self.future.done():
+                return True
+            requests = self.requests
+            while self._at < len(requests):
+                request = requests[self._at]
+                if not request.done():
+                    return False
+                if self.failure is None:
+                    try:
+                        request.result()
+                    except LLMException as exc:
+                        self.failure = exc
+                self._at += 1
+            self._finish()
+            return True
+        finally:
+            self._lock.release()
+
+    def expire(self) -> None:
+        """The deadline passed: the batch fails with ``LLM_TIMEOUT`` once its requests are
+        cancelled (the caller closes the endpoint)."""
+        self.expired = True
+
+    def _finish(self) -> None:
+        """(Every request completed.) End the transfer and complete the future."""
+        remote, snap = self.remote, self.snap
+        remote.end(snap)
+        error: LLMException | None
+        if self.expired:
+            error = LLMException(
+                "UCX transfer did not complete within sync_kv_timeout", status_code=_S.LLM_TIMEOUT
+            )
+        elif self.failure is not None:
+            error = self.failure
+        elif not remote.still_there(snap, self.entries):
+            error = KvCacheNotExistError(
+                "the peer released the cache while it was being transferred",
+                status_code=_S.LLM_KV_CACHE_NOT_EXIST,
+            )
+        else:
+            error = None
+        if error is None:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(error)
+
+
+class UcxProgress:
+    """Drives the engine's UCX worker: its progress thread, waiting callers and event loops
+    (see the module docstring). It is what a UCX completion hands its waiters.
+
+    The worker is made ``UCS_THREAD_MODE_MULTI``: a transfer starts in the caller's thread,
+    may be waited for on an event loop or in another thread, and the progress thread
+    progresses the same worker meanwhile.
+    """
+
+    def __init__(self, worker: UcxWorker, log: structlog.stdlib.BoundLogger) -> None:
+        self.worker = worker
+        self._log = log
+        self._lock = threading.Lock()
+        self._pending: dict[Batch, None] = {}
+        self._earliest = 0
+        self._wake = False  # the progress thread must look at the deadlines again
+        self._active = 0  # waiters progressing the worker now (the progress thread waits)
+        #: Wakes the progress thread (its sleep on the worker's event fd may miss events
+        #: another thread progressed).
+        self._waker = _Waker()
+        self._stop = threading.Event()
+        self._pumps: dict[asyncio.AbstractEventLoop, list[object]] = {}
+        self._thread = threading.Thread(target=self._run, name="aio-dd-ucx", daemon=True)
+        self._thread.start()
+
+    # -- batches ----------------------------------------------------------------------------
+    def settle(self, batch: Batch, *, wait: bool) -> Future[None]:
+        """Progress once and see whether ``batch`` completed; else wait for it here (``wait``,
+        until its deadline, then for its cancellation a while) and hand it to whoever
+        progresses next if it still runs. Its future either way."""
+        if not self._progress_once(batch) and wait:
+            with self._foreground(), contextlib.suppress(LLMException):  # (closed: finalize)
+                if not self.worker.wait_until(batch.poll, batch.deadline_ns):
+                    self._expire(batch)
+                    self.worker.wait_until(batch.poll, time.monotonic_ns() + _CANCEL_NS)
+        if not batch.future.done():
+            self._add(batch)
+        return batch.future
+
+    def _progress_once(self, batch: Batch) -> bool:
+        # An event loop only looks (its waits progress in bounded rounds); a thread moves
+        # what it can now (over shared memory, the whole batch), as a blocking caller would.
+        on_loop = asyncio._get_running_loop() is not None
+        with contextlib.suppress(LLMException):  # the worker closed (finalize)
+            self.worker.drain(_START_NS if on_loop else _START_THREAD_NS)
+        return batch.poll()
+
+    @contextlib.contextmanager
+    def _foreground(self) -> Iterator[None]:
+        """A waiter progresses the worker meanwhile: the progress thread steps back (two
+        threads progressing one worker only contend for its lock), minding the deadlines."""
+        with self._lock:
+            self._active += 1  # (the progress thread sees it after its next round)
+        try:
+            yield
+        finally:
+            self._leave()
+
+    def _leave(self, _: object = None) -> None:
+        """A waiter stopped progressing: the last one gives the worker back to the thread."""
+        with self._lock:
+            self._active -= 1
+            last = not self._active
+        if last:
+            self._signal()
+
+    def _add(self, batch: Batch) -> None:
+        loop = asyncio._get_running_loop()
+        with self._lock:
+            self._pending[batch] = None
+            if not self._earliest or batch.deadline_ns < self._earliest:
+                self._earliest = batch.deadline_ns
+                self._wake = True
+            wake = self._wake
+            watched = None if loop is None else self._pumps.get(loop)
+            if watched is not None and watched[0] is None:  # a watching loop: pump on it
+                self._active += 1  # from now: the task may start after more batches
+                task = loop.create_task(self._pump())  # type: ignore[union-attr]
+                task.add_done_callback(self._leave)
+                watched[0] = task
+            progressed = self._active > 0
+        if wake:
+            self._signal()
+        if progressed:  # a waiter asleep on the event fd must progress the new requests
+            with contextlib.suppress(LLMException):
+                self.worker.signal()
+
+    def _signal(self) -> None:
+        """Wake the progress thread."""
+        self._waker.wake()
+
+    def poll(self) -> bool:
+        """Complete the batches whose requests all completed; False (never ready: the
+        progress loops of :meth:`read_for` and :meth:`watch` ask this after each round)."""
+        with self._lock:
+            pending = list(self._pending)
+        if not pending:
+            return False
+        done = [b for b in pending if b.poll()]
+        if done:
+            with self._lock:
+                for b in done:
+                    self._pending.pop(b, None)
+                if not self._pending:
+                    self._earliest = 0
+        return False
+
+    def _expire(self, batch: Batch) -> None:
+        """Fail ``batch`` for its deadline: close its route by force (the requests complete,
+        cancelled); its link carries the peer's later transfers."""
+        if batch.future.done():
+            return
+        batch.expire()
+        self._log.warning("ucx.deadline_missed", fallback="link")
+        batch.remote.close("a UCX transfer missed its deadline")
+        self.poll()  # what the close cancelled completes now
+
+    def _expire_due(self) -> None:
+        now = time.monotonic_ns()
+        with self._lock:
+            due = [b for b in self._pending if b.deadline_ns <= now and not b.expired]
+            later = [b.deadline_ns for b in self._pending if b.deadline_ns > now]
+            self._earliest = min(later, default=0)
+        for batch in due:
+            self._expire(batch)
+        if due:
+            self.poll()
+
+    # -- waiters ----------------------------------------------------------------------------
+    def read_for(self, future: Future[None], deadline_ns: int) -> None:
+        """Progress the worker in this thread, sleeping on its event fd, until ``future``
+        completed or ``deadline_ns`` passed (a blocking face waiting for a completion).
+        Another thread that completes the future wakes this one (its own eventfd)."""
+        waker = _thread_waker()
+        future.add_done_callback(waker.wake)
+        try:
+            with self._foreground():
+                self.worker.wait_until(
+                    lambda: self.poll() or future.done(), deadline_ns, wake_fd=waker.fd
+                )
+        except LLMException:  # the worker closed: the future fails as it can
+            return
+        finally:
+            waker.clear()
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+        """Let ``loop`` (running in this thread) progress the worker while a call awaits its
+        batches: from the first batch started on the loop that did not complete at once, the
+        worker's event fd joins its selector until the returned call ends the watch (the last
+        watch of the loop)."""
+        with self._lock:
+            pump = self._pumps.get(loop)
+            if pump is None:
+                pump = self._pumps[loop] = [None, 0]  # the pump starts with a batch
+            pump[1] = int(pump[1]) + 1  # type: ignore[call-overload]
+
+        def end() -> None:
+            with self._lock:
+                pump[1] = int(pump[1]) - 1  # type: ignore[call-overload]
+                last = pump[1] == 0 and self._pumps.get(loop) is pump
+                if last:
+                    del self._pumps[loop]
+            if last and pump[0] is not None:
+                pump[0].cancel()  # type: ignore[attr-defined]
+
+        return end
+
+    async def _pump(self) -> None:
+        """Progress the worker on the running loop until cancelled (it counts as a waiter
+        from its creation to its end)."""
+        with contextlib.suppress(LLMException):  # the worker closed (finalize)
+            await self.worker.wait_until_async(self.poll)
+
+    # -- the progress thread ----------------------------------------------------------------
+    def _turn(self) -> bool:
+        """After a round of progress in the progress thread: complete batches, fail the ones
+        past their deadline; True when the thread must stop, look at the deadlines again, or
+        step back for a waiter that progresses."""
+        self.poll()
+        with self._lock:
+            due = self._earliest and self._earliest <= time.monotonic_ns()
+            wake = self._wake or self._active > 0  # cleared where the deadline is read again
+        if due:
+            self._expire_due()
+        return self._stop.is_set() or wake or bool(due)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                deadline = self._earliest or None
+                self._wake = False
+                stepped_back = self._active > 0
+            try:
+                if stepped_back:  # a waiter progresses: only the deadlines are this thread's
+                    self._waker.sleep(deadline)
+                else:
+                    self.worker.wait_until(self._turn, deadline, wake_fd=self._waker.fd)
+            except LLMException:  # the worker closed under the thread: it is finalize
+                return
+            except Exception:  # never the end of the thread: log and go on
+                self._log.warning("ucx.progress_failed", exc_info=True)
+                time.sleep(0.01)
+            if deadline is not None and time.monotonic_ns() >= deadline:
+                self._expire_due()
+                self.poll()  # what the expiry cancelled completes now: a waiter may sleep on
+
+    def close(self) -> None:
+        """Stop the progress thread and the loops' pumps (finalize, before the worker goes);
+        batches still pending fail with ``LLM_LINK_FAILED``."""
+        self._stop.set()
+        self._signal()
+        if self._thread is not threading.current_thread():
+            self._thread.join(10)
+        with self._lock:
+            pumps, self._pumps = self._pumps, {}
+            pending, self._pending = list(self._pending), {}
+        for task, _ in pumps.values():
+            if task is not None:
+                task.cancel()  # type: ignore[attr-defined]
+        for batch in pending:
+            if not batch.future.done():
+                batch.remote.close("the engine was finalized")
+                with contextlib.suppress(LLMException):
+                    self.worker.wait_until(batch.poll, time.monotonic_ns() + 5_000_000_000)
+            if not batch.future.done():
+                batch.future.set_exception(
+                    LLMException("the engine was finalized", status_code=_S.LLM_LINK_FAILED)
+                )
+
+
+class _Waker:
+    """An eventfd a thread sleeps on besides the worker's, closed when the last reference
+    goes (the thread's, and those of the futures whose completion writes to it)."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def wake(self, _: object = None) -> None:
+        """Make the eventfd readable."""
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        """Take what was written."""
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
+
+    def sleep(self, deadline_ns: int | None) -> None:
+        """Sleep until woken or ``deadline_ns`` (``time.monotonic_ns()``)."""
+        timeout = -1
+        if deadline_ns is not None:
+            timeout = max(0, -(-(deadline_ns - time.monotonic_ns()) // 1_000_000))
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        if poller.poll(timeout):
+            self.clear()
+
+    def __del__(self) -> None:
+        os.close(self.fd)
+
+
+_wakers = threading.local()
+
+
+def _thread_waker() -> _Waker:
+    """This thread's waker for :meth:`UcxProgress.read_for` (made once per thread)."""
+    waker: _Waker | None = getattr(_wakers, "waker", None)
+    if waker is None:
+        waker = _wakers.waker = _Waker()
+    return waker
+
+
+def _coalesce(
+    ops: npt.NDArray[np.uint64], key_of: npt.NDArray[np.intp]
+) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
+    """Merge neighbouring ops ``(local, remote, nbytes)`` that continue each other on both
+    sides through one key (whole blocks in a row, say) into one."""
+    if len(ops) < 2:
+        return ops, key_of
+    ends = ops[:-1, 0] + ops[:-1, 2], ops[:-1, 1] + ops[:-1, 2]
+    joins = (ops[1:, 0] == ends[0]) & (ops[1:, 1] == ends[1]) & (key_of[1:] == key_of[:-1])
+    if not bool(joins.any()):
+        return ops, key_of
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    merged = ops[starts].copy()
+    merged[:, 2] = np.add.reduceat(ops[:, 2], starts)
+    return merged, key_of[starts]
+
+
+class UcxRoute(Carrier):
+    """Transfers with one peer moved by UCP RMA through its published table."""
+
+    name = "ucx"
+
+    def __init__(self, remote: UcxRemote, progress: UcxProgress, *, cuda: bool) -> None:
+        self.remote = remote
+        self.progress = progress
+        #: Device rows of this engine's runtime go to UCX directly (it reaches CUDA memory).
+        self.cuda = cuda
+
+    def link(self) -> UcxProgress:
+        return self.progress
+
+    def in_caller(self, transfer: Transfer) -> bool:
+        # Starting only issues the requests (microseconds each): the bytes move as the
+        # worker is progressed, by waiters in bounded rounds or by the progress thread.
+        return False
+
+    def takes(self, transfer: Transfer) -> bool:
+        """True when the route may take ``transfer``'s request, its rows aside."""
+        return not transfer.commit and transfer.target in ONE_SIDED_TARGETS and self.remote.usable
+
+    def accepts(self, transfer: Transfer) -> bool:
+        return (not transfer.device or self.cuda) and self.takes(transfer)
+
+    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+        memory = "cuda" if transfer.device else "host"
+        wait = waiting is Waiting.EXCHANGE  # a blocking caller with one request: wait here
+        future = self.send(transfer, transfer.rows, deadline_ns, local_memory=memory, wait=wait)
+        if future is None:
+            return None
+        if future.done() and future.exception() is None:
+            return DONE
+        return completed(future, deadline_ns, self.progress)
+
+    def send(
+        self,
+        transfer: Transfer,
+        local: Payload,
+        deadline_ns: int,
+        *,
+        local_memory: str = "host",
+        wait: bool = False,
+    ) -> Future[None] | None:
+        """Start ``transfer``'s bytes between the rows ``local`` and the peer's memory; its
+        future, or None when the route declines it (nothing moved; the next route takes it).
+        With ``wait`` the calling thread waits for it here.
+
+        :raises LLMException: the peer's table refuses the access (``LLM_PARAM_INVALID``, as
+            the serving side would), or the route closed (``LLM_LINK_FAILED``).
+        """
+        if not isinstance(local, np.ndarray):
+            raise TypeError("the UCX route moves memory rows, not segments")
+        remote = self.remote
+        snap = remote.begin()
+        if snap is None:
+            return None
+        try:
+            batch = self._batch(transfer, local, snap, deadline_ns, local_memory)
+        except BaseException:
+            remote.end(snap)
+            raise
+        if batch is None:
+            remote.end(snap)
+            return None
+        return self.progress.settle(batch, wait=wait)
+
+    def _batch(
+        self, transfer: Transfer, local: Payload, snap: Snapshot, deadline_ns: int, memory: str
+    ) -> Batch | None:
+        """Resolve, pair and start the requests of ``transfer`` under ``snap`` (None: the
+        table does not show the memory, or no registration holds it)."""
+        assert isinstance(local, np.ndarray)
+        resolved = resolve(snap.regions, transfer.access)
+        if resolved is None:
+            return None
+        entries, rows = resolved
+        push = transfer.kind is RequestKind.PUSH
+        ops = paired(transfer.kind, local, rows)
+        if push:  # (remote, local, n) -> (local, remote, n)
+            ops = ops[:, [1, 0, 2]]
+        key_of = snap.spans.index(ops[:, 1], ops[:, 2])
+        if key_of is None:
+            return None
+        ops, key_of = _coalesce(np.ascontiguousarray(ops), key_of)
+        requests, failure = self.remote.issue(snap, ops, key_of, write=push, local_memory=memory)
+        return Batch(self.remote, snap, entries, requests, failure, deadline_ns)
