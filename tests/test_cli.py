@@ -13,7 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from aio_datadist._native import ucx
+
 ROOT = Path(__file__).resolve().parents[1]
+NEEDS_UCX = pytest.mark.skipif(
+    ucx.load_error() is not None, reason=f"UCX is not available: {ucx.load_error()}"
+)
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -69,7 +74,12 @@ def test_info_reports_the_machine() -> None:
 
 @pytest.mark.parametrize(
     ("route", "face", "op"),
-    [("samehost", "async", "pull"), ("tcp", "sync", "pull"), ("tcp", "async", "push")],
+    [
+        ("samehost", "async", "pull"),
+        ("tcp", "sync", "pull"),
+        ("tcp", "async", "push"),
+        pytest.param("ucx", "sync", "pull", marks=NEEDS_UCX),
+    ],
 )
 def test_bench_measures_every_workload(route: str, face: str, op: str) -> None:
     done = run(
@@ -78,7 +88,7 @@ def test_bench_measures_every_workload(route: str, face: str, op: str) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
-    assert data["route"] == ("same-host" if route == "samehost" else "tcp")
+    assert data["route"] == {"samehost": "same-host"}.get(route, route)
     assert (data["face"], data["op"], data["size_mib"]) == (face, op, 4)
     for key in ("memcpy_GBps", "socket_GBps", "W1_GBps", "W2_GBps", "W3_p50_us"):
         assert data[key] > 0, key
@@ -87,6 +97,7 @@ def test_bench_measures_every_workload(route: str, face: str, op: str) -> None:
     assert data["W2_blocks"] == 64  # 4 MiB: one block of each of the 64 tensors
     assert data["link_routes"][-2:] == ["link", "staged-link"]
     assert ("same-host" in data["link_routes"]) == (route == "samehost")
+    assert (data["link_routes"][0] == "ucx") == (route == "ucx")
 
 
 def test_bench_prints_a_table() -> None:

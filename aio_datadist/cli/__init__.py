@@ -54,10 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="W1/W2/W3 beside memcpy and a plain socket")
     bench.add_argument(
         "--route",
-        choices=("samehost", "tcp"),
+        choices=("samehost", "tcp", "ucx"),
         default=None,
-        help="samehost (one-sided copies; the default on one host) or tcp (every byte "
-        "over the link; the default with --connect)",
+        help="samehost (one-sided copies; the default on one host), tcp (every byte "
+        "over the link; the default with --connect) or ucx (UCP RMA; both sides need "
+        "the ucx extra or AIO_DATADIST_UCX)",
     )
     bench.add_argument("--face", choices=("sync", "async"), default="async")
     bench.add_argument("--op", choices=("pull", "push"), default="pull")
@@ -112,23 +113,24 @@ def _bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"{host}:{port}",
             args.plain_port,
             args.size_mib,
-            same_host=args.route != "tcp",
-            ucx=False,
+            same_host=args.route not in ("tcp", "ucx"),
+            ucx=args.route == "ucx",
         )
         return 0
-    same_host = (args.route or ("tcp" if args.connect else "samehost")) == "samehost"
+    route = args.route or ("tcp" if args.connect else "samehost")
+    same_host, ucx = route == "samehost", route == "ucx"
     with contextlib.ExitStack() as stack:
         if args.connect is None:
             host = "127.0.0.1"
             port, plain = stack.enter_context(
-                b.local_server(args.size_mib, same_host=same_host, ucx=False)
+                b.local_server(args.size_mib, same_host=same_host, ucx=ucx)
             )
         else:
             if args.plain_port is None:
                 parser.error("--connect needs --plain-port (the serving side's)")
             (host, port), plain = args.connect, args.plain_port
         bench = b.Bench(
-            host, port, plain, args.size_mib, args.face, args.op, same_host, False, args.iters
+            host, port, plain, args.size_mib, args.face, args.op, same_host, ucx, args.iters
         )
         with progress(5, quiet=args.quiet or args.json) as step:
             results = b.run(bench, step)
