@@ -20,7 +20,8 @@ async face and the blocking one.
 CPU time: each run also prints one ``AIO_CPU`` line: for W1 and W2, the bytes moved and the
 CPU seconds both processes spent while the initiator's calls ran (the initiator's whole
 process; the target's threads but its main one, which runs the harness's checksums, read
-from ``/proc``), and their sum per GB. W3 is timed without sampling.
+from ``/proc``), and their sum per GB; W3 is timed without sampling. The line also names
+the link's routes, in order (a UCX route that could not be made leaves the link's).
 
 Two hosts, simulated (``benchmarks/bench_veth.py``): with ``AIO_BENCH_TARGET_NETNS`` the
 target process enters that network namespace before it starts, listens on
@@ -98,19 +99,31 @@ def _options(
     return cfg.generate_options()
 
 
-_CLONE_NEWNET = 0x40000000
+_CLONE_NEWNET, _CLONE_NEWNS = 0x40000000, 0x00020000
+_MS_REC, _MS_SLAVE, _MNT_DETACH = 0x4000, 0x80000, 2
 
 
 def _enter_netns(name: str) -> None:
-    """Move this process (its only thread so far) into the network namespace ``name``."""
+    """Move this thread (the one that starts the engine) into the network namespace
+    ``name``, as ``ip netns exec`` does: the namespace, then a mount namespace of its own
+    with ``/sys`` mounted again, so that ``/sys/class/net`` (where UCX finds its devices)
+    shows that namespace's devices."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(rc: int, what: str) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+
     fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({name}): {os.strerror(err)}")
+        check(libc.setns(fd, _CLONE_NEWNET), f"setns({name})")
     finally:
         os.close(fd)
+    check(libc.unshare(_CLONE_NEWNS), "unshare(CLONE_NEWNS)")
+    check(libc.mount(b"none", b"/", None, _MS_REC | _MS_SLAVE, None), "mount --make-rslave /")
+    check(libc.umount2(b"/sys", _MNT_DETACH), "umount /sys")
+    check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 def _cpu_s(pid: int) -> float:
@@ -207,6 +220,8 @@ class AioDataDistAdapter:
             ret = self.loop.run_until_complete(self._async_init(addr, info))
         if ret != LLMStatusCode.LLM_SUCCESS:
             raise RuntimeError(f"link_clusters failed: {ret}")
+        link = self.dd._engine.link_table().get(TARGET_ID)
+        self.routes = [r.name for r in link.routes]  # reported with the CPU figures
 
     async def _async_init(self, addr: int, info: LLMClusterInfo) -> LLMStatusCode:
         self.dd = AsyncLLMDataDist(LLMRole.DECODER, INITIATOR_ID)
@@ -229,7 +244,7 @@ class AioDataDistAdapter:
             }
             for name, (n, mine, theirs, wall) in sorted(self.cpu.items())
         }
-        print("AIO_CPU " + json.dumps(per_gb), flush=True)
+        print("AIO_CPU " + json.dumps({**per_gb, "routes": self.routes}), flush=True)
         if self.loop is not None:
             self.loop.run_until_complete(self._async_close())
             self.loop.close()

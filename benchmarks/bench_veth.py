@@ -2,7 +2,7 @@
 """The harness's W1/W2/W3 between two network namespaces joined by a veth pair (root).
 
     sudo python benchmarks/bench_veth.py [--variants aio-tcp-async aio-ucx-tcp-async ...]
-        [--ops read write] [--delay-us 0]
+        [--ops read write] [--delay-us 0] [--perftest 3]
 
 Two hosts, simulated on one kernel: the shared harness (``benchmarks/bench_adapter.py``)
 runs in namespace ``b``, its target process in namespace ``a``, so the link crosses the
@@ -10,7 +10,9 @@ veth pair (the same-host route off). UCX variants run with UCX's tcp transport o
 devices only (on one kernel UCX would otherwise read with cma, as on one host). Prints the
 harness's figures and CPU time per GB of each run, one row per variant and op, as the
 harness's table does. ``--delay-us`` adds ``tc netem`` delay each way (where the kernel has
-``sch_netem``).
+``sch_netem``). ``--perftest N`` first runs UCX's own ``ucx_perftest`` (``ucp_get`` of
+256 MiB, from the ``libucx`` wheel) N times over the same transport and devices, the
+yardstick of W1.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -63,6 +66,41 @@ def run(pair: VethPair, variant: str, op: str) -> dict[str, object]:
     return result
 
 
+def perftest(pair: VethPair) -> str:
+    """One ``ucx_perftest`` ``ucp_get`` run of 256 MiB x 20 across the pair: its overall
+    bandwidth in GB/s (it prints MiB/s)."""
+    import libucx  # type: ignore[import-not-found,unused-ignore]
+
+    home = Path(libucx.__file__).parent
+    tool = str(home / "bin" / "ucx_perftest")
+    port = str(13337 + os.getpid() % 1000)
+    env = dict(os.environ, LD_LIBRARY_PATH=str(home / "lib"))
+    server = subprocess.Popen(
+        pair.command(pair.a, [tool, "-p", port]),
+        env={**env, **pair.ucx_env(pair.a)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        args = [tool, pair.ip_a, "-p", port, "-t", "ucp_get", "-s", str(256 << 20)]
+        for _ in range(50):  # until the server listens
+            done = subprocess.run(
+                pair.command(pair.b, [*args, "-n", "20", "-w", "2", "-f"]),
+                env={**env, **pair.ucx_env(pair.b)},
+                capture_output=True,
+                text=True,
+                timeout=300,
+                check=False,
+            )
+            if done.returncode == 0:
+                mib_s = float(done.stdout.split()[-3])  # overall bandwidth, MiB/s
+                return f"{mib_s * (1 << 20) / 1e9:.2f}"
+            time.sleep(0.1)
+        return "failed"
+    finally:
+        server.wait(30)
+
+
 def row(r: dict[str, object]) -> str:
     """One table row: the harness's figures, then CPU seconds per GB of W1 and W2."""
     if r["status"] != "ok":
@@ -70,9 +108,10 @@ def row(r: dict[str, object]) -> str:
     cpu = r.get("cpu") or {}
     assert isinstance(cpu, dict)
     per_gb = [cpu.get(w, {}).get("cpu_s_per_gb", float("nan")) for w in ("W1", "W2")]
+    route = (cpu.get("routes") or ["?"])[0]
     return (
         f"{r['peer']:<22} {r['op']:<6} {r['W1_GBps']:7.2f} {r['W2_GBps']:8.2f} "
-        f"{r['W3_p50_us']:10.1f} {r['W3_p99_us']:10.1f} {per_gb[0]:9.3f} {per_gb[1]:9.3f}"
+        f"{r['W3_p50_us']:10.1f} {r['W3_p99_us']:10.1f} {per_gb[0]:9.3f} {per_gb[1]:9.3f}  {route}"
     )
 
 
@@ -81,6 +120,9 @@ def main() -> int:
     parser.add_argument("--variants", nargs="+", default=VARIANTS, help="adapter variants")
     parser.add_argument("--ops", nargs="+", choices=("read", "write"), default=["read", "write"])
     parser.add_argument("--delay-us", type=argtypes.non_negative_int, default=0)
+    parser.add_argument(
+        "--perftest", type=argtypes.non_negative_int, default=0, help="ucx_perftest runs first"
+    )
     args = parser.parse_args()
     reason = why_not()
     if reason is not None:
@@ -89,9 +131,15 @@ def main() -> int:
         if args.delay_us and not pair.delay(args.delay_us):
             parser.error("tc netem is not available (the kernel has no sch_netem)")
         print(f"veth pair {pair.dev_a} ({pair.ip_a}, ns {pair.a}) <-> {pair.dev_b} ({pair.ip_b})")
+        for i in range(args.perftest):
+            print(
+                f"ucx_perftest ucp_get 256 MiB, tcp over the pair, run {i + 1}: "
+                f"{perftest(pair)} GB/s",
+                flush=True,
+            )
         print(
             f"{'variant':<22} {'op':<6} {'W1 GB/s':>7} {'W2 GB/s':>8} {'W3 p50 us':>10} "
-            f"{'W3 p99 us':>10} {'W1 cpu/GB':>9} {'W2 cpu/GB':>9}"
+            f"{'W3 p99 us':>10} {'W1 cpu/GB':>9} {'W2 cpu/GB':>9}  first route"
         )
         for variant in args.variants:
             for op in args.ops:
