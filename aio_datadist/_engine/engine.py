@@ -462,7 +462,8 @@ class Engine:
         """The UCX route when ``aio.Ucx`` asks for it.
 
         :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming why UCX cannot be loaded,
-            or the code of UCX's failure to start.
+            the code of UCX's failure to start, or ``LLM_FAILED`` when the system refuses a
+            descriptor or thread for it.
         """
         if not settings.ucx:
             return None
@@ -472,11 +473,16 @@ class Engine:
                 f"{OPTION_UCX}=1 needs UCX, which cannot be loaded: {reason}",
                 status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
             )
-        return UcxLinks(
-            caches,
-            get_logger("ucx", cluster_id=self.cluster_id, role=self.role.name),
-            name=f"aio-dd-{self.cluster_id}",
-        )
+        try:
+            return UcxLinks(
+                caches,
+                get_logger("ucx", cluster_id=self.cluster_id, role=self.role.name),
+                name=f"aio-dd-{self.cluster_id}",
+            )
+        except (OSError, RuntimeError) as exc:  # no descriptor or thread to be had for it
+            raise LLMFailedError(
+                f"the UCX route cannot start: {exc}", status_code=LLMStatusCode.LLM_FAILED
+            ) from None
 
     def ucx_links(self) -> UcxLinks | None:
         """The UCX route of the initialised engine (None without ``aio.Ucx``)."""

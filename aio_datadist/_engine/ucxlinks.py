@@ -145,7 +145,14 @@ class UcxLinks:
         self._jobs: collections.deque[tuple[str, _Peer]] = collections.deque()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="aio-dd-ucx-control", daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            self.progress.close()
+            self.board.close()
+            self.worker.close()
+            self.context.close()
+            raise
         log.info(
             "ucx.ready",
             cuda=self.cuda,

@@ -280,7 +280,10 @@ class UcxProgress:
         """Progress the worker in this thread, sleeping on its event fd, until ``future``
         completed or ``deadline_ns`` passed (a blocking face waiting for a completion).
         Another thread that completes the future wakes this one (its own eventfd)."""
-        waker = _thread_waker()
+        try:
+            waker = _thread_waker()
+        except OSError:  # no descriptor for it: wait on the future, the thread progresses
+            return
         future.add_done_callback(waker.wake)
         try:
             with self._foreground():
