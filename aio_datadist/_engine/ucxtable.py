@@ -126,7 +126,7 @@ def decode_table(data: bytes | bytearray | memoryview) -> UcxTable:
     for _ in range(count):
         addr, nbytes, memory = reader.u64(), reader.u64(), reader.u32()
         rkey = reader.blob(wire.UCX_MAX_RKEY)
-        if not addr or not nbytes or addr + nbytes > _ADDR_LIMIT or not rkey:
+        if not addr or not nbytes or addr + nbytes >= _ADDR_LIMIT or not rkey:
             raise WireError(f"a malformed UCX registration at 0x{addr:x} (+{nbytes})")
         name = _MEMORY_BY_VALUE.get(memory)
         if name is None:
