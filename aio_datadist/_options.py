@@ -19,6 +19,7 @@ def engine_options(
     same_host: bool | None = None,
     host_pool_bytes: int | None = None,
     link_secret: str | bytes | None = None,
+    ucx: bool | None = None,
 ) -> dict[str, str]:
     """The option strings of such an engine on device 0 with a device pool of
     ``pool_bytes`` (and a host pool of ``host_pool_bytes``), listening at ``listen``."""
@@ -37,4 +38,6 @@ def engine_options(
         cfg.link_secret = link_secret
     if listen is not None:
         cfg.listen_ip_info = listen
+    if ucx is not None:
+        cfg.ucx = ucx
     return dict(cfg.generate_options())

@@ -62,16 +62,14 @@ def layout(size_mib: int) -> tuple[int, int]:
 
 
 def _options(*, same_host: bool, size_mib: int, listen: str | None, ucx: bool) -> dict[str, str]:
-    options = engine_options(
+    return engine_options(
         transport="tcp",
         pool_bytes=(2 * size_mib + 16) << 20,
         timeout_ms=120_000,
         listen=listen,
         same_host=same_host,
+        ucx=ucx or None,
     )
-    if ucx:
-        options["aio.Ucx"] = "1"
-    return options
 
 
 def _desc(blocks: int) -> CacheDesc:
