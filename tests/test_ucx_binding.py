@@ -237,6 +237,66 @@ def test_out_of_range_and_closed_objects_are_refused(pair: Pair) -> None:
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
 
 
+def test_a_batch_of_gets_and_puts_through_two_keys_moves_exact_bytes(pair: Pair) -> None:
+    rng = np.random.default_rng(11)
+    block, blocks = 4096, 256
+    remotes = [rng.integers(0, 256, block * blocks, dtype=np.uint8) for _ in range(2)]
+    local = np.zeros(block * blocks, dtype=np.uint8)
+    regs = [ucx.Registration(pair.context, r.ctypes.data, r.nbytes) for r in remotes]
+    keys = [ucx.RemoteKey(pair.ep, r.rkey, r.addr, r.nbytes) for r in regs]
+    src, dst = rng.permutation(blocks), rng.permutation(blocks)
+    key_of = (np.arange(blocks) % 2).astype(np.intp)
+    base = local.ctypes.data
+    ops = np.array(
+        [
+            [base + int(d) * block, regs[k].addr + int(s) * block, block]
+            for s, d, k in zip(src, dst, key_of, strict=True)
+        ],
+        dtype=np.uint64,
+    )
+    requests, failure = ucx.rma(pair.ep, ops, keys, key_of, write=False)
+    assert failure is None
+    assert pair.requester.wait_until(requests.done, _deadline())
+    assert len(requests) == 0
+    requests.result()
+    views = [r.reshape(blocks, block) for r in remotes]
+    got = local.reshape(blocks, block)
+    for s, d, k in zip(src, dst, key_of, strict=True):
+        assert np.array_equal(got[d], views[k][s])
+    local[:] = rng.integers(0, 256, local.nbytes, dtype=np.uint8)  # now push it back
+    requests, failure = ucx.rma(pair.ep, ops, keys, key_of, write=True)
+    assert failure is None
+    flush = pair.ep.flush_request()
+    assert pair.requester.wait_until(lambda: requests.done() and flush.done(), _deadline())
+    for s, d, k in zip(src, dst, key_of, strict=True):
+        assert np.array_equal(views[k][s], got[d])
+    empty, failure = ucx.rma(pair.ep, ops[:0], keys, key_of[:0], write=False)
+    assert failure is None and empty.done() and len(empty) == 0
+    for key in keys:
+        key.close()
+    with pytest.raises(LLMException, match="remote key is closed") as info:
+        ucx.rma(pair.ep, ops, keys, key_of, write=False)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    for reg in regs:
+        reg.close()
+
+
+def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
+    from aio_datadist._native import api
+    from aio_datadist.status import ParamInvalidError
+
+    addresses = native.call_addresses(api.UCX_CALLS.values())
+    assert all(addresses.values())
+    with pytest.raises(ParamInvalidError, match="no address for ucp_request_free"):
+        api.UcxCalls({k: v for k, v in addresses.items() if k != "ucp_request_free"})
+    calls = api.UcxCalls(addresses)
+    with pytest.raises(ParamInvalidError):
+        calls.drain(0, 0)  # no worker
+    with pytest.raises(ParamInvalidError):
+        calls.rma(0, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint64), 0, write=False)
+    assert calls.reap(np.zeros(0, np.uint64), 0) == (0, 0)
+
+
 def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """A get whose target never progresses times out (LLM_TIMEOUT) without burning CPU."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")

@@ -30,7 +30,7 @@ import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
 from aio_datadist._engine.ucxtable import KeySpans, UcxTable
-from aio_datadist._transport.ucx import Endpoint, RemoteKey, Request, UcxWorker, rma
+from aio_datadist._transport.ucx import Endpoint, RemoteKey, Request, Requests, UcxWorker, rma
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("CLOSE_S", "Snapshot", "UcxRemote")
@@ -189,7 +189,7 @@ class UcxRemote:
         *,
         write: bool,
         local_memory: str,
-    ) -> tuple[list[Request], LLMException | None]:
+    ) -> tuple[list[Request | Requests], LLMException | None]:
         """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``) through
         the snapshot's keys, and for a push a flush after them: see ``ucx.rma``.
 
@@ -203,9 +203,10 @@ class UcxRemote:
                     f"the UCX route to the peer closed: {self.reason}",
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
-            started, failure = rma(
+            requests, failure = rma(
                 ep, ops, snap.keys, key_of, write=write, local_memory=local_memory
             )
+            started: list[Request | Requests] = [requests]
             if write and failure is None:
                 try:
                     started.append(ep.flush_request())

@@ -41,7 +41,8 @@ from aio_datadist._engine.request import DONE, Completion, Transfer, completed
 from aio_datadist._engine.routes import Carrier, Waiting
 from aio_datadist._engine.ucxremote import Snapshot, UcxRemote
 from aio_datadist._transport.base import Payload, RequestKind
-from aio_datadist._transport.ucx import Request, UcxWorker
+from aio_datadist._transport.future import RequestFuture
+from aio_datadist._transport.ucx import Request, Requests, UcxWorker
 from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCode
 
 __all__ = ("Batch", "UcxProgress", "UcxRoute")
@@ -78,7 +79,7 @@ class Batch:
         remote: UcxRemote,
         snap: Snapshot,
         entries: list[BoardEntry],
-        requests: list[Request],
+        requests: list[Request | Requests],
         failure: LLMException | None,
         deadline_ns: int,
     ) -> None:
@@ -89,7 +90,7 @@ class Batch:
         self.failure = failure
         self.deadline_ns = deadline_ns
         self.expired = False
-        self.future: Future[None] = Future()
+        self.future: Future[None] = RequestFuture()
         self._at = 0
         self._lock = threading.Lock()
 

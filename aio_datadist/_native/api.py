@@ -32,11 +32,13 @@ from ._ffi import ffi, lib
 
 __all__ = (
     "SPLIT_THRESHOLD",
+    "UCX_CALLS",
     "BlockLayout",
     "NativePool",
     "NetTimeout",
     "PeerClosed",
     "PoolStats",
+    "UcxCalls",
     "copy",
     "copy_batch",
     "copy_threads",
@@ -600,6 +602,94 @@ def set_copy_threads(n: int) -> None:
 def copy_threads() -> int:
     """The default thread count of ``copy_batch``: ``min(os.cpu_count(), 8)`` unless set."""
     return int(lib.dd_copy_get_threads())
+
+
+# --- UCX request batches -----------------------------------------------------------------
+
+#: The UCP functions :class:`UcxCalls` needs, by their fields in ``dd_ucx_calls``.
+UCX_CALLS = {
+    "get_nbx": "ucp_get_nbx",
+    "put_nbx": "ucp_put_nbx",
+    "check_status": "ucp_request_check_status",
+    "request_free": "ucp_request_free",
+    "worker_progress": "ucp_worker_progress",
+}
+
+
+class UcxCalls:
+    """The addresses of the loaded libucp's functions that a batch calls (``dd_ucx_calls``):
+    the native layer is not linked against UCX, so the caller hands them in."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self, addresses: dict[str, int]) -> None:
+        """``addresses``: the function address of every name of :data:`UCX_CALLS`'s values.
+
+        Raises:
+            ParamInvalidError: one is missing or 0.
+        """
+        c = ffi.new("dd_ucx_calls *")
+        for field, name in UCX_CALLS.items():
+            address = addresses.get(name, 0)
+            if not address:
+                _check(lib.DD_EINVAL, f"UcxCalls: no address for {name}")
+            setattr(c, field, address)
+        self._c = c
+
+    def rma(
+        self,
+        ep: int,
+        ops: npt.NDArray[np.uint64],
+        rkeys: npt.NDArray[np.uint64],
+        param: int,
+        *,
+        write: bool,
+    ) -> tuple[npt.NDArray[np.uint64], int, int]:
+        """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``,
+        row ``i`` through the remote key ``rkeys[i]``, on endpoint ``ep`` with the request
+        parameters ``param`` (handles as ints).
+
+        Returns ``(requests, refused, status)``: the requests still in flight, the index of
+        the row UCX refused (``len(ops)`` when none; the rows after it did not start) and its
+        ``ucs_status_t`` (0 when none).
+        """
+        n = len(ops)
+        reqs = np.empty(n, np.uint64)
+        nreqs = ffi.new("size_t *")
+        status = ffi.new("int *")
+        at = lib.dd_ucx_rma(
+            self._c,
+            ep,
+            1 if write else 0,
+            ffi.from_buffer("uint64_t[]", ops),
+            ffi.from_buffer("uint64_t[]", rkeys),
+            n,
+            param,
+            ffi.from_buffer("uint64_t[]", reqs),
+            nreqs,
+            status,
+        )
+        if at < 0:
+            _check(int(at), "ucx rma batch")
+        return reqs[: nreqs[0]], int(at), int(status[0])
+
+    def reap(self, reqs: npt.NDArray[np.uint64], n: int) -> tuple[int, int]:
+        """Check the first ``n`` requests of ``reqs``: free the complete ones and move the
+        rest, in order, to the front. Returns ``(left, status)``: how many are left and the
+        ``ucs_status_t`` of the first that failed (0: none)."""
+        status = ffi.new("int *")
+        left = lib.dd_ucx_reap(self._c, ffi.from_buffer("uint64_t[]", reqs), n, status)
+        if left < 0:
+            _check(int(left), "ucx reap")
+        return int(left), int(status[0])
+
+    def drain(self, worker: int, budget_ns: int) -> bool | None:
+        """Progress ``worker`` until nothing is left to do: whether anything was, or None when
+        ``budget_ns`` (> 0) passed with work left."""
+        rc = lib.dd_ucx_drain(self._c, worker, budget_ns)
+        if rc < 0:
+            _check(rc, "ucx drain")
+        return None if rc == 2 else rc == 1
 
 
 # --- sockets ------------------------------------------------------------------------------

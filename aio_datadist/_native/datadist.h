@@ -219,6 +219,33 @@ void dd_serve_unpin(dd_serve_table *t, void *pin);
 int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spin_ns,
                       uint64_t *rows, size_t cap, dd_serve_out *out);
 
+/* ---- ucx_batch.c: batches of UCP RMA requests (UCX reached through the given calls) ---- */
+
+/* The addresses of the UCP functions a batch calls (the caller loaded libucp). */
+typedef struct {
+    uint64_t get_nbx;         /* ucp_get_nbx */
+    uint64_t put_nbx;         /* ucp_put_nbx */
+    uint64_t check_status;    /* ucp_request_check_status */
+    uint64_t request_free;    /* ucp_request_free */
+    uint64_t worker_progress; /* ucp_worker_progress */
+} dd_ucx_calls;
+
+/* Start one get (write == 0: remote -> local) or put per row (local, remote, nbytes) of ops
+ * (n rows) on endpoint ep, row i through remote key rkeys[i], all with the request
+ * parameters param. The requests still in flight go to reqs (room for n), *nreqs says how
+ * many. Returns n when every row started; else the index of the row UCX refused, *status its
+ * ucs_status_t (the rows before it started, the rest did not); DD_EINVAL for bad arguments. */
+int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, const uint64_t *ops,
+                   const uint64_t *rkeys, size_t n, uint64_t param, uint64_t *reqs,
+                   size_t *nreqs, int *status);
+/* Check the n requests of reqs: free the complete ones, keep the rest, in order, at the
+ * front. Returns how many are left (DD_EINVAL for bad arguments); a failed one sets *status
+ * to its ucs_status_t where *status is 0. */
+int64_t dd_ucx_reap(const dd_ucx_calls *c, uint64_t *reqs, size_t n, int *status);
+/* Progress worker until a round finds nothing to do (1; 0 when the first one did not) or
+ * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
+int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
+
 /* cdef-end */
 
 /* Shared inside the native layer only (not part of the Python surface). */

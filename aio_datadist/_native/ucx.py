@@ -29,16 +29,20 @@ Two things in the headers are not plain declarations and are reproduced by hand:
 * ``ucp_init`` is a static inline wrapper around ``ucp_init_version(UCP_API_MAJOR,
   UCP_API_MINOR, ...)``; :data:`API_MAJOR`/:data:`API_MINOR` are the headers' values.
 
-The hot calls of a batch of RMA requests (start one, check one, free one) are bound a second
-time, by :func:`load_words`, with every pointer declared ``uintptr_t``: a batch then passes
-addresses and handles as Python ints, with no cdata made per request. On the LP64 ABIs this
-package builds for (x86-64, AArch64) a pointer and a ``uintptr_t`` travel alike.
+A batch of RMA requests is started, checked and progressed by the compiled native layer
+(``ucx_batch.c``, one call each), which is not linked against UCX: :func:`call_addresses`
+hands it the loaded functions' addresses. The single-request calls (check one, free one)
+are bound a second time, by :func:`load_words`, with every pointer declared ``uintptr_t``,
+so that handles travel as Python ints with no cdata made per request. On the LP64 ABIs this
+package builds for (x86-64, AArch64) a pointer and a ``uintptr_t`` travel alike, which is
+also what the native layer's prototypes rely on.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import cffi
@@ -46,6 +50,7 @@ import cffi
 __all__ = (
     "API_MAJOR",
     "API_MINOR",
+    "call_addresses",
     "ENV_VAR",
     "UcxLoadError",
     "ffi",
@@ -497,6 +502,18 @@ def load_words() -> Any:
             assert _path is not None
             _words = ffi_words.dlopen(_path)  # the library loaded already: the same one
         return _words
+
+
+def call_addresses(names: Iterable[str]) -> dict[str, int]:
+    """The addresses, as ints, of the loaded libucp's functions ``names`` (for the native
+    layer's request batches, which call UCX through them).
+
+    Raises:
+        UcxLoadError: as :func:`load`.
+        AttributeError: the library has no such function.
+    """
+    lib = load()
+    return {name: int(ffi.cast("uintptr_t", ffi.addressof(lib, name))) for name in names}
 
 
 def load_error() -> str | None:

@@ -55,6 +55,7 @@ from typing import Any, Self
 import numpy as np
 import numpy.typing as npt
 
+from aio_datadist._native import api as _api
 from aio_datadist._native import ucx as _ucx
 from aio_datadist.status import LLMException, LLMStatusCode
 
@@ -64,6 +65,7 @@ __all__ = (
     "Registration",
     "RemoteKey",
     "Request",
+    "Requests",
     "UcxContext",
     "UcxWorker",
     "available",
@@ -254,6 +256,12 @@ class UcxWorker:
         handle = ffi.new("ucp_worker_h *")
         _check("ucp_worker_create", self._lib.ucp_worker_create(context.handle, params, handle))
         self._handle: Any = handle[0]
+        #: The worker and the UCP calls of a request batch, for the native layer.
+        self._word = _ucx.word(self._handle)
+        self._calls = _api.UcxCalls(_ucx.call_addresses(_api.UCX_CALLS.values()))
+        #: The request parameters of an RMA batch on host memory (read by UCX, never written).
+        self._host_param = ffi.new("ucp_request_param_t *")
+        self._host_param_word = _ucx.word(self._host_param)
         attr = ffi.new("ucp_worker_attr_t *")
         attr.field_mask = _ucx.UCP_WORKER_ATTR_FIELD_THREAD_MODE
         _check("ucp_worker_query", self._lib.ucp_worker_query(self._handle, attr))
@@ -311,14 +319,10 @@ class UcxWorker:
 
     def drain(self, budget_ns: int = 0) -> bool | None:
         """Progress until nothing is left to do; whether anything was. With ``budget_ns``,
-        stop after about that long: None when work was left."""
-        if not self.progress():
-            return False
-        until = time.monotonic_ns() + budget_ns if budget_ns else 0
-        while self.progress():
-            if until and time.monotonic_ns() >= until:
-                return None
-        return True
+        stop after about that long: None when work was left. (One native call.)"""
+        self.handle  # noqa: B018 - raises when closed
+        with self.lock:
+            return self._calls.drain(self._word, budget_ns)
 
     def signal(self) -> None:
         """Make the event fd readable, waking a thread sleeping in :meth:`wait`/:meth:`serve`."""
@@ -577,6 +581,59 @@ class Request:
             self._ptr = 0
 
 
+class Requests:
+    """The requests of one :func:`rma` batch still in flight, checked in one native call.
+
+    As :class:`Request` for a batch: :meth:`done` once every one finished, :meth:`result`
+    raises the failure of the first that failed. Complete requests are freed as they are
+    seen.
+    """
+
+    __slots__ = ("_left", "_reqs", "_status", "what", "worker")
+
+    def __init__(self, worker: UcxWorker, reqs: npt.NDArray[np.uint64], what: str) -> None:
+        self.worker = worker
+        self.what = what
+        self._reqs = reqs
+        self._left = len(reqs)
+        self._status = 0
+
+    def __len__(self) -> int:
+        """How many requests are still in flight (as of the last :meth:`done`)."""
+        return self._left
+
+    def done(self) -> bool:
+        """Whether every request finished (successfully or not)."""
+        if self._left:
+            with self.worker.lock:
+                self._left, status = self.worker._calls.reap(self._reqs, self._left)
+            if status and not self._status:
+                self._status = status
+        return not self._left
+
+    def result(self) -> None:
+        """Raise the failure of the first request that failed; nothing when all succeeded.
+
+        Raises:
+            LLMException: a request failed, or ``LLM_PARAM_INVALID`` if some are not done.
+        """
+        if not self.done():
+            raise LLMException(
+                f"UCX {self.what}: {self._left} requests still in flight",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        _check(self.what, self._status)
+
+    def abandon(self) -> None:
+        """Stop tracking the unfinished requests: UCX frees each when it completes."""
+        if self._left:
+            free = self.worker._words.ucp_request_free
+            with self.worker.lock:
+                for req in self._reqs[: self._left].tolist():
+                    free(req)
+            self._left = 0
+
+
 class Endpoint:
     """A connection from ``worker`` to the worker whose :meth:`UcxWorker.address` is given.
 
@@ -619,6 +676,7 @@ class Endpoint:
         with worker.lock:
             _check("ucp_ep_create", self._lib.ucp_ep_create(worker.handle, params, handle))
         self._handle: Any = handle[0]
+        self._word = _ucx.word(self._handle)
 
     def _failed(self, _arg: Any, _ep: Any, status: int) -> None:
         # Runs inside ucp_worker_progress, in the thread that progresses the worker.
@@ -631,6 +689,12 @@ class Endpoint:
         if self.failure is not None:
             raise _error("UCX endpoint", self.failure)
         return self._handle
+
+    @property
+    def word(self) -> int:
+        """:attr:`handle` as an int, for the native layer (raises as :attr:`handle` does)."""
+        self.handle  # noqa: B018 - raises when closed or failed
+        return self._word
 
     def transports(self) -> list[str]:
         """The ``tl/device`` of each of the endpoint's lanes (``ucp_ep_print_info``), in lane
@@ -814,12 +878,20 @@ class RemoteKey:
                 lib.ucp_ep_rkey_unpack(endpoint.handle, ffi.from_buffer(bytes(packed)), rkey),
             )
         self._handle: Any = rkey[0]
+        self._word = _ucx.word(self._handle)
 
     @property
     def handle(self) -> Any:
         if self._handle is None:
             raise _closed("UCX remote key")
         return self._handle
+
+    @property
+    def word(self) -> int:
+        """:attr:`handle` as an int, for the native layer (raises as :attr:`handle` does)."""
+        if self._handle is None:
+            raise _closed("UCX remote key")
+        return self._word
 
     def close(self) -> None:
         if self._handle is not None:
@@ -920,10 +992,10 @@ def rma(
     *,
     write: bool,
     local_memory: str = "host",
-) -> tuple[list[Request], LLMException | None]:
+) -> tuple[Requests, LLMException | None]:
     """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
-    with ``write``), the remote side through ``keys[key_of[i]]``: a batch of :func:`get` or
-    :func:`put` with one check of the whole batch and one Python loop.
+    with ``write``), the remote side through ``keys[key_of[i]]``: one check of the whole
+    batch, then one native call that starts every op (:class:`Requests` checks them).
 
     ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`).
     Returns the requests still in flight, and the failure of the op UCX refused to start,
@@ -933,14 +1005,15 @@ def rma(
         LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside its
             key's registration, a key of another endpoint or a closed one.
     """
+    what = "ucp_put_nbx" if write else "ucp_get_nbx"
+    worker = ep.worker
     if len(ops) != len(key_of):
         raise LLMException(
             f"UCX rma: {len(ops)} ops but {len(key_of)} keys",
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
     if not len(ops):
-        return [], None
-    what = "ucp_put_nbx" if write else "ucp_get_nbx"
+        return Requests(worker, np.empty(0, np.uint64), what), None
     op_list, key_list = ops.tolist(), key_of.tolist()
     used = {j: keys[j] for j in set(key_list)}
     if any(k.endpoint is not ep for k in used.values()):
@@ -956,29 +1029,26 @@ def rma(
             f"registration [0x{k.addr:x}, +{k.nbytes})",
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
-    handles = {j: _ucx.word(k.handle) for j, k in used.items()}
-    ep_h = _ucx.word(ep.handle)
-    param = ffi.new("ucp_request_param_t *")
+    if len(used) == 1:
+        (key,) = used.values()
+        rkeys = np.full(len(ops), key.word, np.uint64)
+    else:
+        handles = np.zeros(len(keys), np.uint64)
+        for j, k in used.items():
+            handles[j] = k.word
+        rkeys = handles[key_of]
+    param: Any = worker._host_param
     if local_memory != "host":
+        param = ffi.new("ucp_request_param_t *")
         param.op_attr_mask = _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
         param.memory_type = MEMORY_TYPES[local_memory]
-    param_w = _ucx.word(param)
-    worker = ep.worker
-    words = worker._words
-    call = words.ucp_put_nbx if write else words.ucp_get_nbx
-    errors = _ucx.UCS_ERR_LAST & 0xFFFFFFFFFFFFFFFF
-    started: list[Request] = []
-    failure: LLMException | None = None
-    with worker.lock:  # ints all the way: no cdata per request (``_native.ucx``)
-        for (src, dst, n), k in zip(op_list, key_list, strict=True):
-            ptr = call(ep_h, src, n, dst, handles[k], param_w)
-            if not ptr:
-                continue  # done at once
-            if ptr >= errors:
-                failure = _error(what, ptr - (1 << 64))
-                break
-            started.append(Request(worker, ptr, what))
-    return started, failure
+    table = np.ascontiguousarray(ops, np.uint64)
+    with worker.lock:
+        reqs, refused, status = worker._calls.rma(
+            ep.word, table, rkeys, _ucx.word(param), write=write
+        )
+    failure = _error(what, status) if refused < len(ops) else None
+    return Requests(worker, reqs, what), failure
 
 
 _LANE = re.compile(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s")
