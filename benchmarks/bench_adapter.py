@@ -354,16 +354,16 @@ VARIANTS = {
     "aio-samehost-async": ({"transport": "tcp", "face": "async", "same_host": True}, {}),
     "aio-samehost-blocking": ({"transport": "tcp", "face": "blocking", "same_host": True}, {}),
     # the UCX route (UCP RMA), with the transports UCX picks (cma between two processes of
-    # one host), then with its tcp transport only
+    # one host), then with its tcp transport only, on the loopback device (as NIXL's nixl-ucx-tcp)
     "aio-ucx-async": ({"transport": "tcp", "face": "async", "ucx": True}, {}),
     "aio-ucx-blocking": ({"transport": "tcp", "face": "blocking", "ucx": True}, {}),
     "aio-ucx-tcp-async": (
         {"transport": "tcp", "face": "async", "ucx": True},
-        {"UCX_TLS": "tcp,self"},
+        {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
     ),
     "aio-ucx-tcp-blocking": (
         {"transport": "tcp", "face": "blocking", "ucx": True},
-        {"UCX_TLS": "tcp,self"},
+        {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
     ),
 }
 
