@@ -5,7 +5,9 @@ Run: python benchmarks/bench_vm_copy.py [--reps 5]
 
 A child process holds 256 MiB; this process reads it as 4096 scattered 64 KiB rows with
 ``api.vm_copy_batch`` (one and two threads), and copies the same pattern between two local
-buffers with ``api.copy_batch``. Prints GB/s (best of ``reps``) and the ratio, then the
+buffers with ``api.copy_batch``. Prints GB/s (best of ``reps``) and the ratio; then the
+same rows as 64 batches of 64 rows (4 MiB) made one after the other, the shape of the API's
+W2 (64 calls), where every batch is split across the threads and pays their wake-ups; then the
 p50 latency of a single 64 KiB read (the one-sided W3 floor without the API's planning):
 of one block read again and again (hot), and of a random block of the child's second
 256 MiB, an anonymous ``mmap`` of 4 KiB pages like the shared harness's buffers, into a
@@ -98,6 +100,16 @@ def main() -> None:
                 f"  threads={threads}: vm_copy_batch {vm:6.2f} GB/s   copy_batch (memcpy) "
                 f"{mem:6.2f} GB/s   ratio {vm / mem:.2f}"
             )
+        stream = [remote_ops[k : k + 64] for k in range(0, len(remote_ops), 64)]
+
+        def in_turn() -> None:
+            for batch in stream:
+                api.vm_copy_batch(child.pid, batch, write=False)
+
+        print(
+            f"  64 batches of 4 MiB in turn: vm_copy_batch {best_gbps(in_turn, reps):6.2f} GB/s "
+            f"(threads={api.copy_threads()})"
+        )
         one = np.array([[int(local.ctypes.data), there, ROW]], dtype=np.uint64)
         lat = []
         for _ in range(310):
