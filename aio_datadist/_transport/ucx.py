@@ -322,7 +322,8 @@ class UcxWorker:
 
     def drain(self, budget_ns: int = 0) -> bool | None:
         """Progress until nothing is left to do; whether anything was. With ``budget_ns``,
-        stop after about that long: None when work was left. (One native call.)"""
+        stop after about that long: None when work was left. (One native call; a worker
+        below ``UCS_THREAD_MODE_MULTI`` holds :attr:`lock` for all of it.)"""
         self.handle  # noqa: B018 - raises when closed
         with self.lock:
             return self._calls.drain(self._word, budget_ns)
