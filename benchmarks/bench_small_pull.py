@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
 """Small pulls in a steady loop: the latency of one call through each face and route.
 
-Run: python benchmarks/bench_small_pull.py [--face sync|async] [--route link|samehost]
+Run: python benchmarks/bench_small_pull.py [--face sync|async] [--route link|samehost|ucx]
                                             [--calls 3000] [--blocks 1] [--concurrent N]
                                             [--metrics on|off]
 
 A prompt process (``tests/peer_prompt.py``: 4 tensors x 64 blocks of 64 KiB) serves over TCP
-on 127.0.0.1; this process links to it and pulls ``--blocks`` random blocks of one tensor per
+on 127.0.0.1 (``--route ucx``: both sides with the UCX route on, the same-host route off);
+this process links to it and pulls ``--blocks`` random blocks of one tensor per
 call, ``--calls`` times, one call after the other: the blocking ``pull_blocks`` in a plain
 loop, or the awaited one in one long-running event loop (the shared harness instead starts
 its loop for every call, which it then mostly measures). Prints the p50/p99 latency after
@@ -57,7 +58,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def options(same_host: bool, timeout_ms: int = 1000, metrics: bool = True) -> dict[str, str]:
+def options(route: str, timeout_ms: int = 1000, metrics: bool = True) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.metrics = metrics
     cfg.sync_kv_timeout = timeout_ms  # a wave of concurrent calls shares the one link
@@ -66,7 +67,8 @@ def options(same_host: bool, timeout_ms: int = 1000, metrics: bool = True) -> di
     cfg.enable_remote_cache_accessible = True
     cfg.mem_pool_cfg = json.dumps({"memory_size": 256 << 20})
     cfg.transport = "tcp"
-    cfg.same_host = same_host
+    cfg.same_host = route == "samehost"
+    cfg.ucx = route == "ucx"
     return dict(cfg.generate_options())
 
 
@@ -83,7 +85,7 @@ def report(args: argparse.Namespace, lat: list[float], cpu: float) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--face", choices=("sync", "async"), default="async")
-    parser.add_argument("--route", choices=("link", "samehost"), default="link")
+    parser.add_argument("--route", choices=("link", "samehost", "ucx"), default="link")
     parser.add_argument("--calls", type=argtypes.positive_int, default=3000)
     parser.add_argument("--blocks", type=argtypes.positive_int, default=1)
     parser.add_argument("--concurrent", type=argtypes.non_negative_int, default=0)
@@ -95,6 +97,8 @@ def main() -> None:
         parser.error(f"--blocks must be at most {BLOCKS} (the peer's blocks)")
     port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if args.route == "ucx":
+        env["AIO_TEST_UCX"] = "1"
     peer = subprocess.Popen(
         [
             sys.executable,
@@ -131,7 +135,7 @@ def main() -> None:
     try:
         if args.face == "sync":
             dd = LLMDataDist(LLMRole.DECODER, 2)
-            dd.init(options(args.route == "samehost", metrics=args.metrics == "on"))
+            dd.init(options(args.route, metrics=args.metrics == "on"))
             cm = dd.cache_manager
             cache = cm.allocate_blocks_cache(desc)
             assert dd.link_clusters([info], 5000)[0] == 0
@@ -150,7 +154,7 @@ def main() -> None:
                 dd = AsyncLLMDataDist(LLMRole.DECODER, 2)
                 await dd.init(
                     options(
-                        args.route == "samehost",
+                        args.route,
                         600_000 if args.concurrent else 1000,
                         metrics=args.metrics == "on",
                     )

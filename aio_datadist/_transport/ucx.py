@@ -86,9 +86,6 @@ _LOOP_BUDGET_NS = 500_000
 #: Longest round of progress a waiting thread runs before it looks at its condition and
 #: deadline again.
 _ROUND_NS = 1_000_000
-#: How long a waiting thread keeps progressing before it sleeps on the event fd (about what
-#: a wake-up costs; see :meth:`UcxWorker._sleep`).
-_SPIN_NS = 50_000
 
 #: ``ucs_memory_type_t`` values by bit, as :attr:`UcxContext.memory_types` names them.
 _MEMORY_TYPES = {
@@ -350,18 +347,11 @@ class UcxWorker:
         can stay readable with no work to do (a tcp endpoint whose peer does not progress
         keeps it signalled); after a few such wake-ups in a row the sleep is stretched, from
         50 us doubling to 1 ms, so that a stalled peer costs no more than a timer would.
-
-        Before it arms, a waiter that is not idle keeps progressing for up to ``_SPIN_NS``:
-        an answer that is a round trip away (a get over tcp, the peer's worker serving it)
-        then costs no wake-up, on either side.
         """
         drained = self.drain(_ROUND_NS)
         if drained:
             idle[0] = 0
         if ready():
-            return True
-        if drained is not None and idle[0] <= _IDLE_WAKES_FREE and self._spin(ready):
-            idle[0] = 0
             return True
         left = None if deadline_ns is None else deadline_ns - time.monotonic_ns()
         if left is not None and left <= 0:
@@ -381,17 +371,6 @@ class UcxWorker:
                 os.eventfd_read(wake_fd)
         idle[0] += 1
         return True
-
-    def _spin(self, ready: Callable[[], bool]) -> bool:
-        """Progress for up to ``_SPIN_NS``, asking ``ready()`` after each round that did
-        something: True once it holds."""
-        calls, word = self._calls, self._word
-        until = time.monotonic_ns() + _SPIN_NS
-        while time.monotonic_ns() < until:
-            self.handle  # noqa: B018 - raises when closed
-            if calls.drain(word, _ROUND_NS) is not False and ready():
-                return True
-        return False
 
     def wait_until(
         self, ready: Callable[[], bool], deadline_ns: int | None = None, *, wake_fd: int = -1
