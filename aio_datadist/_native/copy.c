@@ -34,7 +34,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -218,23 +217,16 @@ static unsigned claim(job_t *j)
     return k;
 }
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* Spin until *counter differs from seen (true) or SPIN_NS passed (false). The spin yields
  * the CPU at every look, so a thread with work (another caller's copy) is never kept off it. */
 static bool spin_for_change(const atomic_uint_fast64_t *counter, uint_fast64_t seen)
 {
-    int64_t until = now_ns() + SPIN_NS;
+    int64_t until = dd_monotonic_ns() + SPIN_NS;
     do {
         if (atomic_load_explicit(counter, memory_order_relaxed) != seen)
             return true;
         sched_yield();
-    } while (now_ns() < until);
+    } while (dd_monotonic_ns() < until);
     return false;
 }
 
@@ -417,8 +409,8 @@ static int run_job(job_t *j, unsigned nthreads)
     if (atomic_load(&j->pending) != 0) {
         /* Watch the workers' slices finish a while before sleeping (see the file comment). */
         pthread_mutex_unlock(&g.mu);
-        int64_t until = now_ns() + SPIN_NS;
-        while (atomic_load(&j->pending) != 0 && now_ns() < until)
+        int64_t until = dd_monotonic_ns() + SPIN_NS;
+        while (atomic_load(&j->pending) != 0 && dd_monotonic_ns() < until)
             sched_yield(); /* as spin_for_change: never keeps a thread with work waiting */
         pthread_mutex_lock(&g.mu);
     }

@@ -271,10 +271,6 @@ void free(void *ptr);
 """
 
 _WORDS_CDEF = r"""
-uintptr_t ucp_put_nbx(uintptr_t ep, uintptr_t buffer, size_t count, uint64_t remote_addr,
-                      uintptr_t rkey, uintptr_t param);
-uintptr_t ucp_get_nbx(uintptr_t ep, uintptr_t buffer, size_t count, uint64_t remote_addr,
-                      uintptr_t rkey, uintptr_t param);
 int8_t ucp_request_check_status(uintptr_t request);
 void ucp_request_free(uintptr_t request);
 """
@@ -282,7 +278,7 @@ void ucp_request_free(uintptr_t request);
 ffi = cffi.FFI()
 ffi.cdef(_CDEF)
 ffi.cdef(_LIBC_CDEF)
-#: The hot calls again, every pointer a ``uintptr_t`` (see the module docstring).
+#: The single-request calls again, every pointer a ``uintptr_t`` (see the module docstring).
 ffi_words = cffi.FFI()
 ffi_words.cdef(_WORDS_CDEF)
 

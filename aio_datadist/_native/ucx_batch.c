@@ -10,7 +10,6 @@
  * are those of ucp/api/ucp.h with every pointer a word; ucs_status_t is one signed byte.
  */
 #include <stdbool.h>
-#include <time.h>
 
 #include "datadist.h"
 
@@ -76,13 +75,6 @@ int64_t dd_ucx_reap(const dd_ucx_calls *c, uint64_t *reqs, size_t n, int *status
     return (int64_t)left;
 }
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns)
 {
     if (!calls_ok(c) || !worker)
@@ -90,9 +82,9 @@ int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns)
     progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
     if (!progress(worker))
         return 0;
-    int64_t until = budget_ns > 0 ? now_ns() + budget_ns : 0;
+    int64_t until = budget_ns > 0 ? dd_monotonic_ns() + budget_ns : 0;
     while (progress(worker)) {
-        if (until && now_ns() >= until)
+        if (until && dd_monotonic_ns() >= until)
             return 2;
     }
     return 1;

@@ -311,12 +311,6 @@ class UcxWorker:
         _check("ucp_worker_arm", status)
         return True
 
-    def progress(self) -> int:
-        """Progress communication once; returns how many events were processed (0: none)."""
-        handle = self.handle
-        with self.lock:
-            return int(self._lib.ucp_worker_progress(handle))
-
     def drain(self, budget_ns: int = 0) -> bool | None:
         """Progress until nothing is left to do; whether anything was. With ``budget_ns``,
         stop after about that long: None when work was left. (One native call; a worker
@@ -890,8 +884,7 @@ class RemoteKey:
     @property
     def word(self) -> int:
         """:attr:`handle` as an int, for the native layer (raises as :attr:`handle` does)."""
-        if self._handle is None:
-            raise _closed("UCX remote key")
+        self.handle  # noqa: B018 - raises when closed
         return self._word
 
     def close(self) -> None:
