@@ -3,13 +3,16 @@ and of host memory."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
+import select
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +25,7 @@ from hypothesis import strategies as st
 import aio_datadist._native
 from aio_datadist._native import api, features, impl
 from aio_datadist._native._reference import copy_batch_reference
-from aio_datadist.status import LLMStatusCode, OutOfMemoryError, ParamInvalidError
+from aio_datadist.status import LLMException, LLMStatusCode, OutOfMemoryError, ParamInvalidError
 
 U8 = npt.NDArray[np.uint8]
 Ops = npt.NDArray[np.uint64]
@@ -530,6 +533,111 @@ def test_vm_copy_batch_errors(peer_buffer: tuple[subprocess.Popen[str], int, int
     proc.wait()
     with pytest.raises(ProcessLookupError):
         api.vm_copy_batch(proc.pid, make_ops([(addr(local), there, 4096)]), write=False)
+
+
+def _wait_posted(signal: api.CopySignal, tasks: list[api.CopyTask]) -> None:
+    """Wait on the signal's eventfd as an event loop would, until every task was reaped."""
+    left = list(tasks)
+    deadline = time.monotonic() + 30
+    while left:
+        assert time.monotonic() < deadline, "a background copy never ended"
+        ready, _, _ = select.select([signal.fd], [], [], 1.0)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(signal.fd, 8)
+        left = [t for t in left if not t.reap()]
+
+
+def test_background_copies_end_on_their_signal(
+    peer_buffer: tuple[subprocess.Popen[str], int, int],
+) -> None:
+    proc, there, size = peer_buffer
+    expected = np.frombuffer(bytes(range(256)) * (size // 256), dtype=np.uint8)
+    local = np.zeros(size, dtype=np.uint8)
+    signal = api.CopySignal()
+    try:
+        # under 1 MiB: copied by the caller, no task
+        small = make_ops([(addr(local), there, 4096)])
+        try:
+            assert api.vm_copy_batch(proc.pid, small, write=False, signal=signal) is None
+        except PermissionError as exc:
+            pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+        np.testing.assert_array_equal(local[:4096], expected[:4096])
+        # scattered 64 KiB pieces in reverse, and blocks: each a task of its own, in flight
+        # together on the copy workers
+        piece = 64 << 10
+        rows = [(addr(local) + i * piece, there + i * piece, piece) for i in reversed(range(64))]
+        first = api.vm_copy_batch(proc.pid, make_ops(rows), write=False, signal=signal)
+        block = 64 << 10
+        theirs = api.BlockLayout([there + size // 2], block, 64)
+        mine = _layout(local[size // 2 :], 1, block, 64)
+        picks = list(range(63, -1, -2))  # 32 blocks, 2 MiB
+        second = api.vm_copy_blocks(
+            proc.pid,
+            (mine, 0, list(range(32))),
+            (theirs, 0, picks),
+            1,
+            block,
+            write=False,
+            signal=signal,
+        )
+        assert first is not None and second is not None
+        _wait_posted(signal, [first, second])
+        assert first.reap() and second.reap()  # reaped once; True after that
+        np.testing.assert_array_equal(local[: 64 * piece], expected[: 64 * piece])
+        got = local[size // 2 :].reshape(64, block)[:32]
+        want = expected[size // 2 :].reshape(64, block)[picks]
+        np.testing.assert_array_equal(got, want)
+        # a write back, waited for with reap(wait=True) after the signal was given up
+        ones = np.ones(size, dtype=np.uint8)
+        task = api.vm_copy_batch(
+            proc.pid, make_ops([(there, addr(ones), size)]), write=True, signal=signal
+        )
+        signal.close()
+        assert task is not None and task.reap(wait=True)
+        out, _ = proc.communicate("", timeout=30)
+        assert int(out.strip()) == size
+    finally:
+        signal.close()
+    with pytest.raises(LLMException):  # a closed signal starts nothing
+        api.vm_copy_batch(
+            proc.pid, make_ops([(addr(local), there, size)]), write=False, signal=signal
+        )
+
+
+def test_background_copy_failures_are_the_reaps(
+    peer_buffer: tuple[subprocess.Popen[str], int, int],
+) -> None:
+    proc, there, size = peer_buffer
+    local = np.zeros(size, dtype=np.uint8)
+    signal = api.CopySignal()
+    try:
+        with pytest.raises(ParamInvalidError):  # bad rows: refused at the start
+            api.vm_copy_batch(proc.pid, make_ops([(0, there, size)]), write=False, signal=signal)
+        # an address the peer has not mapped, past the first MiB: the copy starts, and
+        # its reap says what failed
+        rows = make_ops([(addr(local), there, MiB), (addr(local) + MiB, 4096, 2 * MiB)])
+        try:
+            task = api.vm_copy_batch(proc.pid, rows, write=False, signal=signal)
+        except PermissionError as exc:
+            pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+        assert task is not None
+        with pytest.raises(OSError) as info:
+            task.reap(wait=True)
+        assert info.value.errno == errno.EFAULT
+        assert task.reap()  # gone: nothing more to say
+        proc.kill()
+        proc.wait()
+        whole = make_ops([(addr(local), there, size)])
+        try:
+            task = api.vm_copy_batch(proc.pid, whole, write=False, signal=signal)
+        except ProcessLookupError:
+            return  # the kernel refused at once: fine too
+        assert task is not None
+        with pytest.raises(ProcessLookupError):
+            task.reap(wait=True)
+    finally:
+        signal.close()
 
 
 # -- blocks -----------------------------------------------------------------------------------

@@ -138,16 +138,16 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
         )
         dst = np.zeros(4096, dtype=np.uint8)
         rows = np.array([[dst.ctypes.data, 4096]], dtype=np.uint64)
-        assert peer.transfer(onesided.RequestKind.PULL, access, rows)
+        assert peer.transfer(onesided.RequestKind.PULL, access, rows, 0)
         np.testing.assert_array_equal(dst, src[2])
 
         def refuse(*_: object, **__: object) -> None:
             raise PermissionError(1, "Operation not permitted")
 
         monkeypatch.setattr(onesided.api, "vm_copy_batch", refuse)
-        assert not peer.transfer(onesided.RequestKind.PULL, access, rows)
+        assert not peer.transfer(onesided.RequestKind.PULL, access, rows, 0)
         assert not peer.enabled and logged.count("samehost.denied") == 1
-        assert not peer.transfer(onesided.RequestKind.PULL, access, rows)  # no retry, no log
+        assert not peer.transfer(onesided.RequestKind.PULL, access, rows, 0)  # no retry, no log
         assert logged.count("samehost.denied") == 1
         peer.close()
     finally:

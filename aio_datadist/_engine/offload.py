@@ -3,8 +3,10 @@
 A thread hop costs 100-200 µs on a small machine, more than copying a few 64 KiB blocks, so
 work below :data:`INLINE_BYTES` runs on the event loop (the native call releases the GIL and
 finishes in well under a millisecond). Larger work goes to a worker thread limited by a
-dedicated capacity limiter. A running native call is never abandoned on cancellation: it may
-be writing memory that cancellation would free, so the caller waits for it to finish.
+dedicated capacity limiter. (A mover with threads of its own takes large work there itself:
+the same-host route's copies on the native copy workers, ``_engine.background``.) A running
+native call is never abandoned on cancellation: it may be writing memory that cancellation
+would free, so the caller waits for it to finish.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ A :class:`PeerMemory` belongs to one link whose peer published a region board
 names the peer's memory by blocks key, by cache id and batch index, or by raw addresses is
 resolved against the board here, bounds-checked exactly as the serving side would, and
 moved with one batched ``process_vm_readv``/``process_vm_writev`` call: no request crosses
-the socket and the peer's threads do nothing. Requests by cache key (which may drop the
+the socket and the peer's threads do nothing. The call runs in the caller's thread, or, for
+an event loop awaiting a copy of ``api.BACKGROUND_MIN`` bytes or more once the kernel let a
+copy with this peer through, on the native copy workers, completing on the loop
+(``_engine.background``). Requests by cache key (which may drop the
 key on the peer) and anything the board does not show go over the link as before.
 
 Device caches the peer shared through its runtime (CUDA IPC) are mapped here once per
@@ -22,16 +25,20 @@ pull reads it fails that pull with ``LLM_KV_CACHE_NOT_EXIST`` (the board changed
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import structlog
 
 from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.background import start_on_loop
 from aio_datadist._engine.regions import BoardEntry, RegionView, RemoteRegions
+from aio_datadist._engine.request import DONE, Completion
 from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
@@ -86,6 +93,9 @@ class PeerMemory:
         self._log = log
         #: False once the kernel refused: every later request goes over the link.
         self.enabled = True
+        #: True once a copy with the peer went through: the kernel allows access, so a
+        #: copy may run in the background (its failure is then the transfer's).
+        self.proven = False
         #: False once the runtime could not map the peer's device memory (or never can:
         #: a process cannot map its own).
         self.device_sharing = pid != os.getpid()
@@ -107,49 +117,59 @@ class PeerMemory:
         return self.enabled and target in ONE_SIDED_TARGETS
 
     def transfer(
-        self, kind: RequestKind, access: Access, local: Iov, *, local_on_device: bool = False
-    ) -> bool:
-        """Move one request's bytes one-sided; False when the link must carry it instead.
+        self,
+        kind: RequestKind,
+        access: Access,
+        local: Iov,
+        deadline_ns: int,
+        *,
+        on_loop: bool = False,
+        local_on_device: bool = False,
+    ) -> Completion | None:
+        """Move one request's bytes one-sided; None when the link must carry it instead.
 
-        ``local_on_device``: the ``local`` rows are device memory of this engine's runtime.
+        ``on_loop``: an event loop waits, so a copy of host rows of at least
+        ``api.BACKGROUND_MIN`` bytes runs on the native copy workers (see :meth:`_copy`) and
+        the completion, with ``deadline_ns``, ends on the loop. ``local_on_device``: the
+        ``local`` rows are device memory of this engine's runtime.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` (outside the peer's cache),
             ``LLM_KV_CACHE_NOT_EXIST`` (released meanwhile), ``LLM_LINK_FAILED`` (the peer
-            process is gone), ``LLM_FAILED`` (the kernel reported another fault).
+            process is gone), ``LLM_FAILED`` (the kernel reported another fault); a
+            completion ending on the loop fails the same ways.
         """
         if not self.serves(access.target):
-            return False
+            return None
         regions = self._view.regions()
         if regions is None:
-            return False
+            return None
         resolved = resolve(regions, access)
         if resolved is None:
-            return False
+            return None
         entries, remote = resolved
         on_device = [bool(e.token) for e in entries]
         if any(on_device):
             mapped = self._map(entries, remote) if all(on_device) else None
             if mapped is None:
-                return False
+                return None
             ops = paired(kind, local, mapped)
             self._staging.runtime.copy_batch(ops, _SHARED_COPY[local_on_device, kind])
             self._check_still_there(regions, entries)
-            return True
+            return DONE
+        write = kind is RequestKind.PUSH
         if not local_on_device:
-            moved = self._ops_copy(kind, paired(kind, local, remote), regions, entries)
-        else:
-            pull = kind is RequestKind.PULL
-            staged = self._staging.inbound(local) if pull else self._staging.outbound(local)
-            ok = False
-            try:
-                ops = paired(kind, staged.iov, remote)
-                moved = self._ops_copy(kind, ops, regions, entries)
-                ok = moved
-            finally:
-                staged.finish(ok)
-        if moved:
-            self._check_still_there(regions, entries)
-        return moved
+            ops = paired(kind, local, remote)
+            large = on_loop and int(ops[:, 2].sum()) >= api.BACKGROUND_MIN
+            on = deadline_ns if large else None
+            return self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, on)
+        staged = self._staging.inbound(local) if not write else self._staging.outbound(local)
+        done = None
+        try:
+            ops = paired(kind, staged.iov, remote)
+            done = self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, None)
+        finally:
+            staged.finish(done is not None)
+        return done
 
     def transfer_blocks(
         self,
@@ -160,38 +180,40 @@ class PeerMemory:
         local: tuple[BlockLayout, int, Sequence[int]],
         count: int,
         seg: int,
-    ) -> bool:
+        deadline_ns: int,
+        *,
+        on_loop: bool = False,
+    ) -> Completion | None:
         """:meth:`transfer` of blocks between host blocks caches, in one native call:
         ``seg`` bytes of each of ``count`` tensors from ``remote_blocks`` of the peer's
         blocks cache ``model_id`` (tensors from ``remote[0]``) to the ``local`` blocks
         (``(layout, first tensor, blocks)``), or back for a push.
 
-        False when this route does not take it, nothing moved: the peer does not publish
+        None when this route does not take it, nothing moved: the peer does not publish
         that cache in host memory, or a block, tensor or size lies outside it (the general
         route then names the problem exactly as the serving side would).
 
         :raises LLMException: as :meth:`transfer`.
         """
         if not self.enabled:
-            return False
+            return None
         regions = self._view.regions()
         if regions is None:
-            return False
+            return None
         entry = regions.by_model.get(model_id)
         if entry is None or entry.token:
-            return False
+            return None
         theirs = (regions.layout(entry), remote[0], remote_blocks)
         push = kind is RequestKind.PUSH
         dst, src = (theirs, local) if push else (local, theirs)
+        args = (self.pid, dst, src, count, seg)
+        large = on_loop and count * len(remote_blocks) * seg >= api.BACKGROUND_MIN
         try:
-            moved = self._vm_copy(
-                regions, [entry], api.vm_copy_blocks, self.pid, dst, src, count, seg, write=push
+            return self._copy(
+                regions, [entry], api.vm_copy_blocks, args, push, deadline_ns if large else None
             )
         except ParamInvalidError:
-            return False
-        if moved:
-            self._check_still_there(regions, [entry])
-        return moved
+            return None
 
     def _map(self, entries: list[BoardEntry], remote: Iov) -> Iov | None:
         """``remote`` rows translated into this process through the peer's sharing tokens;
@@ -224,43 +246,63 @@ class PeerMemory:
             self._mapped[entry.token] = base
             return base
 
-    def _ops_copy(
-        self, kind: RequestKind, ops: np.ndarray, regions: RemoteRegions, entries: list[BoardEntry]
-    ) -> bool:
-        """Copy the ``(dst, src, nbytes)`` ops with the peer (its memory is src on a pull,
-        dst on a push); as :meth:`_vm_copy`."""
-        write = kind is RequestKind.PUSH
-        return self._vm_copy(regions, entries, api.vm_copy_batch, self.pid, ops, write=write)
-
-    def _vm_copy(
+    def _copy(
         self,
         regions: RemoteRegions,
         entries: list[BoardEntry],
-        copy: Callable[..., None],
-        *args: Any,
+        copy: Callable[..., api.CopyTask | None],
+        args: tuple[Any, ...],
         write: bool,
-    ) -> bool:
-        """Run ``copy(*args, write=write)`` with the peer's host memory; False when the
-        kernel refused (use the link)."""
+        loop_deadline_ns: int | None,
+    ) -> Completion | None:
+        """Run ``copy(*args, write=write)`` with the peer's host memory: in this thread, or,
+        given ``loop_deadline_ns`` (a large copy an event loop in this thread waits for; its
+        completion's deadline) once a copy with this peer went through, on the native copy
+        workers (``_engine.background``). None when the kernel refused (use the link)."""
         try:
-            copy(*args, write=write)
+            if loop_deadline_ns is not None and self.proven and _loop_here():
+                future = start_on_loop(
+                    partial(_background, copy, args, write), partial(self._ended, regions, entries)
+                )
+                if future is not None:
+                    return Completion(future, loop_deadline_ns)
+            else:
+                copy(*args, write=write)
         except PermissionError as exc:
             self.enabled = False
             self._log.warning(
                 "samehost.denied", peer_pid=self.pid, reason=str(exc), fallback="link"
             )
-            return False
-        except ProcessLookupError:
-            raise LLMException(
-                f"the peer process {self.pid} is gone", status_code=LLMStatusCode.LLM_LINK_FAILED
-            ) from None
+            return None
         except OSError as exc:
-            self._check_still_there(regions, entries)
-            raise LLMException(
-                f"one-sided transfer with process {self.pid} failed: {exc}",
-                status_code=LLMStatusCode.LLM_FAILED,
-            ) from None
-        return True
+            raise self._failure(exc, regions, entries) from None
+        self.proven = True
+        self._check_still_there(regions, entries)
+        return DONE
+
+    def _ended(
+        self, regions: RemoteRegions, entries: list[BoardEntry], error: OSError | None
+    ) -> None:
+        """A copy on the native copy workers ended (on the loop): raise the transfer's
+        failure, if any."""
+        if error is not None:
+            raise self._failure(error, regions, entries)
+        self._check_still_there(regions, entries)
+
+    def _failure(
+        self, exc: OSError, regions: RemoteRegions, entries: list[BoardEntry]
+    ) -> LLMException:
+        """The transfer's failure for a copy that failed with ``exc`` (a cache the peer
+        released meanwhile is raised as such)."""
+        if isinstance(exc, ProcessLookupError):
+            return LLMException(
+                f"the peer process {self.pid} is gone", status_code=LLMStatusCode.LLM_LINK_FAILED
+            )
+        self._check_still_there(regions, entries)
+        return LLMException(
+            f"one-sided transfer with process {self.pid} failed: {exc}",
+            status_code=LLMStatusCode.LLM_FAILED,
+        )
 
     def _check_still_there(self, before: RemoteRegions, entries: list[BoardEntry]) -> None:
         """Fail the transfer when the peer released a cache it used while the bytes moved."""
@@ -279,6 +321,21 @@ class PeerMemory:
             "the peer released the cache while it was being transferred",
             status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
+
+
+def _loop_here() -> bool:
+    """True when an event loop runs in this thread (not so for a start an event loop handed
+    to a worker thread)."""
+    return asyncio._get_running_loop() is not None
+
+
+def _background(
+    copy: Callable[..., api.CopyTask | None],
+    args: tuple[Any, ...],
+    write: bool,
+    signal: api.CopySignal,
+) -> api.CopyTask | None:
+    return copy(*args, write=write, signal=signal)
 
 
 def resolve(regions: RemoteRegions, access: Access) -> tuple[list[BoardEntry], Iov] | None:

@@ -44,7 +44,7 @@ from enum import Enum
 from aio_datadist._engine.access import encode_access, encode_blocks_access
 from aio_datadist._engine.domain import NO_ROWS, CommRoute
 from aio_datadist._engine.onesided import PeerMemory
-from aio_datadist._engine.request import DONE, Blocks, Completion, Pump, Transfer, completed
+from aio_datadist._engine.request import Blocks, Completion, Pump, Transfer, completed
 from aio_datadist._memory.staging import Staged as StagedRows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import Channel, Payload, RequestKind
@@ -115,8 +115,13 @@ class Route(ABC):
         """
 
 
+#: The ways of waiting in which an event loop waits.
+_ON_LOOP = frozenset({Waiting.LOOP, Waiting.LOOP_EXCHANGE})
+
+
 class SameHostRoute(Route):
-    """Host rows moved one-sided with a process on this host (its region board)."""
+    """Host rows moved one-sided with a process on this host (its region board): in the
+    caller, or, when an event loop waits, large ones on the native copy workers."""
 
     name = "same-host"
 
@@ -126,10 +131,16 @@ class SameHostRoute(Route):
     def accepts(self, transfer: Transfer) -> bool:
         return not transfer.device and not transfer.commit and self.peer.serves(transfer.target)
 
+    def in_caller(self, transfer: Transfer) -> bool:
+        # Once the kernel let a copy through, an event loop's large copies run on the
+        # native copy workers (``PeerMemory.transfer``); until then, in the caller.
+        return not self.peer.proven
+
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         remote, local = transfer.remote, transfer.local
+        on_loop = waiting in _ON_LOOP
         if remote is not None and isinstance(local, Blocks) and remote.seg == local.seg:
-            moved = self.peer.transfer_blocks(
+            return self.peer.transfer_blocks(
                 transfer.kind,
                 remote.model_id,
                 (remote.start, remote.count),
@@ -137,10 +148,12 @@ class SameHostRoute(Route):
                 (local.layout, local.start, local.blocks),
                 local.count,
                 local.seg,
+                deadline_ns,
+                on_loop=on_loop,
             )
-        else:
-            moved = self.peer.transfer(transfer.kind, transfer.access, transfer.rows)
-        return DONE if moved else None
+        return self.peer.transfer(
+            transfer.kind, transfer.access, transfer.rows, deadline_ns, on_loop=on_loop
+        )
 
 
 class DeviceIpcRoute(Route):
@@ -156,10 +169,9 @@ class DeviceIpcRoute(Route):
         return transfer.device and not transfer.commit and self.peer.serves(transfer.target)
 
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        moved = self.peer.transfer(
-            transfer.kind, transfer.access, transfer.rows, local_on_device=True
+        return self.peer.transfer(
+            transfer.kind, transfer.access, transfer.rows, deadline_ns, local_on_device=True
         )
-        return DONE if moved else None
 
 
 def _body(transfer: Transfer) -> bytes:

@@ -17,6 +17,7 @@ every call, and ``ffi.errno`` reads that saved value in the calling thread.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import math
 import os
@@ -31,9 +32,12 @@ from ..status import LLMStatusCode, ParamInvalidError, raise_for_status
 from ._ffi import ffi, lib
 
 __all__ = (
+    "BACKGROUND_MIN",
     "SPLIT_THRESHOLD",
     "UCX_CALLS",
     "BlockLayout",
+    "CopySignal",
+    "CopyTask",
     "NativePool",
     "NetTimeout",
     "PeerClosed",
@@ -87,6 +91,9 @@ _REASON: dict[int, str] = {
 }
 
 SPLIT_THRESHOLD: int = int(lib.dd_copy_split_threshold())
+#: Cross-process copies started with a signal move in the background from this many bytes
+#: on; smaller ones are copied by the caller.
+BACKGROUND_MIN: int = int(lib.dd_copy_background_min())
 """Bytes: ``copy_batch`` runs batches smaller than this on the calling thread only."""
 
 MAX_COPY_THREADS: int = int(lib.DD_COPY_MAX_THREADS)
@@ -339,12 +346,24 @@ def _copy_threads(threads: object) -> None:
         _check(lib.DD_EINVAL, f"copy threads={threads}")
 
 
-def vm_copy_batch(pid: int, ops: npt.NDArray[np.uint64], *, write: bool, threads: int = 0) -> None:
+def vm_copy_batch(
+    pid: int,
+    ops: npt.NDArray[np.uint64],
+    *,
+    write: bool,
+    threads: int = 0,
+    signal: CopySignal | None = None,
+) -> CopyTask | None:
     """``copy_batch`` with another process: its memory is each row's src, or dst if ``write``.
 
     One kernel copy between the two address spaces (``process_vm_readv`` /
     ``process_vm_writev``, up to IOV_MAX merged ranges a call, GIL released); big batches
     are cut across ``threads`` threads as for ``copy_batch``.
+
+    With ``signal`` the copy runs in the background: the rows are checked and the running
+    copy returned at once (a :class:`CopyTask`, whose end posts ``signal``), unless it is
+    under :data:`BACKGROUND_MIN` bytes and was copied here (None). Without it, None once the
+    bytes moved.
 
     Raises:
         TypeError, ValueError: as for ``copy_batch``, or ``pid`` not a positive int.
@@ -358,10 +377,101 @@ def vm_copy_batch(pid: int, ops: npt.NDArray[np.uint64], *, write: bool, threads
     _pid(pid)
     n = _ops_table(ops, threads)
     if n == 0:
-        return
+        return None
     err = ffi.new("int *")
-    rc = lib.dd_vm_copy_batch(pid, int(write), ffi.from_buffer("uint64_t[]", ops), n, threads, err)
-    _vm_check(rc, int(err[0]), pid, write, f"vm_copy_batch of {n} rows")
+    rows = ffi.from_buffer("uint64_t[]", ops)
+    what = f"vm_copy_batch of {n} rows"
+    if signal is None:
+        rc = lib.dd_vm_copy_batch(pid, int(write), rows, n, threads, err)
+        _vm_check(rc, int(err[0]), pid, write, what)
+        return None
+    task = ffi.new("dd_copy_task **")
+    rc = lib.dd_vm_copy_batch_start(pid, int(write), rows, n, threads, signal.handle, task, err)
+    return _started(task[0], rc, int(err[0]), pid, write, what)
+
+
+def _started(task: Any, rc: int, code: int, pid: int, write: bool, what: str) -> CopyTask | None:
+    """The running copy of a background start, or None when it was copied in the caller."""
+    if task != ffi.NULL:
+        return CopyTask(task, pid, write, what)
+    _vm_check(rc, code, pid, write, what)
+    return None
+
+
+class CopySignal:
+    """An eventfd (non-blocking) that the copy workers add 1 to each time a background copy
+    started with it ends: what an event loop watches for its copies."""
+
+    __slots__ = ("_handle", "fd")
+
+    def __init__(self) -> None:
+        out = ffi.new("dd_copy_signal **")
+        rc = lib.dd_copy_signal_open(out)
+        if rc == lib.DD_ESYS:
+            code = ffi.errno
+            raise OSError(code, f"copy signal: {os.strerror(code)}")
+        _check(rc, "copy signal")
+        self._handle = out[0]
+        #: The eventfd to watch (open until :meth:`close` and the end of every copy
+        #: started with it).
+        self.fd = int(lib.dd_copy_signal_fd(self._handle))
+
+    @property
+    def handle(self) -> Any:
+        """The native signal, for a background start.
+
+        :raises LLMException: ``LLM_FAILED`` after :meth:`close`.
+        """
+        if self._handle == ffi.NULL:
+            _check(lib.DD_ECLOSED, "copy signal used after close")
+        return self._handle
+
+    def close(self) -> None:
+        """Give the signal up; its fd closes once no copy started with it still runs.
+        Idempotent."""
+        handle, self._handle = self._handle, ffi.NULL
+        if handle != ffi.NULL:
+            lib.dd_copy_signal_close(handle)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class CopyTask:
+    """A cross-process copy running on the copy workers (``vm_copy_batch`` or
+    ``vm_copy_blocks`` with a signal). :meth:`reap` it once its signal was posted."""
+
+    __slots__ = ("_handle", "_pid", "_what", "_write")
+
+    def __init__(self, handle: Any, pid: int, write: bool, what: str) -> None:
+        self._handle = handle
+        self._pid = pid
+        self._write = write
+        self._what = what
+
+    def reap(self, *, wait: bool = False) -> bool:
+        """True once the copy ended, and the task is gone; False while it runs (``wait``:
+        sleep, GIL released, until it ended). True again after that.
+
+        :raises PermissionError, ProcessLookupError, OSError: the copy failed, as
+            ``vm_copy_batch`` says (part of it may have moved).
+        """
+        handle = self._handle
+        if handle == ffi.NULL:
+            return True
+        err = ffi.new("int *")
+        rc = lib.dd_copy_task_reap(handle, int(wait), err)
+        if rc == lib.DD_EAGAIN:
+            return False
+        self._handle = ffi.NULL
+        _vm_check(rc, int(err[0]), self._pid, self._write, self._what)
+        return True
+
+    def __del__(self) -> None:
+        # Never reaped (its loop went away): wait for the copy, which still owns its memory.
+        if self._handle != ffi.NULL:
+            with contextlib.suppress(OSError):
+                self.reap(wait=True)
 
 
 def _pid(pid: object) -> None:
@@ -514,13 +624,14 @@ def vm_copy_blocks(
     *,
     write: bool,
     threads: int = 0,
-) -> None:
+    signal: CopySignal | None = None,
+) -> CopyTask | None:
     """``vm_copy_batch`` of blocks between two layouts, one of them in process ``pid``.
 
     ``dst`` and ``src`` are ``(layout, first tensor, blocks)`` with blocks as lists of ints:
     ``seg`` bytes of block ``src_blocks[k]`` of each of ``count`` tensors land in block
     ``dst_blocks[k]`` of the matching ``dst`` tensor. ``write``: ``dst`` is in ``pid``'s
-    memory; else ``src`` is.
+    memory; else ``src`` is. ``signal``: as for ``vm_copy_batch``.
 
     Raises:
         TypeError, ValueError: as for ``vm_copy_batch``, or a block list that is not ints.
@@ -542,7 +653,7 @@ def vm_copy_blocks(
     # One C array for both lists: its first n values are dst's.
     blocks = _block_list("blocks", [*d_blocks, *s_blocks])
     err = ffi.new("int *")
-    rc = lib.dd_vm_copy_blocks(
+    args = (
         pid,
         int(write),
         d_layout._tensors(d_start, count),
@@ -557,10 +668,15 @@ def vm_copy_blocks(
         n,
         seg,
         threads,
-        err,
     )
-    if rc:
-        _vm_check(rc, int(err[0]), pid, write, f"vm_copy_blocks of {count} x {n} blocks")
+    if signal is None:
+        rc = lib.dd_vm_copy_blocks(*args, err)
+        if rc:
+            _vm_check(rc, int(err[0]), pid, write, f"vm_copy_blocks of {count} x {n} blocks")
+        return None
+    task = ffi.new("dd_copy_task **")
+    rc = lib.dd_vm_copy_blocks_start(*args, signal.handle, task, err)
+    return _started(task[0], rc, int(err[0]), pid, write, f"vm_copy_blocks of {count} x {n} blocks")
 
 
 def copy_batch(ops: npt.NDArray[np.uint64], threads: int = 0) -> None:

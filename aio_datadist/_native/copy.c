@@ -13,8 +13,15 @@
  * process_vm_writev instead of memcpy: one kernel copy between the two address spaces, up
  * to IOV_MAX merged ranges a call, slices spread over the same workers.
  *
+ * A copy started in the background (dd_vm_copy_batch_start, dd_vm_copy_blocks_start) is a
+ * heap task whose slices only the workers run: the caller returns at once, and the worker
+ * that finishes the last slice adds 1 to the task's signal, an eventfd an event loop
+ * reads. The signal is reference counted by the tasks started with it, so its fd stays
+ * open until the last of them posted, whoever closed it first.
+ *
  * Workers are detached, block all signals and sleep on a condition variable; the process
- * exits without waiting for them. After fork() the child starts with no workers.
+ * exits without waiting for them. After fork() the child starts with no workers (and a
+ * background task in flight at the fork never ends there).
  *
  * Waking a sleeping thread costs tens of microseconds here, paid twice a batch (the worker
  * woken for its slice, the caller woken when the worker finishes last): a stream of 4 MiB
@@ -34,7 +41,9 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/uio.h>
+#include <time.h>
 #include <unistd.h>
 
 #ifndef IOV_MAX
@@ -52,6 +61,9 @@
 /* How long a worker looks for the next batch, and a caller for its batch's last slice,
  * before sleeping: about one wake-up. */
 #define SPIN_NS 100000
+/* A background copy smaller than this is copied by its caller (a hand-off and a wake-up of
+ * the waiting loop cost more): the smallest slice worth a thread. */
+#define BACKGROUND_MIN MIN_SLICE
 #define DEFAULT_MAX_THREADS 8u
 #define WORKER_STACK (256u << 10)
 
@@ -71,9 +83,20 @@ typedef struct job {
     slice_t sl[DD_COPY_MAX_THREADS];
     unsigned nslices;
     unsigned next;            /* first unclaimed slice */
-    atomic_uint pending;      /* slices not finished (changed under g.mu) */
-    pthread_cond_t done;
+    atomic_uint pending;      /* slices not finished */
+    pthread_cond_t done;      /* caller-owned jobs: signalled (under g.mu) when pending hits 0 */
+    dd_copy_signal *signal;   /* background tasks: posted when pending hits 0; else NULL */
 } job_t;
+
+struct dd_copy_signal {
+    int fd;
+    atomic_uint refs; /* the opener's, plus one per running task started with it */
+};
+
+struct dd_copy_task {
+    job_t j;
+    uint64_t *ops; /* the task's own copy of its rows */
+};
 
 static struct {
     pthread_mutex_t mu;
@@ -230,6 +253,23 @@ static bool spin_for_change(const atomic_uint_fast64_t *counter, uint_fast64_t s
     return false;
 }
 
+static void signal_release(dd_copy_signal *signal)
+{
+    if (atomic_fetch_sub(&signal->refs, 1) == 1) {
+        close(signal->fd);
+        free(signal);
+    }
+}
+
+/* A background task ended: wake the signal's reader, then drop the task's reference. */
+static void signal_post(dd_copy_signal *signal)
+{
+    uint64_t one = 1;
+    while (write(signal->fd, &one, sizeof one) < 0 && errno == EINTR)
+        ;
+    signal_release(signal);
+}
+
 static void *worker_main(void *arg)
 {
     (void)arg;
@@ -251,6 +291,14 @@ static void *worker_main(void *arg)
         unsigned k = claim(j);
         pthread_mutex_unlock(&g.mu);
         run_slice(j, k);
+        /* Read before the count drops: a finished background task may be freed at once. */
+        dd_copy_signal *signal = j->signal;
+        if (signal != NULL) {
+            if (atomic_fetch_sub(&j->pending, 1) == 1)
+                signal_post(signal);
+            pthread_mutex_lock(&g.mu);
+            continue;
+        }
         pthread_mutex_lock(&g.mu);
         if (atomic_fetch_sub(&j->pending, 1) == 1)
             pthread_cond_signal(&j->done);
@@ -346,6 +394,46 @@ int dd_copy_set_threads(unsigned nthreads)
 
 uint64_t dd_copy_split_threshold(void) { return SPLIT_THRESHOLD; }
 
+/* Check every row before copying any, so a bad batch writes nothing; *total: its bytes. */
+static int check_rows(const uint64_t *ops, size_t n, uint64_t *total)
+{
+    uint64_t sum = 0;
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t *r = ops + 3 * i;
+        uint64_t len = r[2];
+        if (len == 0)
+            continue;
+        if (r[0] == 0 || r[1] == 0 || r[0] + len < r[0] || r[1] + len < r[1] ||
+            sum + len < sum || len > SIZE_MAX)
+            return DD_EINVAL;
+        sum += len;
+    }
+    *total = sum;
+    return DD_OK;
+}
+
+/* Cut j's total bytes into nslices and queue it, waking up to `wake` idle workers; the
+ * caller holds g.mu. */
+static void enqueue(job_t *j, uint64_t total, unsigned nslices, unsigned wake)
+{
+    j->qnext = NULL;
+    j->nslices = plan_slices(j, total, nslices);
+    j->next = 0;
+    atomic_init(&j->pending, j->nslices);
+    if (g.tail != NULL)
+        g.tail->qnext = j;
+    else
+        g.head = j;
+    g.tail = j;
+    atomic_fetch_add(&g_queued, 1);
+    if (wake > j->nslices)
+        wake = j->nslices;
+    if (wake > g.idle)
+        wake = g.idle;
+    for (unsigned w = 0; w < wake; w++)
+        pthread_cond_signal(&g.work);
+}
+
 /* Run the batch of j (ops, n, pid, write set) on up to nthreads threads. */
 static int run_job(job_t *j, unsigned nthreads)
 {
@@ -355,19 +443,9 @@ static int run_job(job_t *j, unsigned nthreads)
         return DD_OK;
     if (ops == NULL || nthreads > DD_COPY_MAX_THREADS)
         return DD_EINVAL;
-
-    /* Check every row before copying any, so a bad batch writes nothing. */
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++) {
-        const uint64_t *r = ops + 3 * i;
-        uint64_t len = r[2];
-        if (len == 0)
-            continue;
-        if (r[0] == 0 || r[1] == 0 || r[0] + len < r[0] || r[1] + len < r[1] ||
-            total + len < total || len > SIZE_MAX)
-            return DD_EINVAL;
-        total += len;
-    }
+    uint64_t total;
+    if (check_rows(ops, n, &total) != DD_OK)
+        return DD_EINVAL;
 
     if (nthreads == 0)
         nthreads = dd_copy_get_threads();
@@ -378,10 +456,7 @@ static int run_job(job_t *j, unsigned nthreads)
         return DD_OK;
     }
 
-    j->qnext = NULL;
-    j->nslices = plan_slices(j, total, nslices);
-    j->next = 0;
-    atomic_init(&j->pending, j->nslices);
+    j->signal = NULL;
     if (pthread_cond_init(&j->done, NULL) != 0) {
         run_range(j, 0, 0, total);
         return DD_OK;
@@ -389,16 +464,8 @@ static int run_job(job_t *j, unsigned nthreads)
     pthread_once(&g_atfork_once, register_atfork);
 
     pthread_mutex_lock(&g.mu);
-    ensure_workers(j->nslices - 1);
-    if (g.tail != NULL)
-        g.tail->qnext = j;
-    else
-        g.head = j;
-    g.tail = j;
-    atomic_fetch_add(&g_queued, 1);
-    unsigned wake = j->nslices - 1 < g.idle ? j->nslices - 1 : g.idle;
-    for (unsigned w = 0; w < wake; w++)
-        pthread_cond_signal(&g.work);
+    ensure_workers(nslices - 1);
+    enqueue(j, total, nslices, nslices - 1);
     while (j->next < j->nslices) {
         unsigned k = claim(j);
         pthread_mutex_unlock(&g.mu);
@@ -448,6 +515,126 @@ int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned
     if (rc != DD_OK)
         return rc;
     *err_no = atomic_load(&j.err);
+    return *err_no == 0 ? DD_OK : DD_ESYS;
+}
+
+/* ---- background copies ---- */
+
+int dd_copy_signal_open(dd_copy_signal **out)
+{
+    if (out == NULL)
+        return DD_EINVAL;
+    dd_copy_signal *signal = malloc(sizeof *signal);
+    if (signal == NULL)
+        return DD_ENOMEM;
+    signal->fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (signal->fd < 0) {
+        int saved = errno;
+        free(signal);
+        errno = saved;
+        return DD_ESYS;
+    }
+    atomic_init(&signal->refs, 1);
+    *out = signal;
+    return DD_OK;
+}
+
+uint64_t dd_copy_background_min(void) { return BACKGROUND_MIN; }
+
+int dd_copy_signal_fd(const dd_copy_signal *signal) { return signal == NULL ? -1 : signal->fd; }
+
+void dd_copy_signal_close(dd_copy_signal *signal)
+{
+    if (signal != NULL)
+        signal_release(signal);
+}
+
+/* Start the checked rows `ops` (heap, owned from here) with process pid in the background
+ * (see dd_vm_copy_batch_start). */
+static int vm_start(int pid, int write, uint64_t *ops, size_t n, unsigned nthreads,
+                    dd_copy_signal *signal, dd_copy_task **task, int *err_no)
+{
+    uint64_t total = 0;
+    int rc = check_rows(ops, n, &total);
+    if (rc == DD_OK && total >= BACKGROUND_MIN) {
+        dd_copy_task *t = malloc(sizeof *t);
+        if (t != NULL) {
+            t->ops = ops;
+            t->j.ops = ops;
+            t->j.n = n;
+            t->j.pid = pid;
+            t->j.write = write;
+            atomic_init(&t->j.err, 0);
+            t->j.signal = signal;
+            atomic_fetch_add(&signal->refs, 1);
+            uint64_t by_size = total / MIN_SLICE;
+            unsigned nslices = by_size < nthreads ? (unsigned)by_size : nthreads;
+            pthread_once(&g_atfork_once, register_atfork);
+            pthread_mutex_lock(&g.mu);
+            ensure_workers(nslices);
+            if (g.nworkers > 0) {
+                enqueue(&t->j, total, nslices, nslices);
+                pthread_mutex_unlock(&g.mu);
+                *task = t;
+                return DD_OK;
+            }
+            /* No worker could be started: the caller copies it after all. */
+            pthread_mutex_unlock(&g.mu);
+            signal_release(signal);
+            free(t);
+        }
+    }
+    if (rc == DD_OK)
+        rc = dd_vm_copy_batch(pid, write, ops, n, nthreads, err_no);
+    free(ops);
+    return rc;
+}
+
+/* The arguments every background start checks; nthreads resolved. */
+static bool start_args_ok(int pid, int write, unsigned *nthreads, dd_copy_signal *signal,
+                          dd_copy_task **task, int *err_no)
+{
+    if (task == NULL || err_no == NULL)
+        return false;
+    *task = NULL;
+    *err_no = 0;
+    if (pid <= 0 || (write != 0 && write != 1) || signal == NULL ||
+        *nthreads > DD_COPY_MAX_THREADS)
+        return false;
+    if (*nthreads == 0)
+        *nthreads = dd_copy_get_threads();
+    return true;
+}
+
+int dd_vm_copy_batch_start(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
+                           dd_copy_signal *signal, dd_copy_task **task, int *err_no)
+{
+    if (!start_args_ok(pid, write, &nthreads, signal, task, err_no) || (n && ops == NULL) ||
+        n > SIZE_MAX / (3 * sizeof *ops))
+        return DD_EINVAL;
+    if (n == 0)
+        return DD_OK;
+    uint64_t *own = malloc(3 * n * sizeof *own);
+    if (own == NULL)
+        return DD_ENOMEM;
+    memcpy(own, ops, 3 * n * sizeof *own);
+    return vm_start(pid, write, own, n, nthreads, signal, task, err_no);
+}
+
+int dd_copy_task_reap(dd_copy_task *task, int wait, int *err_no)
+{
+    if (task == NULL || err_no == NULL)
+        return DD_EINVAL;
+    if (atomic_load(&task->j.pending) != 0) {
+        if (!wait)
+            return DD_EAGAIN;
+        struct timespec pause = {0, 50000};
+        while (atomic_load(&task->j.pending) != 0)
+            nanosleep(&pause, NULL);
+    }
+    *err_no = atomic_load(&task->j.err);
+    free(task->ops);
+    free(task);
     return *err_no == 0 ? DD_OK : DD_ESYS;
 }
 
@@ -536,6 +723,32 @@ int dd_block_rows(uint64_t *rows, const uint64_t *bases, size_t ntensors, uint64
                : DD_EINVAL;
 }
 
+/* The checks of a blocks copy's two sides (as dd_block_rows). */
+static bool blocks_ok(const uint64_t *dst_bases, uint64_t dst_row_bytes, uint64_t dst_num_rows,
+                      const uint64_t *dst_blocks, const uint64_t *src_bases,
+                      uint64_t src_row_bytes, uint64_t src_num_rows, const uint64_t *src_blocks,
+                      size_t ntensors, size_t nblocks, uint64_t seg)
+{
+    return blocks_side_ok(dst_bases, ntensors, dst_row_bytes, dst_num_rows, dst_blocks, nblocks,
+                          seg) &&
+           blocks_side_ok(src_bases, ntensors, src_row_bytes, src_num_rows, src_blocks, nblocks,
+                          seg);
+}
+
+/* The (dst, src, seg) rows of a checked blocks copy, tensor then block, into ops. */
+static void blocks_ops(uint64_t *ops, const uint64_t *dst_bases, uint64_t dst_row_bytes,
+                       const uint64_t *dst_blocks, const uint64_t *src_bases,
+                       uint64_t src_row_bytes, const uint64_t *src_blocks, size_t ntensors,
+                       size_t nblocks, uint64_t seg)
+{
+    for (size_t t = 0; t < ntensors; t++)
+        for (size_t k = 0; k < nblocks; k++) {
+            *ops++ = dst_bases[t] + dst_blocks[k] * dst_row_bytes;
+            *ops++ = src_bases[t] + src_blocks[k] * src_row_bytes;
+            *ops++ = seg;
+        }
+}
+
 int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,
                       uint64_t dst_num_rows, const uint64_t *dst_blocks,
                       const uint64_t *src_bases, uint64_t src_row_bytes, uint64_t src_num_rows,
@@ -546,10 +759,8 @@ int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t ds
         return DD_EINVAL;
     *err_no = 0;
     if (pid <= 0 || (write != 0 && write != 1) ||
-        !blocks_side_ok(dst_bases, ntensors, dst_row_bytes, dst_num_rows, dst_blocks, nblocks,
-                        seg) ||
-        !blocks_side_ok(src_bases, ntensors, src_row_bytes, src_num_rows, src_blocks, nblocks,
-                        seg))
+        !blocks_ok(dst_bases, dst_row_bytes, dst_num_rows, dst_blocks, src_bases, src_row_bytes,
+                   src_num_rows, src_blocks, ntensors, nblocks, seg))
         return DD_EINVAL;
     size_t n = ntensors * nblocks;
     if (n == 0)
@@ -558,15 +769,33 @@ int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t ds
     uint64_t *ops = n <= STACK_ROWS ? stack : malloc(3 * n * sizeof *ops);
     if (ops == NULL)
         return DD_ENOMEM;
-    uint64_t *op = ops;
-    for (size_t t = 0; t < ntensors; t++)
-        for (size_t k = 0; k < nblocks; k++) {
-            *op++ = dst_bases[t] + dst_blocks[k] * dst_row_bytes;
-            *op++ = src_bases[t] + src_blocks[k] * src_row_bytes;
-            *op++ = seg;
-        }
+    blocks_ops(ops, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes, src_blocks,
+               ntensors, nblocks, seg);
     int rc = dd_vm_copy_batch(pid, write, ops, n, nthreads, err_no);
     if (ops != stack)
         free(ops);
     return rc;
+}
+
+int dd_vm_copy_blocks_start(int pid, int write, const uint64_t *dst_bases,
+                            uint64_t dst_row_bytes, uint64_t dst_num_rows,
+                            const uint64_t *dst_blocks, const uint64_t *src_bases,
+                            uint64_t src_row_bytes, uint64_t src_num_rows,
+                            const uint64_t *src_blocks, size_t ntensors, size_t nblocks,
+                            uint64_t seg, unsigned nthreads, dd_copy_signal *signal,
+                            dd_copy_task **task, int *err_no)
+{
+    if (!start_args_ok(pid, write, &nthreads, signal, task, err_no) ||
+        !blocks_ok(dst_bases, dst_row_bytes, dst_num_rows, dst_blocks, src_bases, src_row_bytes,
+                   src_num_rows, src_blocks, ntensors, nblocks, seg))
+        return DD_EINVAL;
+    size_t n = ntensors * nblocks;
+    if (n == 0)
+        return DD_OK;
+    uint64_t *ops = malloc(3 * n * sizeof *ops);
+    if (ops == NULL)
+        return DD_ENOMEM;
+    blocks_ops(ops, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes, src_blocks,
+               ntensors, nblocks, seg);
+    return vm_start(pid, write, ops, n, nthreads, signal, task, err_no);
 }

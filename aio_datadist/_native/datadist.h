@@ -27,7 +27,8 @@ enum {
     DD_ECLOSED = -4,  /* pool used after dd_pool_close */
     DD_ESYS = -5,     /* a system call failed (errno says why) */
     DD_ETIMEDOUT = -6,   /* the deadline passed before the transfer finished */
-    DD_ECLOSED_PEER = -7 /* the peer closed the connection: EOF, ECONNRESET or EPIPE */
+    DD_ECLOSED_PEER = -7, /* the peer closed the connection: EOF, ECONNRESET or EPIPE */
+    DD_EAGAIN = -8        /* not finished yet: ask again later */
 };
 
 enum {
@@ -120,6 +121,36 @@ int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t ds
                       const uint64_t *src_bases, uint64_t src_row_bytes, uint64_t src_num_rows,
                       const uint64_t *src_blocks, size_t ntensors, size_t nblocks, uint64_t seg,
                       unsigned nthreads, int *err_no);
+
+/* Background copies: a cross-process copy the copy workers run while the caller goes on.
+ * A signal is an eventfd (non-blocking, close-on-exec) the workers add 1 to each time a
+ * task started with it ends; an event loop reads it, then reaps its tasks. */
+typedef struct dd_copy_signal dd_copy_signal;
+typedef struct dd_copy_task dd_copy_task;
+/* A new signal; DD_ESYS (errno set) when no eventfd could be made. */
+int dd_copy_signal_open(dd_copy_signal **out);
+int dd_copy_signal_fd(const dd_copy_signal *signal);
+/* Done with the signal: its fd stays open until every task started with it ended. */
+void dd_copy_signal_close(dd_copy_signal *signal);
+/* Background copies of fewer bytes than this are copied by their caller. */
+uint64_t dd_copy_background_min(void);
+/* dd_vm_copy_batch started in the background: ops are checked (DD_EINVAL, nothing moved)
+ * and copied, and *task is the running copy, whose end posts `signal`. A batch under
+ * dd_copy_background_min(), or one no worker thread could be started for, is copied by
+ * the caller instead: *task is NULL and the call returns as dd_vm_copy_batch. */
+int dd_vm_copy_batch_start(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
+                           dd_copy_signal *signal, dd_copy_task **task, int *err_no);
+/* dd_vm_copy_blocks started in the background, as dd_vm_copy_batch_start. */
+int dd_vm_copy_blocks_start(int pid, int write, const uint64_t *dst_bases,
+                            uint64_t dst_row_bytes, uint64_t dst_num_rows,
+                            const uint64_t *dst_blocks, const uint64_t *src_bases,
+                            uint64_t src_row_bytes, uint64_t src_num_rows,
+                            const uint64_t *src_blocks, size_t ntensors, size_t nblocks,
+                            uint64_t seg, unsigned nthreads, dd_copy_signal *signal,
+                            dd_copy_task **task, int *err_no);
+/* The outcome of a background copy, freeing the task: DD_EAGAIN while it runs (wait == 0;
+ * the task stays), else as dd_vm_copy_batch (wait == 1 sleeps until it ended). */
+int dd_copy_task_reap(dd_copy_task *task, int wait, int *err_no);
 
 /* ---- hostmem.c: anonymous host memory ---- */
 

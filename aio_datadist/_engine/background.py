@@ -1,0 +1,111 @@
+"""Copies the native copy workers run while an event loop goes on.
+
+The same-host route awaited on an event loop hands a large copy to the native copy workers
+(``api.vm_copy_batch``/``vm_copy_blocks`` with a signal) instead of a Python worker thread:
+no thread hop, and the loop sleeps in its selector until the worker that finishes the copy
+posts the loop's signal, an eventfd the loop reads. Each loop has one signal while it has
+copies running; on each post it reaps the copies that ended and completes their futures,
+on the loop, through the caller's ``finish`` (which turns the outcome into the transfer's
+result: a failure as ``LLMException``, a cache the peer released meanwhile).
+
+A copy is never abandoned: a task collected before it was reaped (its loop went away)
+waits for its copy to end (``api.CopyTask``), and the signal's fd stays open until the last
+copy started with it posted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from aio_datadist._native import api
+from aio_datadist._transport.future import RequestFuture
+from aio_datadist.status import LLMException
+
+__all__ = ("Finish", "start_on_loop")
+
+#: Turns a copy's outcome (None, or the ``OSError`` it failed with) into the transfer's:
+#: returns on success, raises ``LLMException`` on failure.
+Finish = Callable[[OSError | None], None]
+#: Starts a copy with the given signal: its task, or None when it was copied in the caller.
+Begin = Callable[[api.CopySignal], api.CopyTask | None]
+
+
+class _LoopCopies:
+    """The running background copies of one event loop, and the signal it reads."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._signal: api.CopySignal | None = None
+        self._running: dict[api.CopyTask, tuple[RequestFuture, Finish]] = {}
+
+    def start(self, begin: Begin, finish: Finish) -> Future[None] | None:
+        signal = self._signal
+        if signal is None:
+            signal = self._signal = api.CopySignal()
+            self._loop.add_reader(signal.fd, self._ended)
+        task = None
+        try:
+            task = begin(signal)
+        finally:
+            if task is None and not self._running:
+                self._idle()
+        if task is None:
+            return None
+        future = RequestFuture()
+        self._running[task] = (future, finish)
+        return future
+
+    def _ended(self) -> None:
+        """The signal was posted: complete every copy that ended."""
+        signal = self._signal
+        if signal is not None:
+            with contextlib.suppress(BlockingIOError):
+                os.read(signal.fd, 8)
+        for task, (future, finish) in list(self._running.items()):
+            error: OSError | None = None
+            try:
+                if not task.reap():
+                    continue
+            except OSError as exc:
+                error = exc
+            del self._running[task]
+            try:
+                finish(error)
+            except LLMException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+        if not self._running:
+            self._idle()
+
+    def _idle(self) -> None:
+        """No copy runs: stop reading the signal and give it up."""
+        signal, self._signal = self._signal, None
+        if signal is not None:
+            with contextlib.suppress(RuntimeError, ValueError):  # the loop closed meanwhile
+                self._loop.remove_reader(signal.fd)
+            signal.close()
+
+
+_loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCopies] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def start_on_loop(begin: Begin, finish: Finish) -> Future[None] | None:
+    """Start a copy in the background of the running event loop: ``begin(signal)`` starts
+    it; None when it was copied in the caller (done), else a future the loop completes when
+    it ended, with ``finish``'s verdict.
+
+    :raises: what ``begin`` raises (nothing started).
+    """
+    loop = asyncio.get_running_loop()
+    copies = _loops.get(loop)
+    if copies is None:
+        copies = _loops[loop] = _LoopCopies(loop)
+    return copies.start(begin, finish)
