@@ -34,6 +34,7 @@ import numpy as np
 
 os.environ.setdefault("AIO_DATADIST_RUNTIME", "host")  # numpy memory stands in for caches
 
+import aio_datadist
 from aio_datadist import (
     AsyncLLMDataDist,
     BlocksCacheKey,
@@ -60,7 +61,8 @@ def free_port() -> int:
 
 def options(route: str, timeout_ms: int = 1000, metrics: bool = True) -> dict[str, str]:
     cfg = LLMConfig()
-    cfg.metrics = metrics
+    if hasattr(cfg, "metrics"):  # (older builds have no metrics to switch)
+        cfg.metrics = metrics
     cfg.sync_kv_timeout = timeout_ms  # a wave of concurrent calls shares the one link
     cfg.device_id = 0
     cfg.enable_cache_manager = True
@@ -68,7 +70,8 @@ def options(route: str, timeout_ms: int = 1000, metrics: bool = True) -> dict[st
     cfg.mem_pool_cfg = json.dumps({"memory_size": 256 << 20})
     cfg.transport = "tcp"
     cfg.same_host = route == "samehost"
-    cfg.ucx = route == "ucx"
+    if route == "ucx" or hasattr(cfg, "ucx"):  # (older builds have no UCX route)
+        cfg.ucx = route == "ucx"
     return dict(cfg.generate_options())
 
 
@@ -96,7 +99,10 @@ def main() -> None:
     if args.blocks > BLOCKS:
         parser.error(f"--blocks must be at most {BLOCKS} (the peer's blocks)")
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # The peer runs the build this process imported (another tree's, to compare builds).
+    build = Path(aio_datadist.__file__).resolve().parents[1]
+    path = os.pathsep.join([str(build), str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, PYTHONPATH=path)
     if args.route == "ucx":
         env["AIO_TEST_UCX"] = "1"
     peer = subprocess.Popen(
