@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import struct
 
@@ -152,6 +153,65 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
         peer.close()
     finally:
         board.close()
+
+
+async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
+    # Once a copy went through, a copy of 1 MiB or more an event loop waits for runs on the
+    # native copy workers: start returns at once, and the loop completes it, checking the
+    # board after the bytes moved (a cache released meanwhile fails the transfer).
+    board = RegionBoard()
+    try:
+        rows, row_bytes = 4, 1 << 20
+        src = np.random.default_rng(3).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+        entry = BoardEntry(1, 5, row_bytes, rows, src.nbytes, (int(src.ctypes.data),))
+        board.publish([entry])
+        staging = Staging(HostRuntime(0))
+        peer = onesided.PeerMemory(os.getpid(), RegionView(board.fd), staging, _QuietLog())
+        access = onesided.Access(
+            onesided.Target.BLOCKS_KEY,
+            ident=5,
+            tensor_count=1,
+            seg_bytes=row_bytes,
+            blocks=np.array([3, 1], dtype=np.uint64),
+        )
+        dst = np.zeros((2, row_bytes), dtype=np.uint8)
+        local = np.array([[dst[0].ctypes.data, row_bytes], [dst[1].ctypes.data, row_bytes]])
+        local = local.astype(np.uint64)
+        kind = onesided.RequestKind.PULL
+        first = peer.transfer(kind, access, local, 0, on_loop=True)
+        assert first is not None and first.done() and peer.proven  # in the caller
+        dst[...] = 0
+        started = peer.transfer(kind, access, local, 0, on_loop=True)
+        assert started is not None and not started.done()  # the loop completes it
+        await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
+        np.testing.assert_array_equal(dst, src[[3, 1]])
+        # small copies never leave the caller
+        small = np.array([[dst[0].ctypes.data, 4096]], dtype=np.uint64)
+        tiny = onesided.Access(
+            onesided.Target.BLOCKS_KEY,
+            ident=5,
+            tensor_count=1,
+            seg_bytes=4096,
+            blocks=np.array([0], dtype=np.uint64),
+        )
+        done = peer.transfer(kind, tiny, small, 0, on_loop=True)
+        assert done is not None and done.done()
+        # the cache released while the copy ran: the transfer fails as such
+        started = peer.transfer(kind, access, local, 0, on_loop=True)
+        assert started is not None
+        board.publish([])
+        with pytest.raises(onesided.KvCacheNotExistError):
+            await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
+        peer.close()
+    finally:
+        board.close()
+
+
+class _QuietLog:
+    def info(self, event: str, **_: object) -> None:
+        pass
+
+    warning = info
 
 
 def test_a_board_cannot_shrink_under_its_readers() -> None:
