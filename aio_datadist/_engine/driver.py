@@ -50,7 +50,7 @@ class Start:
     """Start one transfer of ``nbytes``: call :meth:`begin` (inline, or on a worker thread
     when :meth:`in_caller` and the payload is large)."""
 
-    __slots__ = ("deadline_ns", "metrics", "nbytes", "routes", "transfer", "waiting")
+    __slots__ = ("_first", "deadline_ns", "metrics", "nbytes", "routes", "transfer", "waiting")
 
     def __init__(
         self,
@@ -66,18 +66,26 @@ class Start:
         self.waiting = waiting
         self.metrics = metrics
         self.nbytes = transfer.nbytes
+        self._first: Route | None = None
+
+    def first(self) -> Route:
+        """The first route that accepts the transfer (asked once)."""
+        route = self._first
+        if route is None:
+            route = self._first = first_accepting(self.routes, self.transfer)
+        return route
 
     def in_caller(self) -> bool:
         """True when starting moves the payload in the calling thread (the first route that
         accepts the transfer says)."""
-        return first_accepting(self.routes, self.transfer).in_caller(self.transfer)
+        return self.first().in_caller(self.transfer)
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> tuple[object, Callable[[], None]] | None:
         """Let ``loop`` drive the request's pump (the first route that accepts the transfer
         says): read the answers of the link it will cross (``Channel.watch``), or progress
         the UCX worker that will move it. That pump, and the call that ends the watch; None
         when the request moves one-sided in the caller or the pump declines."""
-        pump = first_accepting(self.routes, self.transfer).link()
+        pump = self.first().link()
         end = None if pump is None else pump.watch(loop)
         return None if end is None else (pump, end)
 
