@@ -130,13 +130,7 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
         view = RegionView(board.fd)
         staging = Staging(HostRuntime(0))
         peer = onesided.PeerMemory(os.getpid(), view, staging, Log())  # type: ignore[arg-type]
-        access = onesided.Access(
-            onesided.Target.BLOCKS_KEY,
-            ident=5,
-            tensor_count=1,
-            seg_bytes=4096,
-            blocks=np.array([2], dtype=np.uint64),
-        )
+        access = _blocks_access(4096, [2])
         dst = np.zeros(4096, dtype=np.uint8)
         rows = np.array([[dst.ctypes.data, 4096]], dtype=np.uint64)
         assert peer.transfer(onesided.RequestKind.PULL, access, rows, 0)
@@ -167,13 +161,7 @@ async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
         board.publish([entry])
         staging = Staging(HostRuntime(0))
         peer = onesided.PeerMemory(os.getpid(), RegionView(board.fd), staging, _QuietLog())
-        access = onesided.Access(
-            onesided.Target.BLOCKS_KEY,
-            ident=5,
-            tensor_count=1,
-            seg_bytes=row_bytes,
-            blocks=np.array([3, 1], dtype=np.uint64),
-        )
+        access = _blocks_access(row_bytes, [3, 1])
         dst = np.zeros((2, row_bytes), dtype=np.uint8)
         local = np.array([[dst[0].ctypes.data, row_bytes], [dst[1].ctypes.data, row_bytes]])
         local = local.astype(np.uint64)
@@ -187,13 +175,7 @@ async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
         np.testing.assert_array_equal(dst, src[[3, 1]])
         # small copies never leave the caller
         small = np.array([[dst[0].ctypes.data, 4096]], dtype=np.uint64)
-        tiny = onesided.Access(
-            onesided.Target.BLOCKS_KEY,
-            ident=5,
-            tensor_count=1,
-            seg_bytes=4096,
-            blocks=np.array([0], dtype=np.uint64),
-        )
+        tiny = _blocks_access(4096, [0])
         done = peer.transfer(kind, tiny, small, 0, on_loop=True)
         assert done is not None and done.done()
         # the cache released while the copy ran: the transfer fails as such
@@ -205,6 +187,17 @@ async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
         peer.close()
     finally:
         board.close()
+
+
+def _blocks_access(seg: int, blocks: list[int]) -> onesided.Access:
+    """An access to ``seg`` bytes of ``blocks`` of the one tensor of blocks cache 5."""
+    return onesided.Access(
+        onesided.Target.BLOCKS_KEY,
+        ident=5,
+        tensor_count=1,
+        seg_bytes=seg,
+        blocks=np.array(blocks, dtype=np.uint64),
+    )
 
 
 class _QuietLog:

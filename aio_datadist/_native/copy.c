@@ -749,6 +749,32 @@ static void blocks_ops(uint64_t *ops, const uint64_t *dst_bases, uint64_t dst_ro
         }
 }
 
+/* The checked blocks copy as rows, then dd_vm_copy_batch of them, or (with a signal) the
+ * same started in the background. */
+static int vm_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,
+                     const uint64_t *dst_blocks, const uint64_t *src_bases,
+                     uint64_t src_row_bytes, const uint64_t *src_blocks, size_t ntensors,
+                     size_t nblocks, uint64_t seg, unsigned nthreads, dd_copy_signal *signal,
+                     dd_copy_task **task, int *err_no)
+{
+    size_t n = ntensors * nblocks;
+    if (n == 0)
+        return DD_OK;
+    uint64_t stack[3 * STACK_ROWS];
+    /* A background task owns its rows: always on the heap. */
+    uint64_t *ops = signal == NULL && n <= STACK_ROWS ? stack : malloc(3 * n * sizeof *ops);
+    if (ops == NULL)
+        return DD_ENOMEM;
+    blocks_ops(ops, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes, src_blocks,
+               ntensors, nblocks, seg);
+    if (signal != NULL)
+        return vm_start(pid, write, ops, n, nthreads, signal, task, err_no);
+    int rc = dd_vm_copy_batch(pid, write, ops, n, nthreads, err_no);
+    if (ops != stack)
+        free(ops);
+    return rc;
+}
+
 int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,
                       uint64_t dst_num_rows, const uint64_t *dst_blocks,
                       const uint64_t *src_bases, uint64_t src_row_bytes, uint64_t src_num_rows,
@@ -762,19 +788,8 @@ int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t ds
         !blocks_ok(dst_bases, dst_row_bytes, dst_num_rows, dst_blocks, src_bases, src_row_bytes,
                    src_num_rows, src_blocks, ntensors, nblocks, seg))
         return DD_EINVAL;
-    size_t n = ntensors * nblocks;
-    if (n == 0)
-        return DD_OK;
-    uint64_t stack[3 * STACK_ROWS];
-    uint64_t *ops = n <= STACK_ROWS ? stack : malloc(3 * n * sizeof *ops);
-    if (ops == NULL)
-        return DD_ENOMEM;
-    blocks_ops(ops, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes, src_blocks,
-               ntensors, nblocks, seg);
-    int rc = dd_vm_copy_batch(pid, write, ops, n, nthreads, err_no);
-    if (ops != stack)
-        free(ops);
-    return rc;
+    return vm_blocks(pid, write, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes,
+                     src_blocks, ntensors, nblocks, seg, nthreads, NULL, NULL, err_no);
 }
 
 int dd_vm_copy_blocks_start(int pid, int write, const uint64_t *dst_bases,
@@ -789,13 +804,6 @@ int dd_vm_copy_blocks_start(int pid, int write, const uint64_t *dst_bases,
         !blocks_ok(dst_bases, dst_row_bytes, dst_num_rows, dst_blocks, src_bases, src_row_bytes,
                    src_num_rows, src_blocks, ntensors, nblocks, seg))
         return DD_EINVAL;
-    size_t n = ntensors * nblocks;
-    if (n == 0)
-        return DD_OK;
-    uint64_t *ops = malloc(3 * n * sizeof *ops);
-    if (ops == NULL)
-        return DD_ENOMEM;
-    blocks_ops(ops, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes, src_blocks,
-               ntensors, nblocks, seg);
-    return vm_start(pid, write, ops, n, nthreads, signal, task, err_no);
+    return vm_blocks(pid, write, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes,
+                     src_blocks, ntensors, nblocks, seg, nthreads, signal, task, err_no);
 }
