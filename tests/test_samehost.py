@@ -189,6 +189,39 @@ async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
         board.close()
 
 
+async def test_a_loop_that_cannot_watch_a_descriptor_copies_in_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    board = RegionBoard()
+    try:
+        src = np.arange(2 << 20, dtype=np.uint32).view(np.uint8)[: 2 << 20].reshape(2, 1 << 20)
+        board.publish([BoardEntry(1, 5, 1 << 20, 2, src.nbytes, (int(src.ctypes.data),))])
+        staging = Staging(HostRuntime(0))
+        peer = onesided.PeerMemory(os.getpid(), RegionView(board.fd), staging, _QuietLog())
+        peer.proven = True  # as after a first copy went through
+
+        def cannot(*_: object) -> None:
+            raise NotImplementedError
+
+        monkeypatch.setattr(asyncio.get_running_loop(), "add_reader", cannot)
+        dst = np.zeros((2, 1 << 20), dtype=np.uint8)
+        local = np.array([[dst[0].ctypes.data, 1 << 20], [dst[1].ctypes.data, 1 << 20]])
+        for _ in range(2):  # the second call knows the loop already
+            dst[...] = 0
+            done = peer.transfer(
+                onesided.RequestKind.PULL,
+                _blocks_access(1 << 20, [1, 0]),
+                local.astype(np.uint64),
+                0,
+                on_loop=True,
+            )
+            assert done is not None and done.done()
+            np.testing.assert_array_equal(dst, src[[1, 0]])
+        peer.close()
+    finally:
+        board.close()
+
+
 def _blocks_access(seg: int, blocks: list[int]) -> onesided.Access:
     """An access to ``seg`` bytes of ``blocks`` of the one tensor of blocks cache 5."""
     return onesided.Access(

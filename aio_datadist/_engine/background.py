@@ -8,9 +8,11 @@ copies running; on each post it reaps the copies that ended and completes their 
 on the loop, through the caller's ``finish`` (which turns the outcome into the transfer's
 result: a failure as ``LLMException``, a cache the peer released meanwhile).
 
-A copy is never abandoned: a task collected before it was reaped (its loop went away)
-waits for its copy to end (``api.CopyTask``), and the signal's fd stays open until the last
-copy started with it posted.
+A loop that cannot watch a descriptor (``add_reader`` not implemented), or a moment with no
+descriptor left for the signal, has its copies run in the caller instead. A copy is never
+abandoned: a task collected before it was reaped (its loop went away) waits for its copy to
+end (``api.CopyTask``), and the signal's fd stays open until the last copy started with it
+posted.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ __all__ = ("Finish", "start_on_loop")
 #: Turns a copy's outcome (None, or the ``OSError`` it failed with) into the transfer's:
 #: returns on success, raises ``LLMException`` on failure.
 Finish = Callable[[OSError | None], None]
-#: Starts a copy with the given signal: its task, or None when it was copied in the caller.
-Begin = Callable[[api.CopySignal], api.CopyTask | None]
+#: Starts a copy with the given signal (None: copy it here): its task, or None when it was
+#: copied in the caller.
+Begin = Callable[[api.CopySignal | None], api.CopyTask | None]
 
 
 class _LoopCopies:
@@ -42,12 +45,16 @@ class _LoopCopies:
         self._loop = loop
         self._signal: api.CopySignal | None = None
         self._running: dict[api.CopyTask, tuple[RequestFuture, Finish]] = {}
+        #: False for a loop that cannot watch a descriptor: its copies run in the caller.
+        self.watchable = True
 
     def start(self, begin: Begin, finish: Finish) -> Future[None] | None:
         signal = self._signal
         if signal is None:
-            signal = self._signal = api.CopySignal()
-            self._loop.add_reader(signal.fd, self._ended)
+            signal = self._open()
+            if signal is None:
+                begin(None)  # copied in the caller after all
+                return None
         task = None
         try:
             task = begin(signal)
@@ -59,6 +66,24 @@ class _LoopCopies:
         future = RequestFuture()
         self._running[task] = (future, finish)
         return future
+
+    def _open(self) -> api.CopySignal | None:
+        """A signal the loop reads; None when none can be had (no descriptor left now, or a
+        loop that cannot watch one)."""
+        if not self.watchable:
+            return None
+        try:
+            signal = api.CopySignal()
+        except OSError:
+            return None
+        try:
+            self._loop.add_reader(signal.fd, self._ended)
+        except NotImplementedError:
+            signal.close()
+            self.watchable = False
+            return None
+        self._signal = signal
+        return signal
 
     def _ended(self) -> None:
         """The signal was posted: complete every copy that ended."""

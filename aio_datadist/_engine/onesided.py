@@ -333,7 +333,7 @@ def _background(
     copy: Callable[..., api.CopyTask | None],
     args: tuple[Any, ...],
     write: bool,
-    signal: api.CopySignal,
+    signal: api.CopySignal | None,
 ) -> api.CopyTask | None:
     return copy(*args, write=write, signal=signal)
 
