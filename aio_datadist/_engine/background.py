@@ -26,7 +26,6 @@ from concurrent.futures import Future
 
 from aio_datadist._native import api
 from aio_datadist._transport.future import RequestFuture
-from aio_datadist.status import LLMException
 
 __all__ = ("Finish", "start_on_loop")
 
@@ -92,19 +91,8 @@ class _LoopCopies:
             with contextlib.suppress(BlockingIOError):
                 os.read(signal.fd, 8)
         for task, (future, finish) in list(self._running.items()):
-            error: OSError | None = None
-            try:
-                if not task.reap():
-                    continue
-            except OSError as exc:
-                error = exc
-            del self._running[task]
-            try:
-                finish(error)
-            except LLMException as exc:
-                future.set_exception(exc)
-            else:
-                future.set_result(None)
+            if _complete(task, future, finish):
+                del self._running[task]
         if not self._running:
             self._idle()
 
@@ -115,6 +103,27 @@ class _LoopCopies:
             with contextlib.suppress(RuntimeError, ValueError):  # the loop closed meanwhile
                 self._loop.remove_reader(signal.fd)
             signal.close()
+
+
+def _complete(task: api.CopyTask, future: RequestFuture, finish: Finish) -> bool:
+    """Complete ``future`` with ``finish``'s verdict once ``task`` ended; False while it runs.
+    Whatever goes wrong is the future's failure, never lost in the loop's callback."""
+    error: OSError | None = None
+    try:
+        if not task.reap():
+            return False
+    except OSError as exc:
+        error = exc
+    except Exception as exc:  # not a copy's failure (the task is gone all the same)
+        future.set_exception(exc)
+        return True
+    try:
+        finish(error)
+    except Exception as exc:  # the transfer's LLMException, or a fault of its own
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+    return True
 
 
 _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCopies] = (
