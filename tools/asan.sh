@@ -40,7 +40,7 @@ status=0
 "$PYTHON" -m pytest -q -p no:cacheprovider \
     tests/test_native_pool.py tests/test_native_copy.py tests/test_native_net.py \
     tests/test_native_serve.py tests/test_transfers.py \
-    tests/test_samehost.py tests/test_wire.py tests/test_transport_tcp.py \
+    tests/test_samehost.py tests/test_background.py tests/test_wire.py tests/test_transport_tcp.py \
     tests/test_bounds.py tests/test_fuzz.py tests/test_runtime_cuda.py \
     tests/test_runtime_acl.py tests/test_staging.py tests/test_device_transfers.py \
     tests/test_hccl_presence.py tests/test_hccl_domains.py \

@@ -1,0 +1,83 @@
+"""Copies the native copy workers run while an event loop goes on (``_engine.background``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aio_datadist._engine.background import start_on_loop
+from aio_datadist._native import api
+
+MiB = 1 << 20
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rows(dst: np.ndarray, src: np.ndarray) -> np.ndarray:
+    return np.array([[dst.ctypes.data, src.ctypes.data, src.nbytes]], dtype=np.uint64)
+
+
+async def test_copies_end_on_the_loop_and_leave_no_descriptor() -> None:
+    src = np.random.default_rng(1).integers(0, 256, 4 * MiB, dtype=np.uint8)
+    dsts = [np.zeros_like(src) for _ in range(3)]
+    verdicts: list[OSError | None] = []
+    before = _fds()
+
+    def begin(dst: np.ndarray) -> Any:
+        return lambda signal: api.vm_copy_batch(
+            os.getpid(), _rows(dst, src), write=False, signal=signal
+        )
+
+    try:
+        futures = [start_on_loop(begin(dst), verdicts.append) for dst in dsts]
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+    assert all(f is not None and not f.done() for f in futures)  # the loop completes them
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), 10)
+    assert verdicts == [None, None, None]
+    for dst in dsts:
+        np.testing.assert_array_equal(dst, src)
+    assert _fds() == before  # the signal is given up once no copy runs
+
+
+async def test_a_fault_while_completing_is_the_futures_failure() -> None:
+    src = np.ones(2 * MiB, dtype=np.uint8)
+    dst = np.zeros_like(src)
+
+    def finish(error: OSError | None) -> None:
+        raise RuntimeError("a fault of the verdict itself")
+
+    try:
+        future = start_on_loop(
+            lambda signal: api.vm_copy_batch(
+                os.getpid(), _rows(dst, src), write=False, signal=signal
+            ),
+            finish,
+        )
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+    assert future is not None
+    with pytest.raises(RuntimeError, match="verdict itself"):
+        await asyncio.wait_for(asyncio.wrap_future(future), 10)
+
+
+async def test_a_copy_that_fails_hands_its_error_to_the_verdict() -> None:
+    dst = np.zeros(2 * MiB, dtype=np.uint8)
+    rows = np.array([[dst.ctypes.data, 4096, dst.nbytes]], dtype=np.uint64)  # unmapped source
+    verdicts: list[OSError | None] = []
+    try:
+        future = start_on_loop(
+            lambda signal: api.vm_copy_batch(os.getpid(), rows, write=False, signal=signal),
+            verdicts.append,
+        )
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+    assert future is not None
+    await asyncio.wait_for(asyncio.wrap_future(future), 10)
+    assert len(verdicts) == 1 and isinstance(verdicts[0], OSError)
