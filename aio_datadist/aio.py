@@ -182,7 +182,7 @@ class _Driver:
 
     def _watch(self, start: Start) -> None:
         """Watch the link ``start`` will cross, before its request goes out."""
-        watched = start.watch(asyncio.get_running_loop())
+        watched = start.watch()
         if watched is not None:
             link, end = watched
             if link in self._watching:

@@ -80,13 +80,15 @@ class Start:
         accepts the transfer says)."""
         return self.first().in_caller(self.transfer)
 
-    def watch(self, loop: asyncio.AbstractEventLoop) -> tuple[object, Callable[[], None]] | None:
-        """Let ``loop`` drive the request's pump (the first route that accepts the transfer
-        says): read the answers of the link it will cross (``Channel.watch``), or progress
-        the UCX worker that will move it. That pump, and the call that ends the watch; None
-        when the request moves one-sided in the caller or the pump declines."""
+    def watch(self) -> tuple[object, Callable[[], None]] | None:
+        """Let the running event loop drive the request's pump (the first route that accepts
+        the transfer says): read the answers of the link it will cross (``Channel.watch``),
+        or progress the UCX worker that will move it. That pump, and the call that ends the
+        watch; None when the request moves one-sided in the caller or the pump declines."""
         pump = self.first().link()
-        end = None if pump is None else pump.watch(loop)
+        if pump is None:
+            return None
+        end = pump.watch(asyncio.get_running_loop())
         return None if end is None else (pump, end)
 
     def begin(self) -> Completion:

@@ -79,6 +79,10 @@ class Waiting(Enum):
     it watches (``Channel.watch``).
     """
 
+    # Members are singletons compared by identity: hash them so too (``Enum.__hash__`` is
+    # Python code, and members are dictionary keys and set members on every transfer).
+    __hash__ = object.__hash__
+
     EXCHANGE = "exchange"
     CALLER = "caller"
     LOOP_EXCHANGE = "loop-exchange"

@@ -143,6 +143,10 @@ class LinkRefused(Exception):
 class RequestKind(Enum):
     """What a request asks of the serving side's memory."""
 
+    # Members are singletons compared by identity: hash them so too (``Enum.__hash__`` is
+    # Python code, and members are dictionary keys and set members on every transfer).
+    __hash__ = object.__hash__
+
     PULL = "pull"  # read: the serving side sends the bytes of its rows
     PUSH = "push"  # write: the serving side receives the bytes into its rows
 
