@@ -941,6 +941,56 @@ async def link_domain(pair: Pair, table: str) -> tuple[Any, Any]:
     return got[0], got[1]
 
 
+def test_finalize_ends_a_domain_link_still_waiting_for_its_members() -> None:
+    # Rank 1 links to rank 0, which never comes: finalizing the engine ends that wait at
+    # once with LLM_LINK_FAILED, rather than at the link's deadline (a thread left waiting
+    # would keep the process from exiting until then).
+    from aio_datadist import LLMDataDist, LLMRole
+
+    dd = LLMDataDist(LLMRole.DECODER, 2)
+    dd.init(make_options(transport="tcp"))
+    table = json.dumps(
+        {
+            "version": "1.0",
+            "server_count": "1",
+            "server_list": [
+                {
+                    "server_id": "127.0.0.1",
+                    "host_ip": "127.0.0.1",
+                    "device": [
+                        {
+                            "device_id": str(i),
+                            "device_ip": "127.0.0.1",
+                            "rank_id": str(i),
+                            "port": free_port(),
+                        }
+                        for i in range(2)
+                    ],
+                }
+            ],
+        }
+    )
+    outcome: list[BaseException | int] = []
+
+    def link() -> None:
+        try:
+            outcome.append(dd.link("comm", {1: 0, 2: 1}, table))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=link)
+    waiter.start()
+    time.sleep(0.3)  # retrying its connection to rank 0
+    assert waiter.is_alive()
+    started = time.monotonic()
+    dd.finalize()
+    waiter.join(10)
+    assert not waiter.is_alive() and time.monotonic() - started < 5
+    assert isinstance(outcome[0], LLMException), outcome
+    assert outcome[0].status_code == S.LLM_LINK_FAILED
+    assert "finalized" in str(outcome[0])
+
+
 async def test_rank_table_link(make_pair: PairFactory) -> None:
     from aio_datadist import RegisterMemStatus
 

@@ -167,6 +167,8 @@ class CommDomains:
         self._domains: dict[int, _Domain] = {}
         self._next_id = 1
         self._lock = threading.Lock()
+        #: Set by :meth:`close`: a domain still being set up gives up at once.
+        self._closed = False
 
     def link(self, comm_name: str, cluster_rank_info: dict[int, int], rank_table: str) -> int:
         """Link with every other member; returns the comm id.
@@ -237,6 +239,7 @@ class CommDomains:
         """Wait until every other member is linked; fail early when one linked and left
         (it gave up on the domain)."""
         while True:
+            self._check_open(comm_name)
             missing = [c for c in others if self._links.get(c) is None]
             if not missing:
                 return
@@ -254,6 +257,16 @@ class CommDomains:
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
             time.sleep(0.005)
+
+    def _check_open(self, comm_name: str) -> None:
+        """Give up setting up ``comm_name`` once the engine finalized (no thread waits for
+        members of a domain nobody can use)."""
+        if self._closed:
+            raise LinkFailedError(
+                f"communication domain {comm_name!r}: the engine was finalized while the "
+                "domain was being set up",
+                status_code=LLMStatusCode.LLM_LINK_FAILED,
+            )
 
     def _join(
         self, comm_name: str, rank_table: str, rank: int, deadline: float
@@ -321,6 +334,7 @@ class CommDomains:
     ) -> None:
         """Link to the member ``cluster_id`` at its endpoint, retrying until it listens."""
         while True:
+            self._check_open(comm_name)
             remaining = max(0.001, deadline - time.monotonic())
             error = self._links.link_member(cluster_id, endpoint, remaining, comm_name)
             if error is None:
@@ -368,8 +382,10 @@ class CommDomains:
         communicator.close()
 
     def close(self) -> None:
-        """Leave every domain's communicator (the engine finalizes; links close apart)."""
+        """Leave every domain's communicator (the engine finalizes; links close apart); a
+        domain still being set up gives up."""
         with self._lock:
+            self._closed = True
             domains, self._domains = list(self._domains.values()), {}
         for domain in domains:
             try:
