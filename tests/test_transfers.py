@@ -902,6 +902,11 @@ def free_port() -> int:
 def rank_table(pair: Pair) -> str:
     """A rank table of two ranks on 127.0.0.1, with free endpoints on the pair's transport."""
     ports = [free_port(), free_port()] if pair.wire == "tcp" else [next(_ports), next(_ports)]
+    return rank_table_of(ports)
+
+
+def rank_table_of(ports: list[int]) -> str:
+    """A rank table of one rank per port, all on 127.0.0.1."""
     return json.dumps(
         {
             "version": "1.0",
@@ -915,9 +920,9 @@ def rank_table(pair: Pair) -> str:
                             "device_id": str(i),
                             "device_ip": "127.0.0.1",
                             "rank_id": str(i),
-                            "port": ports[i],
+                            "port": port,
                         }
-                        for i in range(2)
+                        for i, port in enumerate(ports)
                     ],
                 }
             ],
@@ -949,27 +954,7 @@ def test_finalize_ends_a_domain_link_still_waiting_for_its_members() -> None:
 
     dd = LLMDataDist(LLMRole.DECODER, 2)
     dd.init(make_options(transport="tcp"))
-    table = json.dumps(
-        {
-            "version": "1.0",
-            "server_count": "1",
-            "server_list": [
-                {
-                    "server_id": "127.0.0.1",
-                    "host_ip": "127.0.0.1",
-                    "device": [
-                        {
-                            "device_id": str(i),
-                            "device_ip": "127.0.0.1",
-                            "rank_id": str(i),
-                            "port": free_port(),
-                        }
-                        for i in range(2)
-                    ],
-                }
-            ],
-        }
-    )
+    table = rank_table_of([free_port(), free_port()])
     outcome: list[BaseException | int] = []
 
     def link() -> None:

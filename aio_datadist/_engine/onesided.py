@@ -159,14 +159,17 @@ class PeerMemory:
         write = kind is RequestKind.PUSH
         if not local_on_device:
             ops = paired(kind, local, remote)
-            large = on_loop and int(ops[:, 2].sum()) >= api.BACKGROUND_MIN
-            on = deadline_ns if large else None
-            return self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, on)
+            loop_deadline_ns = deadline_ns if on_loop else None
+            args = (self.pid, ops)
+            nbytes = int(ops[:, 2].sum())
+            return self._copy(
+                regions, entries, api.vm_copy_batch, args, write, nbytes, loop_deadline_ns
+            )
         staged = self._staging.inbound(local) if not write else self._staging.outbound(local)
         done = None
         try:
             ops = paired(kind, staged.iov, remote)
-            done = self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, None)
+            done = self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, 0, None)
         finally:
             staged.finish(done is not None)
         return done
@@ -207,10 +210,11 @@ class PeerMemory:
         push = kind is RequestKind.PUSH
         dst, src = (theirs, local) if push else (local, theirs)
         args = (self.pid, dst, src, count, seg)
-        large = on_loop and count * len(remote_blocks) * seg >= api.BACKGROUND_MIN
+        nbytes = count * len(remote_blocks) * seg
+        loop_deadline_ns = deadline_ns if on_loop else None
         try:
             return self._copy(
-                regions, [entry], api.vm_copy_blocks, args, push, deadline_ns if large else None
+                regions, [entry], api.vm_copy_blocks, args, push, nbytes, loop_deadline_ns
             )
         except ParamInvalidError:
             return None
@@ -253,19 +257,23 @@ class PeerMemory:
         copy: Callable[..., api.CopyTask | None],
         args: tuple[Any, ...],
         write: bool,
+        nbytes: int,
         loop_deadline_ns: int | None,
     ) -> Completion | None:
-        """Run ``copy(*args, write=write)`` with the peer's host memory: in this thread, or,
-        given ``loop_deadline_ns`` (a large copy an event loop in this thread waits for; its
-        completion's deadline) once a copy with this peer went through, on the native copy
-        workers (``_engine.background``). None when the kernel refused (use the link)."""
+        """Run ``copy(*args, write=write)`` (``nbytes``) with the peer's host memory: in this
+        thread, or, given ``loop_deadline_ns`` (an event loop in this thread waits; the
+        completion's deadline), a copy of ``api.BACKGROUND_MIN`` bytes or more once a copy
+        with this peer went through, on the native copy workers (``_engine.background``).
+        None when the kernel refused (use the link)."""
+        large = nbytes >= api.BACKGROUND_MIN and self.proven
+        deadline_ns = loop_deadline_ns if large else None
         try:
-            if loop_deadline_ns is not None and self.proven and _loop_here():
+            if deadline_ns is not None and _loop_here():
                 future = start_on_loop(
                     partial(_background, copy, args, write), partial(self._ended, regions, entries)
                 )
                 if future is not None:
-                    return Completion(future, loop_deadline_ns)
+                    return Completion(future, deadline_ns)
             else:
                 copy(*args, write=write)
         except PermissionError as exc:

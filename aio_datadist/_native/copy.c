@@ -434,6 +434,14 @@ static void enqueue(job_t *j, uint64_t total, unsigned nslices, unsigned wake)
         pthread_cond_signal(&g.work);
 }
 
+/* How many slices `total` bytes are cut into for up to nthreads threads: none smaller than
+ * MIN_SLICE. */
+static unsigned slices_for(uint64_t total, unsigned nthreads)
+{
+    uint64_t by_size = total / MIN_SLICE;
+    return by_size < nthreads ? (unsigned)by_size : nthreads;
+}
+
 /* Run the batch of j (ops, n, pid, write set) on up to nthreads threads. */
 static int run_job(job_t *j, unsigned nthreads)
 {
@@ -449,8 +457,7 @@ static int run_job(job_t *j, unsigned nthreads)
 
     if (nthreads == 0)
         nthreads = dd_copy_get_threads();
-    uint64_t by_size = total / MIN_SLICE;
-    unsigned nslices = by_size < nthreads ? (unsigned)by_size : nthreads;
+    unsigned nslices = slices_for(total, nthreads);
     if (total < SPLIT_THRESHOLD || nslices <= 1) {
         run_range(j, 0, 0, total);
         return DD_OK;
@@ -567,8 +574,7 @@ static int vm_start(int pid, int write, uint64_t *ops, size_t n, unsigned nthrea
             atomic_init(&t->j.err, 0);
             t->j.signal = signal;
             atomic_fetch_add(&signal->refs, 1);
-            uint64_t by_size = total / MIN_SLICE;
-            unsigned nslices = by_size < nthreads ? (unsigned)by_size : nthreads;
+            unsigned nslices = slices_for(total, nthreads);
             pthread_once(&g_atfork_once, register_atfork);
             pthread_mutex_lock(&g.mu);
             ensure_workers(nslices);
