@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -56,10 +56,7 @@ class _LoopBound:
     _loop: asyncio.AbstractEventLoop | None
 
     def _check_loop(self) -> None:
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
+        running = asyncio._get_running_loop()  # (None outside a running loop)
         if running is None or running is not self._loop:
             raise RuntimeError(
                 "this AsyncLLMDataDist belongs to the event loop it was initialised on; "
@@ -122,7 +119,7 @@ async def _wait(completion: Completion) -> None:
     future.result()
 
 
-async def _drain(started: list[Completion]) -> None:
+async def _drain(started: Iterable[Completion]) -> None:
     """Wait, through further cancellations, until every request has ended or timed out.
 
     A cancelled transfer still owns the caller's memory while its requests run (a pull's
@@ -155,15 +152,21 @@ class _Driver:
         call: Call,
         synchronizer: LayerSynchronizer | None = None,
         cancelled: asyncio.Event | None = None,
+        first: Start | Wait | Synchronize | None = None,
+        plan: Plan | None = None,
     ) -> None:
         self._call = call
+        #: The call's plan: what it started without the driver is drained from it.
+        self._plan = plan
+        #: What the call asked before the driver existed (see :func:`_advance`).
+        self._first = first
         self._synchronizer = synchronizer
         self._cancelled = cancelled
         self._reply: Any = None
         self._error: Exception | None = None
         self._op: Start | Wait | Synchronize | None = None
         self._started: list[Completion] = []
-        self._watching: dict[object, Callable[[], None]] = {}
+        self._watching: dict[object, Callable[[], None]] | None = None  # (made on first use)
         #: True once the call ended.
         self.done = False
 
@@ -180,20 +183,26 @@ class _Driver:
             self._unwatch()
             raise
 
-    def _watch(self, start: Start) -> None:
-        """Watch the link ``start`` will cross, before its request goes out."""
+    def _watch(self, start: Start) -> bool:
+        """Watch the link ``start`` will cross, before its request goes out; True when the
+        loop then reads its answers (the request is not moved in the caller)."""
         watched = start.watch()
-        if watched is not None:
-            link, end = watched
-            if link in self._watching:
-                end()  # watched already for this call
-            else:
-                self._watching[link] = end
+        if watched is None:
+            return False
+        link, end = watched
+        if self._watching is None:
+            self._watching = {}
+        if link in self._watching:
+            end()  # watched already for this call
+        else:
+            self._watching[link] = end
+        return True
 
     def _unwatch(self) -> None:
-        watching, self._watching = self._watching, {}
-        for end in watching.values():
-            end()
+        watching, self._watching = self._watching, None
+        if watching:
+            for end in watching.values():
+                end()
 
     def _begun(self, completion: Completion) -> None:
         self._started.append(completion)
@@ -202,13 +211,14 @@ class _Driver:
     def advance(self) -> None:
         """Run the call inline until it needs to wait (or ends)."""
         while self._op is None:
-            op = self._next()
+            op, self._first = self._first, None
             if op is None:
-                return
+                op = self._next()
+                if op is None:
+                    return
             if isinstance(op, Start) and not (op.nbytes > INLINE_BYTES and op.in_caller()):
-                if op.waiting is Waiting.LOOP_EXCHANGE and not _loop_idle():
+                if self._watch(op) and op.waiting is Waiting.LOOP_EXCHANGE and not _loop_idle():
                     op.waiting = Waiting.LOOP  # others are ready to run: never busy-poll
-                self._watch(op)
                 self._begun(op.begin())
             elif isinstance(op, Wait) and op.completion.done():
                 self._error = op.completion.exception()  # type: ignore[assignment]
@@ -238,8 +248,10 @@ class _Driver:
                     self._error = exc
         except asyncio.CancelledError:
             self._call.close()
+            # What the driver started, and what the call started itself (its plan's).
+            inflight = self._started if self._plan is None else self._plan.inflight()
             try:
-                await _drain(self._started)
+                await _drain({id(c): c for c in (*self._started, *inflight)}.values())
             finally:
                 self._unwatch()
             raise
@@ -269,6 +281,19 @@ class _Driver:
             waiter.cancel()
             raise TaskCancelled
         return waiter.result()
+
+
+def _advance(call: Call, plan: Plan) -> _Driver | None:
+    """Run ``call`` (of ``plan``) inline as far as it goes: None when it ended there (a
+    small call that completed inline needs no driver), else the driver whose ``finish()``
+    awaits the rest."""
+    try:
+        op = call.send(None)
+    except StopIteration:
+        return None
+    driver = _Driver(call, first=op, plan=plan)
+    driver.advance()
+    return None if driver.done else driver
 
 
 class AsyncCacheManager(_LoopBound):
@@ -301,13 +326,11 @@ class AsyncCacheManager(_LoopBound):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _begin(self, plan: Plan) -> _Driver:
-        """Run a pull or push call inline as far as it goes; the caller awaits
-        ``finish()`` unless it is ``done`` (no coroutine of its own: thousands of awaited
-        calls in flight each hold one object less)."""
-        driver = _Driver(run_call(plan, self._links, Waiting.LOOP))
-        driver.advance()
-        return driver
+    def _begin(self, plan: Plan) -> _Driver | None:
+        """Run a pull or push call inline as far as it goes; the caller awaits ``finish()``
+        of the driver returned, if any (no coroutine of its own: thousands of awaited calls
+        in flight each hold one object less)."""
+        return _advance(run_call(plan, self._links, Waiting.LOOP), plan)
 
     async def _run(self, plan: CopyPlan) -> None:
         try:
@@ -670,7 +693,7 @@ class AsyncCacheManager(_LoopBound):
         """
         self._check_loop()
         driver = self._begin(self._planner.pull_cache(cache_key, cache, batch_index, size, kwargs))
-        if not driver.done:
+        if driver is not None:
             await driver.finish()
 
     async def pull_blocks(
@@ -717,7 +740,7 @@ class AsyncCacheManager(_LoopBound):
         driver = self._begin(
             self._planner.pull_blocks(src_cache_key, dst_cache, src_blocks, dst_blocks, kwargs)
         )
-        if not driver.done:
+        if driver is not None:
             await driver.finish()
 
     async def push_cache(
@@ -775,7 +798,7 @@ class AsyncCacheManager(_LoopBound):
                 tensor_num_per_layer,
             )
         )
-        if not driver.done:
+        if driver is not None:
             await driver.finish()
 
     def push_blocks(
@@ -836,9 +859,8 @@ class AsyncCacheManager(_LoopBound):
             tensor_num_per_layer,
         )
         task = CacheTask(1, self._loop)
-        driver = _Driver(settle(run_call(plan, self._links, Waiting.LOOP), task))
-        driver.advance()
-        if not driver.done:
+        driver = _advance(settle(run_call(plan, self._links, Waiting.LOOP), task), plan)
+        if driver is not None:
             self._spawn(driver.finish())
         return task
 
@@ -912,7 +934,7 @@ class AsyncCacheManager(_LoopBound):
         loop = self._bound_loop
         task._on_cancel(lambda: _call_soon(loop, cancelled.set))
         call = run_layers(job, task, self._links, Waiting.LOOP)
-        self._spawn(_Driver(call, job.synchronizer, cancelled).finish())
+        self._spawn(_Driver(call, job.synchronizer, cancelled, plan=job.plan).finish())
         return task
 
     def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:

@@ -511,6 +511,8 @@ def check_blocks_key_range(name: str, key: BlocksCacheKey) -> None:
 
     :raises ValueError: naming ``name``, the key and the field.
     """
+    if 0 <= key._cluster_id <= INVALID_ID and 0 <= key._model_id <= INVALID_ID:
+        return
     for field, value in (("cluster_id", key.cluster_id), ("model_id", key.model_id)):
         if not 0 <= value <= INVALID_ID:
             raise ValueError(

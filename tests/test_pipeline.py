@@ -30,7 +30,7 @@ from aio_datadist._engine.routes import (
     without_communicator,
 )
 from aio_datadist._transport.base import RequestKind
-from aio_datadist.aio import _Driver
+from aio_datadist.aio import _advance, _Driver
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.sync import drive
 
@@ -51,15 +51,40 @@ def transfer(cluster_id: int = 1, *, device: bool = False) -> Transfer:
     )
 
 
-class Recorded(Route):
-    """A route that records what it started and answers as told."""
+class FakePump:
+    """A pump the loop may watch (and that counts the watches)."""
 
-    def __init__(self, name: str, *, takes: bool = True, outcome: Any = "done") -> None:
+    def __init__(self) -> None:
+        self.watching = 0
+
+    def read_for(self, future: Future[None], deadline_ns: int) -> None:
+        pass
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Any:
+        self.watching += 1
+
+        def end() -> None:
+            self.watching -= 1
+
+        return end
+
+
+class Recorded(Route):
+    """A route that records what it started and answers as told; with ``pump``, one whose
+    requests cross a link the loop may watch."""
+
+    def __init__(
+        self, name: str, *, takes: bool = True, outcome: Any = "done", pump: bool = False
+    ) -> None:
         self.name = name
         self.takes = takes
         self.outcome = outcome
+        self.pump = FakePump() if pump else None
         self.started: list[Transfer] = []
         self.waiting: list[Waiting] = []
+
+    def link(self) -> Any:
+        return self.pump
 
     def accepts(self, t: Transfer) -> bool:
         return self.takes
@@ -141,16 +166,17 @@ def test_a_call_starts_every_request_and_raises_the_first_failure_once_all_ended
     pending: Future[None] = Future()
     refused = LLMException("no such cache", status_code=S.LLM_KV_CACHE_NOT_EXIST)
     released: list[bool] = []
-    routes: list[Route] = [Recorded("a", outcome=pending)]
+    routes: list[Route] = [Recorded("a", outcome=pending, pump=True)]
     plan = Plan([transfer(), transfer(404), transfer()], 10**18, lambda: released.append(True))
-    # The async face's view: every start is yielded (a blocking caller starts them itself).
+    # The async face's view: a start crossing a pump is yielded (the loop watches it); the
+    # missing link's has nothing for the loop to do, so the call starts it itself.
     call = run_call(plan, Links(routes), Waiting.LOOP)  # type: ignore[arg-type]
     ops = []
     op = next(call)
     while isinstance(op, Start):
         ops.append(op)
         op = call.send(op.begin())
-    assert len(ops) == 3 and isinstance(op, Wait)
+    assert len(ops) == 2 and isinstance(op, Wait)
     assert not released  # two requests run: the pins stay
     pending.set_exception(refused)
     with pytest.raises(LLMException) as info:
@@ -188,7 +214,7 @@ async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_rea
         plan = Plan([transfer() for _ in range(n)], 10**18, lambda: None)
         await _Driver(run_call(plan, Links([route]), Waiting.LOOP)).finish()  # type: ignore[arg-type]
 
-    route = Recorded("a")
+    route = Recorded("a", pump=True)
     await call(1)
     await call(2)
     assert route.waiting == [Waiting.LOOP_EXCHANGE, Waiting.LOOP, Waiting.LOOP]
@@ -198,3 +224,10 @@ async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_rea
     await call(1)
     await other
     assert route.waiting == [Waiting.LOOP]
+    assert route.pump is not None and route.pump.watching == 0  # every watch ended
+    # A route with nothing for the loop to watch is started by the call itself, and
+    # never told to busy-poll (the loop was not asked whether it is idle).
+    plain = Recorded("b")
+    plan = Plan([transfer()], 10**18, lambda: None)
+    assert _advance(run_call(plan, Links([plain]), Waiting.LOOP), plan) is None  # type: ignore[arg-type]
+    assert plain.waiting == [Waiting.LOOP]

@@ -154,10 +154,12 @@ class CacheService:
         :raises TypeError: ``cache`` is not a ``Cache``.
         :raises LLMException: ``LLM_KV_CACHE_NOT_EXIST`` when it is unknown or released.
         """
-        check_type(name, cache, Cache)
-        self.check_open()
+        if type(cache) is not Cache:
+            check_type(name, cache, Cache)
+        if self._closed:
+            self.check_open()
         entry: CacheEntry | None = (
-            self.registry.get(cache.cache_id) if cache._owner is self else None
+            self.registry.get(cache._cache_id) if cache._owner is self else None
         )
         if entry is None or entry.cache is not cache:
             raise _not_exist(f"{name} (cache_id={cache.cache_id}) does not exist in this engine")

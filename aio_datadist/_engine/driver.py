@@ -3,9 +3,10 @@
 A call's generator yields what it needs from its face and gets the answer back:
 
 * :class:`Start`: run ``begin()`` (it starts one transfer on its link's routes and returns
-  its :class:`~aio_datadist._engine.request.Completion`); the blocking face runs it in the
-  caller, the async face inline or, for a large payload moved in the caller, on a worker
-  thread.
+  its :class:`~aio_datadist._engine.request.Completion`), asked only of an event loop and
+  only when it has something to do: watch the pump the request will cross (then begin
+  inline), or run a large payload moved in the caller on a worker thread. Every other
+  start (all of the blocking face's) the call makes itself.
 * :class:`Wait`: wait for a completion; a failure is thrown back into the generator.
 * :class:`Synchronize`: ask the layer synchroniser whether layer ``n`` may go (what it
   returned); its exception is thrown back, or :class:`TaskCancelled` when the task was
@@ -28,6 +29,7 @@ from typing import Any
 from aio_datadist._engine.layerwise import LayerJob
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.metrics import TransferMetrics
+from aio_datadist._engine.offload import INLINE_BYTES
 from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
 from aio_datadist._engine.routes import Route, Waiting, first_accepting, start_on
 from aio_datadist._transport.deadlines import now_ns
@@ -50,7 +52,7 @@ class Start:
     """Start one transfer of ``nbytes``: call :meth:`begin` (inline, or on a worker thread
     when :meth:`in_caller` and the payload is large)."""
 
-    __slots__ = ("_first", "deadline_ns", "metrics", "nbytes", "routes", "transfer", "waiting")
+    __slots__ = ("deadline_ns", "metrics", "nbytes", "route", "routes", "transfer", "waiting")
 
     def __init__(
         self,
@@ -59,6 +61,7 @@ class Start:
         deadline_ns: int,
         waiting: Waiting,
         metrics: TransferMetrics | None,
+        route: Route,
     ) -> None:
         self.routes = routes
         self.transfer = transfer
@@ -66,26 +69,20 @@ class Start:
         self.waiting = waiting
         self.metrics = metrics
         self.nbytes = transfer.nbytes
-        self._first: Route | None = None
-
-    def first(self) -> Route:
-        """The first route that accepts the transfer (asked once)."""
-        route = self._first
-        if route is None:
-            route = self._first = first_accepting(self.routes, self.transfer)
-        return route
+        #: The first of ``routes`` that accepts the transfer.
+        self.route = route
 
     def in_caller(self) -> bool:
         """True when starting moves the payload in the calling thread (the first route that
         accepts the transfer says)."""
-        return self.first().in_caller(self.transfer)
+        return self.route.in_caller(self.transfer)
 
     def watch(self) -> tuple[object, Callable[[], None]] | None:
         """Let the running event loop drive the request's pump (the first route that accepts
         the transfer says): read the answers of the link it will cross (``Channel.watch``),
         or progress the UCX worker that will move it. That pump, and the call that ends the
         watch; None when the request moves one-sided in the caller or the pump declines."""
-        pump = self.first().link()
+        pump = self.route.link()
         if pump is None:
             return None
         end = pump.watch(asyncio.get_running_loop())
@@ -93,7 +90,9 @@ class Start:
 
     def begin(self) -> Completion:
         """Start the transfer on the first route that takes it (see :func:`_begin`)."""
-        return _begin(self.routes, self.transfer, self.deadline_ns, self.waiting, self.metrics)
+        return _begin(
+            self.routes, self.transfer, self.deadline_ns, self.waiting, self.metrics, self.route
+        )
 
 
 class Wait:
@@ -133,14 +132,18 @@ def _begin(
     deadline_ns: int,
     waiting: Waiting,
     metrics: TransferMetrics | None,
+    accepting: Route | None = None,
 ) -> Completion:
-    """Start ``transfer`` on the first of ``routes`` that takes it (``routes.start_on``);
-    the one place where every transfer is recorded in ``metrics`` as it ends."""
+    """Start ``transfer`` on the first of ``routes`` that takes it (``routes.start_on``;
+    ``accepting``: the first that accepts it, when known); the one place where every
+    transfer is recorded in ``metrics`` as it ends."""
     if metrics is None:
-        return start_on(routes, transfer, deadline_ns, waiting)[1]
+        return start_on(routes, transfer, deadline_ns, waiting, accepting)[1]
     started = now_ns()
-    route, completion = start_on(routes, transfer, deadline_ns, waiting)
-    if completion.done():
+    route, completion = start_on(routes, transfer, deadline_ns, waiting, accepting)
+    if completion is DONE:
+        metrics.record(route.name, transfer, started, None)
+    elif completion.done():
         metrics.record(route.name, transfer, started, completion.exception())
     else:
         name = route.name
@@ -160,7 +163,18 @@ def _routes(links: LinkTable, cluster_id: int) -> Sequence[Route]:
 
 def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Start:
     """The start of ``transfer`` on the routes of its link."""
-    return Start(_routes(links, transfer.cluster_id), transfer, deadline_ns, waiting, links.metrics)
+    routes = _routes(links, transfer.cluster_id)
+    route = first_accepting(routes, transfer)
+    return Start(routes, transfer, deadline_ns, waiting, links.metrics, route)
+
+
+def _plain(route: Route, transfer: Transfer) -> bool:
+    """True when starting ``transfer`` on ``route`` needs nothing of an event loop, so the
+    call starts it inline: the route has no pump for the loop to watch, and the payload is
+    at most ``INLINE_BYTES`` or is not moved in the calling thread."""
+    if route.link() is not None:
+        return False
+    return transfer.nbytes <= INLINE_BYTES or not route.in_caller(transfer)
 
 
 class _Refused(Route):
@@ -184,27 +198,37 @@ class _Refused(Route):
 def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
     """A pull or push call: start every transfer of ``plan``, then wait for each; raise
     the first failure once all ended. A blocking caller starts each request in its own
-    thread (no :class:`Start` is yielded); a call of one request may run its round trip in
-    the waiting thread (``Waiting.EXCHANGE``, ``Waiting.LOOP_EXCHANGE``)."""
+    thread (no :class:`Start` is yielded); an event loop gets a :class:`Start` only when
+    it has something to do for it (:func:`_plain`: a pump to watch, or a large payload
+    moved in the caller), and the call starts the others itself. A call of one
+    request may run its round trip in the waiting thread (``Waiting.EXCHANGE``,
+    ``Waiting.LOOP_EXCHANGE``)."""
     if len(plan.transfers) == 1:
         waiting = _ALONE.get(waiting, waiting)
     started: list[Completion] = []
     inline = waiting in _IN_CALLER  # a blocking caller starts every request itself
     try:
         for transfer in plan.transfers:
+            routes = _routes(links, transfer.cluster_id)
             if inline:
-                routes = _routes(links, transfer.cluster_id)
                 completion = _begin(routes, transfer, plan.deadline_ns, waiting, links.metrics)
+            elif _plain(route := first_accepting(routes, transfer), transfer):
+                # Started unseen by the loop, which is not asked whether it is idle: a
+                # route falling through to the link never busy-polls.
+                completion = _begin(
+                    routes, transfer, plan.deadline_ns, Waiting.LOOP, links.metrics, route
+                )
             else:
-                completion = yield _start(links, transfer, plan.deadline_ns, waiting)
-            plan.track(completion)
-            started.append(completion)
+                completion = yield Start(
+                    routes, transfer, plan.deadline_ns, waiting, links.metrics, route
+                )
+            if completion is not DONE:  # (DONE: completed in the caller, a one-sided copy)
+                plan.track(completion)
+                started.append(completion)
     finally:
         plan.seal()
     first: LLMException | None = None
     for completion in started:
-        if completion is DONE:  # completed in the caller (a one-sided copy, say)
-            continue
         try:
             if completion.done():  # nothing to wait for
                 completion.raise_failure()

@@ -40,7 +40,7 @@ _SERIOUS = frozenset(
 )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Series:
     by_status: dict[int, int] = field(default_factory=dict)
     nbytes: int = 0
@@ -49,7 +49,7 @@ class _Series:
     recent: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
 
 
-@dataclass
+@dataclass(slots=True)
 class _Peer:
     transfers: int = 0
     failed: int = 0
@@ -94,32 +94,36 @@ class TransferMetrics:
     ) -> None:
         """One transfer on ``route`` ended (``failure``: why, or None when it succeeded)."""
         took = now_ns() - started_ns
+        bucket = bisect.bisect_left(_BOUNDS_NS, took)
         if failure is None:
             status, nbytes = _SUCCESS, transfer.nbytes
         elif isinstance(failure, LLMException):
             status, nbytes = int(failure.status_code), 0
         else:
             status, nbytes = _FAILED, 0
-        key = (route, transfer.kind)
         with self._lock:
-            series = self._series.get(key)
-            if series is None:
-                series = self._series[key] = _Series()
+            try:
+                series = self._series[route, transfer.kind]
+                peer = self._peers[transfer.cluster_id]
+            except KeyError:
+                series, peer = self._first(route, transfer)
             by_status = series.by_status
             by_status[status] = by_status.get(status, 0) + 1
             series.nbytes += nbytes
             series.total_ns += took
-            series.buckets[bisect.bisect_left(_BOUNDS_NS, took)] += 1
+            series.buckets[bucket] += 1
             series.recent.append(took)
-            peer = self._peers.get(transfer.cluster_id)
-            if peer is None:
-                peer = self._peers[transfer.cluster_id] = _Peer()
             peer.transfers += 1
             peer.nbytes += nbytes
             if failure is not None:
                 peer.failed += 1
         if failure is not None:
             self._log_failure(route, transfer, LLMStatusCode(status), took, failure)
+
+    def _first(self, route: str, transfer: Transfer) -> tuple[_Series, _Peer]:
+        """The series and peer of a transfer, made on the first one of each (lock held)."""
+        series = self._series.setdefault((route, transfer.kind), _Series())
+        return series, self._peers.setdefault(transfer.cluster_id, _Peer())
 
     def _log_failure(
         self,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -38,12 +38,11 @@ import structlog
 from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.background import start_on_loop
 from aio_datadist._engine.regions import BoardEntry, RegionView, RemoteRegions
-from aio_datadist._engine.request import DONE, Completion
+from aio_datadist._engine.request import DONE, Blocks, Completion, RemoteBlocks
 from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api
-from aio_datadist._native.api import BlockLayout
 from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.samehost import SameHostPeer
@@ -177,20 +176,16 @@ class PeerMemory:
     def transfer_blocks(
         self,
         kind: RequestKind,
-        model_id: int,
-        remote: tuple[int, int],
-        remote_blocks: Sequence[int],
-        local: tuple[BlockLayout, int, Sequence[int]],
-        count: int,
-        seg: int,
+        remote: RemoteBlocks,
+        local: Blocks,
         deadline_ns: int,
         *,
         on_loop: bool = False,
     ) -> Completion | None:
         """:meth:`transfer` of blocks between host blocks caches, in one native call:
-        ``seg`` bytes of each of ``count`` tensors from ``remote_blocks`` of the peer's
-        blocks cache ``model_id`` (tensors from ``remote[0]``) to the ``local`` blocks
-        (``(layout, first tensor, blocks)``), or back for a push.
+        ``remote`` (blocks of the peer's blocks cache ``remote.model_id``) into ``local``
+        (blocks of this side's), or back for a push; both name whole blocks of ``seg``
+        bytes of as many tensors.
 
         None when this route does not take it, nothing moved: the peer does not publish
         that cache in host memory, or a block, tensor or size lies outside it (the general
@@ -203,18 +198,27 @@ class PeerMemory:
         regions = self._view.regions()
         if regions is None:
             return None
-        entry = regions.by_model.get(model_id)
+        entry = regions.by_model.get(remote.model_id)
         if entry is None or entry.token:
             return None
-        theirs = (regions.layout(entry), remote[0], remote_blocks)
+        theirs = (regions.layout(entry), remote.start, remote.blocks)
+        mine = (local.layout, local.start, local.blocks)
+        count, seg = local.count, local.seg
         push = kind is RequestKind.PUSH
-        dst, src = (theirs, local) if push else (local, theirs)
-        args = (self.pid, dst, src, count, seg)
-        nbytes = count * len(remote_blocks) * seg
-        loop_deadline_ns = deadline_ns if on_loop else None
+        if push:
+            args: tuple[Any, ...] = (self.pid, theirs, mine, count, seg)
+        else:
+            args = (self.pid, mine, theirs, count, seg)
+        nbytes = count * len(remote.blocks) * seg
         try:
             return self._copy(
-                regions, [entry], api.vm_copy_blocks, args, push, nbytes, loop_deadline_ns
+                regions,
+                [entry],
+                api.vm_copy_blocks,
+                args,
+                push,
+                nbytes,
+                deadline_ns if on_loop else None,
             )
         except ParamInvalidError:
             return None

@@ -25,6 +25,7 @@ from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.deadlines import now_ns
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
+from aio_datadist.enums import Placement
 from aio_datadist.status import FeatureNotEnabledError, LLMStatusCode, ParamInvalidError
 from aio_datadist.types import (
     BlocksCacheKey,
@@ -36,6 +37,8 @@ from aio_datadist.types import (
 __all__ = ("Planner", "check_blocks", "local_rows", "tensor_span")
 
 _PULL_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
+#: The layer keywords of a pull that names none: every layer, two tensors per layer.
+_NO_KWARGS: tuple[None, None, int] = (None, None, 2)
 
 
 def _invalid(message: str) -> ParamInvalidError:
@@ -53,12 +56,14 @@ def tensor_span(
     """
     if layers is None:
         return None
-    check_type(name, layers, range)
-    if len(layers) == 0 and layers.step == 1 and layers.start >= 0:
-        return None
-    if layers.step != 1 or not 0 <= layers.start < layers.stop or layers.stop > 2**32:
+    if type(layers) is not range:
+        check_type(name, layers, range)
+    first, stop = layers.start, layers.stop
+    if layers.step != 1 or not 0 <= first < stop <= 2**32:
+        if layers.step == 1 and first >= 0 and stop <= first:
+            return None  # empty
         raise _invalid(f"{name} must have step 1 and 0 <= start < stop, but got {layers}")
-    start, count = layers.start * per_layer, len(layers) * per_layer
+    start, count = first * per_layer, (stop - first) * per_layer
     if local and start + count > num_tensors:
         raise _invalid(
             f"{name} {layers} with {per_layer} tensors per layer needs tensors up to "
@@ -117,16 +122,8 @@ class Planner:
             nbytes = local.count * len(local.blocks) * local.seg
         else:
             nbytes = int(local[:, 1].sum()) if len(local) else 0
-        return Transfer(
-            kind,
-            cluster_id,
-            access,
-            local,
-            entry,
-            device=self.caches.on_device(entry),
-            commit=commit,
-            nbytes=nbytes,
-        )
+        device = entry.placement is Placement.DEVICE and self.caches.staging.needed
+        return Transfer(kind, cluster_id, access, local, entry, device, commit, nbytes)
 
     def plan(self, transfers: list[Transfer], entries: Sequence[CacheEntry]) -> Plan:
         """Pin ``entries`` (registry lock held) for a plan of ``transfers``."""
@@ -145,11 +142,12 @@ class Planner:
     @staticmethod
     def _pull_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, int]:
         if not kwargs:
-            return None, None, 2
+            return _NO_KWARGS
         if not _PULL_KWARGS.issuperset(kwargs):
             raise TypeError(f"unexpected keyword arguments: {sorted(set(kwargs) - _PULL_KWARGS)}")
         per_layer = kwargs.get("tensor_num_per_layer", 2)
-        check_int("tensor_num_per_layer", per_layer, "uint32")
+        if type(per_layer) is not int or not 1 <= per_layer < 2**32:
+            check_int("tensor_num_per_layer", per_layer, "uint32")
         if per_layer < 1:
             raise _invalid(f"tensor_num_per_layer must be >= 1, but got {per_layer}")
         return kwargs.get("src_layer_range"), kwargs.get("dst_layer_range"), per_layer
@@ -247,22 +245,26 @@ class Planner:
     ) -> Plan:
         """Plan ``pull_blocks``: remote blocks (``BlocksCacheKey``) or one remote row (cache
         key) into local blocks."""
-        check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey)
-        if isinstance(src_cache_key, BlocksCacheKey):
+        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
+        if by_blocks:
             check_blocks_key_range("src_cache_key", src_cache_key)
-        check_type("dst_cache", dst_cache, Cache)
-        src_blocks = () if src_blocks is None else src_blocks
+        else:
+            check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex)
+        if type(dst_cache) is not Cache:
+            check_type("dst_cache", dst_cache, Cache)
+        if src_blocks is None:
+            src_blocks = ()
         check_int_list("src_blocks", src_blocks, "uint64")
         check_int_list("dst_blocks", dst_blocks, "uint64")
-        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
+        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs) if kwargs else _NO_KWARGS
         if not dst_blocks:
             raise _invalid("dst_blocks must not be empty")
-        by_blocks = isinstance(src_cache_key, BlocksCacheKey)
-        if by_blocks and len(src_blocks) != len(dst_blocks):
-            raise _invalid(
-                f"src_blocks has {len(src_blocks)} blocks but dst_blocks has {len(dst_blocks)}"
-            )
-        if not by_blocks and src_blocks:
+        if by_blocks:
+            if len(src_blocks) != len(dst_blocks):
+                raise _invalid(
+                    f"src_blocks has {len(src_blocks)} blocks but dst_blocks has {len(dst_blocks)}"
+                )
+        elif src_blocks:
             raise _invalid("src_blocks must be empty when the source is a batch cache key")
         with self.caches.registry.lock:
             entry = self.caches.entry(dst_cache, "dst_cache")
@@ -272,7 +274,7 @@ class Planner:
             remote, local = self._spans(src_layers, dst_layers, per_layer, entry, local_is_dst=True)
             seg = entry.row_bytes
             access: Access | RemoteBlocks
-            if isinstance(src_cache_key, BlocksCacheKey):
+            if by_blocks:
                 access = RemoteBlocks(src_cache_key.model_id, *remote, src_blocks, seg)
             else:
                 access = self._key_access(

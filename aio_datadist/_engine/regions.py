@@ -236,9 +236,10 @@ class RegionView:
         """The board's current sequence number (odd while the writer is busy); -1 once closed.
         One read of the counter, without the lock."""
         try:
-            return self._seq()
-        except ValueError:  # closed by another thread meanwhile
+            seq: int = _SEQ.unpack_from(self._map, _SEQ_AT)[0]
+        except ValueError:  # closed (by another thread meanwhile)
             return -1
+        return seq
 
     def _seq(self) -> int:
         if self._map.closed:
@@ -248,8 +249,12 @@ class RegionView:
     def regions(self) -> RemoteRegions | None:
         """The current table, or None when no consistent snapshot could be read (or closed)."""
         cached = self._regions  # the usual case: the board did not change since last read
-        if cached is not None and cached.seq == self.seq():
-            return cached
+        if cached is not None:
+            try:
+                if cached.seq == _SEQ.unpack_from(self._map, _SEQ_AT)[0]:
+                    return cached
+            except ValueError:  # closed
+                return None
         with self._lock:
             if self._map.closed:
                 return None

@@ -175,7 +175,8 @@ class CacheRegistry:
         with self.lock:
             for entry in entries:
                 entry.pins -= 1
-                self._maybe_free(entry)
+                if entry.released:
+                    self._maybe_free(entry)
             if self._waiting:
                 self._unpinned.notify_all()
 

@@ -119,7 +119,6 @@ class Transfer:
         access: Access | RemoteBlocks,
         local: Iov | Blocks,
         entry: CacheEntry,
-        *,
         device: bool = False,
         commit: bool = False,
         nbytes: int = 0,
@@ -127,7 +126,7 @@ class Transfer:
         self.kind = kind
         self.cluster_id = cluster_id
         #: The peer's memory in compact form, when it was named so (else None).
-        self.remote: RemoteBlocks | None = access if isinstance(access, RemoteBlocks) else None
+        self.remote: RemoteBlocks | None = access if access.__class__ is RemoteBlocks else None
         self._access: Access | None = None if self.remote is not None else access  # type: ignore[assignment]
         self.local = local
         #: The local cache holding the rows (pinned by the plan).
@@ -272,7 +271,7 @@ class Plan:
     started request completed (whoever waits, so a caller that gives up never frees
     memory a request still writes)."""
 
-    __slots__ = ("_pending", "_tracking", "deadline_ns", "release", "transfers")
+    __slots__ = ("_inflight", "_pending", "deadline_ns", "release", "transfers")
 
     def __init__(
         self, transfers: list[Transfer], deadline_ns: int, release: Callable[[], None]
@@ -281,7 +280,8 @@ class Plan:
         self.deadline_ns = deadline_ns
         self.release = release
         self._pending = 1
-        self._tracking = False  # a request that did not complete in the caller is tracked
+        #: The requests that did not complete in the caller (None: none so far).
+        self._inflight: list[Completion] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -292,17 +292,25 @@ class Plan:
         """Hold the pins until ``completion`` completes (called by the starting thread)."""
         if completion is DONE or completion.done():
             return
-        self._tracking = True
+        if self._inflight is None:
+            self._inflight = [completion]
+        else:
+            self._inflight.append(completion)
         with _COUNTS:
             self._pending += 1
         completion.add_done_callback(self._one_done)
 
     def seal(self) -> None:
         """No more transfers will start: release the pins once the started ones completed."""
-        if not self._tracking:  # every request completed in the caller
+        if self._inflight is None:  # every request completed in the caller
             self.release()
             return
         self._one_done(None)
+
+    def inflight(self) -> list[Completion]:
+        """The requests started that had not completed in the caller (whoever gives up
+        waiting for the call waits for these first)."""
+        return self._inflight or []
 
     def _one_done(self, _: object) -> None:
         with _COUNTS:

@@ -143,15 +143,11 @@ class SameHostRoute(Route):
     def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
         remote, local = transfer.remote, transfer.local
         on_loop = waiting in _ON_LOOP
-        if remote is not None and isinstance(local, Blocks) and remote.seg == local.seg:
+        if remote is not None and local.__class__ is Blocks and remote.seg == local.seg:
             return self.peer.transfer_blocks(
                 transfer.kind,
-                remote.model_id,
-                (remote.start, remote.count),
-                remote.blocks,
-                (local.layout, local.start, local.blocks),
-                local.count,
-                local.seg,
+                remote,
+                local,
                 deadline_ns,
                 on_loop=on_loop,
             )
@@ -426,14 +422,18 @@ def first_accepting(routes: Sequence[Route], transfer: Transfer) -> Route:
 
 
 def start_on(
-    routes: Sequence[Route], transfer: Transfer, deadline_ns: int, waiting: Waiting
+    routes: Sequence[Route],
+    transfer: Transfer,
+    deadline_ns: int,
+    waiting: Waiting,
+    accepting: Route | None = None,
 ) -> tuple[Route, Completion]:
     """Start ``transfer`` on the first route that accepts it and does not decline: that
     route and the transfer's completion. A failure in the calling thread becomes a failed
     completion (so every transfer of a call starts, and the call reports the first
-    failure)."""
+    failure). ``accepting``: the first route that accepts it, when already asked."""
     for route in routes:
-        if route.accepts(transfer):
+        if route is accepting or route.accepts(transfer):
             try:
                 completion = route.start(transfer, deadline_ns, waiting)
             except LLMException as exc:
