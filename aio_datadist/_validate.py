@@ -65,10 +65,12 @@ def check_int_list(
     if type(value) not in containers:
         check_type(name, value, *containers)
     lo, hi = _RANGES[kind]
-    for i, item in enumerate(value):
+    for item in value:
         # Exact ints in range (every valid item) pass without building a name.
         if type(item) is not int or not lo <= item <= hi:
-            check_int(f"{name}[{i}]", item, kind)
+            for i, each in enumerate(value):  # the slow check names the first bad item
+                check_int(f"{name}[{i}]", each, kind)
+            return
 
 
 def param_invalid(message: str) -> NoReturn:

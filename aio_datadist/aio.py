@@ -287,9 +287,8 @@ def _advance(call: Call, plan: Plan) -> _Driver | None:
     """Run ``call`` (of ``plan``) inline as far as it goes: None when it ended there (a
     small call that completed inline needs no driver), else the driver whose ``finish()``
     awaits the rest."""
-    try:
-        op = call.send(None)
-    except StopIteration:
+    op = next(call, None)  # (None: the call ended)
+    if op is None:
         return None
     driver = _Driver(call, first=op, plan=plan)
     driver.advance()

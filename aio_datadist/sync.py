@@ -38,14 +38,10 @@ _log = get_logger("sync")
 def drive(call: Call, synchronizer: LayerSynchronizer | None = None) -> None:
     """Run ``call`` to its end in this thread: start each transfer here, wait for each
     here, and ask ``synchronizer`` here; failures go back into the call."""
-    reply: Any = None
-    error: Exception | None = None
-    while True:
-        try:
-            op = call.send(reply) if error is None else call.throw(error)
-        except StopIteration:
-            return
-        reply, error = None, None
+    op = next(call, None)  # (None: the call ended before it needed anything of its face)
+    while op is not None:
+        reply: Any = None
+        error: Exception | None = None
         try:
             if isinstance(op, Start):
                 reply = op.begin()
@@ -56,6 +52,10 @@ def drive(call: Call, synchronizer: LayerSynchronizer | None = None) -> None:
                 reply = synchronizer.synchronize_layer(op.layer, None)
         except Exception as exc:
             error = exc
+        try:
+            op = call.send(reply) if error is None else call.throw(error)
+        except StopIteration:
+            return
 
 
 class CacheManager:

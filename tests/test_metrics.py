@@ -108,6 +108,42 @@ async def test_metrics_off_records_nothing() -> None:
     assert stats.transfers == 0 and set(stats.links) == {1}
 
 
+def test_the_recorder_folds_what_ended_and_keeps_the_last_durations() -> None:
+    # Recording only queues; a reader, or the recorder once FOLD_AT wait, folds the queue:
+    # nothing is lost or counted twice, and the percentiles cover the last RECENT transfers.
+    from aio_datadist._engine import metrics as m
+    from aio_datadist._engine.request import RemoteBlocks, Transfer
+    from aio_datadist._log import get_logger
+    from aio_datadist._transport.base import RequestKind
+    from aio_datadist._transport.deadlines import now_ns
+    from aio_datadist.stats import RECENT
+
+    recorder = m.TransferMetrics(get_logger("test"))
+    remote = RemoteBlocks(0, 0, 1, [1], 100)
+    t = Transfer(RequestKind.PULL, 7, remote, None, None, nbytes=100)  # type: ignore[arg-type]
+    base = now_ns()
+    n = RECENT + m.FOLD_AT + 5
+    for i in range(n):
+        # the oldest transfers are slow, the last RECENT fast (they start later)
+        recorder.record("same-host", t, base - (10**9 if i < n - RECENT else 1000), None)
+        assert len(recorder._ended) < m.FOLD_AT
+    failed = LLMException("gone", status_code=S.LLM_LINK_FAILED)
+    recorder.record("link", t, now_ns(), failed)
+    (link, same) = recorder.routes()
+    assert (same.route, same.op, same.by_status, same.bytes) == (
+        "same-host",
+        "pull",
+        {"LLM_SUCCESS": n},
+        100 * n,
+    )
+    assert sum(same.buckets) == n and same.max_us < 10**6  # the slow ones left the window
+    assert link.by_status == {"LLM_LINK_FAILED": 1} and link.bytes == 0
+    assert [(p.cluster_id, p.transfers, p.failed, p.bytes) for p in recorder.peers()] == [
+        (7, n + 1, 1, 100 * n)
+    ]
+    assert not recorder._ended
+
+
 def test_a_bad_metrics_option_is_refused() -> None:
     dd = LLMDataDist(LLMRole.PROMPT, 1)
     with pytest.raises(LLMException) as info:

@@ -3,8 +3,11 @@ and how it ended, recorded in one place of the pipeline (``driver._begin``).
 
 A :class:`TransferMetrics` belongs to one engine. Each transfer is recorded once, when it
 ends: in the calling thread for a request completed there (a one-sided copy, an exchange),
-else in the thread that completes its future. Recording takes one lock and a few dict
-updates; an engine with ``LLMConfig.metrics = False`` has no recorder at all.
+else in the thread that completes its future. Recording only appends what ended to a queue
+(no lock): the queue is folded into the figures below by whoever reads them, and by the
+recording thread once :data:`FOLD_AT` transfers wait, so a transfer pays a few bytecodes
+right after its bytes moved (when the caches are cold) and the folding runs in one warm
+loop. An engine with ``LLMConfig.metrics = False`` has no recorder at all.
 
 Kept per (route, op): counts by status, bytes of the transfers that succeeded, a latency
 histogram with fixed bounds (:data:`BUCKETS_S`, for Prometheus) and the durations of the
@@ -15,12 +18,14 @@ it on the peer (``req_id``, ``prefix_id``, ``cache_id`` or ``model_id``).
 
 from __future__ import annotations
 
+import array
 import bisect
 import collections
 import threading
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.access import Target
@@ -46,7 +51,14 @@ class _Series:
     nbytes: int = 0
     total_ns: int = 0
     buckets: list[int] = field(default_factory=lambda: [0] * (len(BUCKETS_S) + 1))
-    recent: collections.deque[int] = field(default_factory=lambda: collections.deque(maxlen=RECENT))
+    #: The last :data:`RECENT` durations, a ring written at ``count % RECENT`` (C ints: no
+    #: Python object kept per transfer, so recording allocates nothing that lives on).
+    recent: array.array[int] = field(default_factory=lambda: array.array("q", bytes(8 * RECENT)))
+    count: int = 0
+
+    def durations(self) -> npt.NDArray[np.int64]:
+        """A copy of the durations in the ring (in no particular order)."""
+        return np.frombuffer(self.recent, dtype=np.int64, count=min(self.count, RECENT)).copy()
 
 
 @dataclass(slots=True)
@@ -57,6 +69,11 @@ class _Peer:
 
 
 _SUCCESS = int(LLMStatusCode.LLM_SUCCESS)
+#: The recording thread folds the queue once this many ended transfers wait in it.
+FOLD_AT = 256
+#: What the queue holds of an ended transfer: route, op, peer cluster, status, bytes moved,
+#: nanoseconds taken.
+_Ended = tuple[str, RequestKind, int, int, int, int]
 _FAILED = int(LLMStatusCode.LLM_FAILED)
 
 
@@ -85,7 +102,8 @@ class TransferMetrics:
 
     def __init__(self, log: structlog.stdlib.BoundLogger) -> None:
         self._log = log
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held while folding, and to read the figures
+        self._ended: collections.deque[_Ended] = collections.deque()
         self._series: dict[tuple[str, RequestKind], _Series] = {}
         self._peers: dict[int, _Peer] = {}
 
@@ -94,36 +112,42 @@ class TransferMetrics:
     ) -> None:
         """One transfer on ``route`` ended (``failure``: why, or None when it succeeded)."""
         took = now_ns() - started_ns
-        bucket = bisect.bisect_left(_BOUNDS_NS, took)
+        ended = self._ended
         if failure is None:
-            status, nbytes = _SUCCESS, transfer.nbytes
-        elif isinstance(failure, LLMException):
-            status, nbytes = int(failure.status_code), 0
-        else:
-            status, nbytes = _FAILED, 0
-        with self._lock:
-            try:
-                series = self._series[route, transfer.kind]
-                peer = self._peers[transfer.cluster_id]
-            except KeyError:
-                series, peer = self._first(route, transfer)
-            by_status = series.by_status
-            by_status[status] = by_status.get(status, 0) + 1
-            series.nbytes += nbytes
-            series.total_ns += took
-            series.buckets[bucket] += 1
-            series.recent.append(took)
-            peer.transfers += 1
-            peer.nbytes += nbytes
-            if failure is not None:
-                peer.failed += 1
-        if failure is not None:
-            self._log_failure(route, transfer, LLMStatusCode(status), took, failure)
+            ended.append(
+                (route, transfer.kind, transfer.cluster_id, _SUCCESS, transfer.nbytes, took)
+            )
+            if len(ended) >= FOLD_AT:
+                self._fold()
+            return
+        status = int(failure.status_code) if isinstance(failure, LLMException) else _FAILED
+        ended.append((route, transfer.kind, transfer.cluster_id, status, 0, took))
+        self._log_failure(route, transfer, LLMStatusCode(status), took, failure)
 
-    def _first(self, route: str, transfer: Transfer) -> tuple[_Series, _Peer]:
-        """The series and peer of a transfer, made on the first one of each (lock held)."""
-        series = self._series.setdefault((route, transfer.kind), _Series())
-        return series, self._peers.setdefault(transfer.cluster_id, _Peer())
+    def _fold(self) -> None:
+        """Fold the transfers recorded so far into the series and peers (those recorded
+        meanwhile wait for the next fold)."""
+        ended, series_of, peers = self._ended, self._series, self._peers
+        with self._lock:
+            for _ in range(len(ended)):
+                route, kind, cluster_id, status, nbytes, took = ended.popleft()
+                series = series_of.get((route, kind))
+                if series is None:
+                    series = series_of[route, kind] = _Series()
+                by_status = series.by_status
+                by_status[status] = by_status.get(status, 0) + 1
+                series.nbytes += nbytes
+                series.total_ns += took
+                series.buckets[bisect.bisect_left(_BOUNDS_NS, took)] += 1
+                series.recent[series.count % RECENT] = took
+                series.count += 1
+                peer = peers.get(cluster_id)
+                if peer is None:
+                    peer = peers[cluster_id] = _Peer()
+                peer.transfers += 1
+                peer.nbytes += nbytes
+                if status != _SUCCESS:
+                    peer.failed += 1
 
     def _log_failure(
         self,
@@ -148,6 +172,7 @@ class TransferMetrics:
 
     def routes(self) -> list[RouteSnapshot]:
         """A snapshot of every (route, op) seen, sorted by route then op."""
+        self._fold()
         with self._lock:
             taken = [
                 (
@@ -157,7 +182,7 @@ class TransferMetrics:
                     s.nbytes,
                     s.total_ns,
                     tuple(s.buckets),
-                    np.fromiter(s.recent, dtype=np.int64, count=len(s.recent)),
+                    s.durations(),
                 )
                 for (route, kind), s in sorted(self._series.items(), key=_by_route_op)
             ]
@@ -184,6 +209,7 @@ class TransferMetrics:
 
     def peers(self) -> list[PeerSnapshot]:
         """A snapshot per peer cluster, sorted by cluster id."""
+        self._fold()
         with self._lock:
             return [
                 PeerSnapshot(cluster_id, p.transfers, p.failed, p.nbytes)
