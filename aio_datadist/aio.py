@@ -147,6 +147,20 @@ class _Driver:
     requests ended, then lets the cancellation through.
     """
 
+    __slots__ = (
+        "_call",
+        "_cancelled",
+        "_error",
+        "_first",
+        "_op",
+        "_plan",
+        "_reply",
+        "_started",
+        "_synchronizer",
+        "_watching",
+        "done",
+    )
+
     def __init__(
         self,
         call: Call,

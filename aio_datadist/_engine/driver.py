@@ -23,7 +23,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aio_datadist._engine.layerwise import LayerJob
@@ -146,11 +148,15 @@ def _begin(
     elif completion.done():
         metrics.record(route.name, transfer, started, completion.exception())
     else:
-        name = route.name
-        completion.add_done_callback(
-            lambda future: metrics.record(name, transfer, started, future.exception())
-        )
+        completion.add_done_callback(partial(_record, metrics, route.name, transfer, started))
     return completion
+
+
+def _record(
+    metrics: TransferMetrics, route: str, transfer: Transfer, started: int, future: Future[None]
+) -> None:
+    """Record a transfer whose request ended in another thread (or on the loop)."""
+    metrics.record(route, transfer, started, future.exception())
 
 
 def _routes(links: LinkTable, cluster_id: int) -> Sequence[Route]:
