@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine
 from functools import partial
 from types import TracebackType
 from typing import Any
@@ -119,7 +119,7 @@ async def _wait(completion: Completion) -> None:
     future.result()
 
 
-async def _drain(started: Iterable[Completion]) -> None:
+async def _drain(started: list[Completion]) -> None:
     """Wait, through further cancellations, until every request has ended or timed out.
 
     A cancelled transfer still owns the caller's memory while its requests run (a pull's
@@ -155,7 +155,6 @@ class _Driver:
         "_op",
         "_plan",
         "_reply",
-        "_started",
         "_synchronizer",
         "_watching",
         "done",
@@ -164,13 +163,13 @@ class _Driver:
     def __init__(
         self,
         call: Call,
+        plan: Plan,
         synchronizer: LayerSynchronizer | None = None,
         cancelled: asyncio.Event | None = None,
         first: Start | Wait | Synchronize | None = None,
-        plan: Plan | None = None,
     ) -> None:
         self._call = call
-        #: The call's plan: what it started without the driver is drained from it.
+        #: The call's plan: a cancelled call waits for the requests it holds in flight.
         self._plan = plan
         #: What the call asked before the driver existed (see :func:`_advance`).
         self._first = first
@@ -179,7 +178,6 @@ class _Driver:
         self._reply: Any = None
         self._error: Exception | None = None
         self._op: Start | Wait | Synchronize | None = None
-        self._started: list[Completion] = []
         self._watching: dict[object, Callable[[], None]] | None = None  # (made on first use)
         #: True once the call ended.
         self.done = False
@@ -218,10 +216,6 @@ class _Driver:
             for end in watching.values():
                 end()
 
-    def _begun(self, completion: Completion) -> None:
-        self._started.append(completion)
-        self._reply = completion
-
     def advance(self) -> None:
         """Run the call inline until it needs to wait (or ends)."""
         while self._op is None:
@@ -233,7 +227,7 @@ class _Driver:
             if isinstance(op, Start) and not (op.nbytes > INLINE_BYTES and op.in_caller()):
                 if self._watch(op) and op.waiting is Waiting.LOOP_EXCHANGE and not _loop_idle():
                     op.waiting = Waiting.LOOP  # others are ready to run: never busy-poll
-                self._begun(op.begin())
+                self._reply = op.begin()
             elif isinstance(op, Wait) and op.completion.done():
                 self._error = op.completion.exception()  # type: ignore[assignment]
             else:
@@ -251,7 +245,7 @@ class _Driver:
                     if isinstance(op, Start):
                         op.waiting = Waiting.LOOP  # moved on a worker thread
                         self._watch(op)
-                        self._begun(await run_native(op.begin, nbytes=op.nbytes))
+                        self._reply = await run_native(op.begin, nbytes=op.nbytes)
                     elif isinstance(op, Wait):
                         await _wait(op.completion)
                     else:
@@ -262,10 +256,8 @@ class _Driver:
                     self._error = exc
         except asyncio.CancelledError:
             self._call.close()
-            # What the driver started, and what the call started itself (its plan's).
-            inflight = self._started if self._plan is None else self._plan.inflight()
-            try:
-                await _drain({id(c): c for c in (*self._started, *inflight)}.values())
+            try:  # every request the call started was tracked by its plan before any await
+                await _drain(self._plan.inflight())
             finally:
                 self._unwatch()
             raise
@@ -304,7 +296,7 @@ def _advance(call: Call, plan: Plan) -> _Driver | None:
     op = next(call, None)  # (None: the call ended)
     if op is None:
         return None
-    driver = _Driver(call, first=op, plan=plan)
+    driver = _Driver(call, plan, first=op)
     driver.advance()
     return None if driver.done else driver
 
@@ -947,7 +939,7 @@ class AsyncCacheManager(_LoopBound):
         loop = self._bound_loop
         task._on_cancel(lambda: _call_soon(loop, cancelled.set))
         call = run_layers(job, task, self._links, Waiting.LOOP)
-        self._spawn(_Driver(call, job.synchronizer, cancelled, plan=job.plan).finish())
+        self._spawn(_Driver(call, job.plan, job.synchronizer, cancelled).finish())
         return task
 
     def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:

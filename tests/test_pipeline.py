@@ -212,7 +212,7 @@ def test_a_blocking_call_of_one_request_runs_its_round_trip_in_the_caller() -> N
 async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_ready() -> None:
     async def call(n: int) -> None:
         plan = Plan([transfer() for _ in range(n)], 10**18, lambda: None)
-        await _Driver(run_call(plan, Links([route]), Waiting.LOOP)).finish()  # type: ignore[arg-type]
+        await _Driver(run_call(plan, Links([route]), Waiting.LOOP), plan).finish()  # type: ignore[arg-type]
 
     route = Recorded("a", pump=True)
     await call(1)

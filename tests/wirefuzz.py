@@ -495,7 +495,9 @@ def resources_flat(engine: ServingEngine) -> Iterator[dict[str, int]]:
     deltas: dict[str, int] = {}
     before = (_open_fds(), threading.active_count(), engine.pool_used())
     yield deltas
-    settle(lambda: (_open_fds(), threading.active_count()) <= before[:2])
+    # each count on its own (a tuple compares its first item first: one descriptor fewer
+    # would hide a thread still running)
+    settle(lambda: _open_fds() <= before[0] and threading.active_count() <= before[1])
     settle(lambda: engine.pins() == 0)
     deltas["fds"] = _open_fds() - before[0]
     deltas["threads"] = threading.active_count() - before[1]
