@@ -34,7 +34,7 @@ from aio_datadist._engine.driver import (
 from aio_datadist._engine.engine import Engine
 from aio_datadist._engine.layerwise import plan_layer_job
 from aio_datadist._engine.links import LinkTable
-from aio_datadist._engine.offload import INLINE_BYTES, run_native
+from aio_datadist._engine.offload import run_native
 from aio_datadist._engine.plan import CopyPlan
 from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.request import Completion, Plan
@@ -224,7 +224,7 @@ class _Driver:
                 op = self._next()
                 if op is None:
                     return
-            if isinstance(op, Start) and not (op.nbytes > INLINE_BYTES and op.in_caller()):
+            if isinstance(op, Start) and not op.offloaded():
                 if self._watch(op) and op.waiting is Waiting.LOOP_EXCHANGE and not _loop_idle():
                     op.waiting = Waiting.LOOP  # others are ready to run: never busy-poll
                 self._reply = op.begin()

@@ -156,8 +156,7 @@ class CacheService:
         """
         if type(cache) is not Cache:
             check_type(name, cache, Cache)
-        if self._closed:
-            self.check_open()
+        self.check_open()
         entry: CacheEntry | None = (
             self.registry.get(cache._cache_id) if cache._owner is self else None
         )

@@ -52,7 +52,7 @@ __all__ = (
 
 class Start:
     """Start one transfer of ``nbytes``: call :meth:`begin` (inline, or on a worker thread
-    when :meth:`in_caller` and the payload is large)."""
+    when :meth:`offloaded`)."""
 
     __slots__ = ("deadline_ns", "metrics", "nbytes", "route", "routes", "transfer", "waiting")
 
@@ -74,10 +74,10 @@ class Start:
         #: The first of ``routes`` that accepts the transfer.
         self.route = route
 
-    def in_caller(self) -> bool:
-        """True when starting moves the payload in the calling thread (the first route that
-        accepts the transfer says)."""
-        return self.route.in_caller(self.transfer)
+    def offloaded(self) -> bool:
+        """True when an event loop runs :meth:`begin` on a worker thread (see
+        :func:`_offloaded`)."""
+        return _offloaded(self.route, self.transfer)
 
     def watch(self) -> tuple[object, Callable[[], None]] | None:
         """Let the running event loop drive the request's pump (the first route that accepts
@@ -174,13 +174,17 @@ def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Wait
     return Start(routes, transfer, deadline_ns, waiting, links.metrics, route)
 
 
+def _offloaded(route: Route, transfer: Transfer) -> bool:
+    """True when starting ``transfer`` on ``route`` moves more than ``INLINE_BYTES`` in the
+    calling thread, which an event loop leaves to a worker thread."""
+    return transfer.nbytes > INLINE_BYTES and route.in_caller(transfer)
+
+
 def _plain(route: Route, transfer: Transfer) -> bool:
     """True when starting ``transfer`` on ``route`` needs nothing of an event loop, so the
-    call starts it inline: the route has no pump for the loop to watch, and the payload is
-    at most ``INLINE_BYTES`` or is not moved in the calling thread."""
-    if route.link() is not None:
-        return False
-    return transfer.nbytes <= INLINE_BYTES or not route.in_caller(transfer)
+    call starts it inline: the route has no pump for the loop to watch, and the start is
+    not :func:`_offloaded`."""
+    return route.link() is None and not _offloaded(route, transfer)
 
 
 class _Refused(Route):

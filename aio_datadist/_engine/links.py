@@ -89,8 +89,6 @@ STALE_LINK_GRACE_S = 1.0
 #: Most broken links remembered; the oldest go first (trimmed once a quarter more broke, so
 #: a churn of links costs no scan of them all at every close).
 MAX_BROKEN_LINKS = 4096
-#: The links to a cluster in the order transfers prefer them: this side's, then the peer's.
-_OWN_FIRST = (True, False)
 
 
 @dataclass(eq=False)
@@ -268,7 +266,8 @@ class LinkTable:
 
     # -- lookup ---------------------------------------------------------------------------
     def _live(self, cluster_id: int, *, own_only: bool = False) -> Link | None:
-        """The live link to ``cluster_id`` (this side's first); lock held."""
+        """The live link to ``cluster_id`` (this side's first): with the lock held, or for
+        one read that may race a link closing (``route``)."""
         for own in (True,) if own_only else (True, False):
             entry = self._entries.get((cluster_id, own))
             if isinstance(entry, Link) and entry.live:
@@ -304,15 +303,9 @@ class LinkTable:
         :raises LLMException: ``LLM_LINK_FAILED`` naming who closed it and when, for a link
             that closed without this side asking; ``LLM_NOT_YET_LINK`` when there is none.
         """
-        # The usual case reads without the lock (one dict read each): a link that closes
-        # right after is what the locked read could return too.
-        entries = self._entries
-        for own in _OWN_FIRST:
-            link = entries.get((cluster_id, own))
-            if link.__class__ is Link and not link.channel.closed:
-                return link
-        with self._lock:
-            link = self._live(cluster_id)
+        # Read without the lock: each dict read is atomic, and a link that closes right after
+        # is what a locked read could return too.
+        link = self._live(cluster_id)
         if link is not None:
             return link
         broken = self.broken(cluster_id)

@@ -25,7 +25,6 @@ from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.deadlines import now_ns
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
-from aio_datadist.enums import Placement
 from aio_datadist.status import FeatureNotEnabledError, LLMStatusCode, ParamInvalidError
 from aio_datadist.types import (
     BlocksCacheKey,
@@ -122,7 +121,7 @@ class Planner:
             nbytes = local.count * len(local.blocks) * local.seg
         else:
             nbytes = int(local[:, 1].sum()) if len(local) else 0
-        device = entry.placement is Placement.DEVICE and self.caches.staging.needed
+        device = self.caches.on_device(entry)
         return Transfer(kind, cluster_id, access, local, entry, device, commit, nbytes)
 
     def plan(self, transfers: list[Transfer], entries: Sequence[CacheEntry]) -> Plan:
@@ -256,7 +255,7 @@ class Planner:
             src_blocks = ()
         check_int_list("src_blocks", src_blocks, "uint64")
         check_int_list("dst_blocks", dst_blocks, "uint64")
-        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs) if kwargs else _NO_KWARGS
+        src_layers, dst_layers, per_layer = self._pull_kwargs(kwargs)
         if not dst_blocks:
             raise _invalid("dst_blocks must not be empty")
         if by_blocks:

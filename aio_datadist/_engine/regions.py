@@ -249,12 +249,8 @@ class RegionView:
     def regions(self) -> RemoteRegions | None:
         """The current table, or None when no consistent snapshot could be read (or closed)."""
         cached = self._regions  # the usual case: the board did not change since last read
-        if cached is not None:
-            try:
-                if cached.seq == _SEQ.unpack_from(self._map, _SEQ_AT)[0]:
-                    return cached
-            except ValueError:  # closed
-                return None
+        if cached is not None and cached.seq == self.seq():
+            return cached
         with self._lock:
             if self._map.closed:
                 return None

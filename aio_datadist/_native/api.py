@@ -499,21 +499,20 @@ class BlockLayout:
     block, and the blocks per tensor (block ``b`` of tensor ``t`` starts at
     ``bases[t] + b * block_bytes``)."""
 
-    __slots__ = ("_cbases", "bases", "block_bytes", "num_blocks", "num_tensors")
+    __slots__ = ("_cbases", "bases", "block_bytes", "num_blocks")
 
     def __init__(self, bases: tuple[int, ...] | list[int], block_bytes: int, num_blocks: int):
         self.bases = np.array(bases, dtype=np.uint64)
-        self.num_tensors = len(self.bases)
         self.block_bytes = _u64(block_bytes, "block_bytes")
         self.num_blocks = _u64(num_blocks, "num_blocks")
         self._cbases = ffi.from_buffer("uint64_t[]", self.bases)
 
     def _tensors(self, start: int, count: int) -> Any:
         """The C pointer to ``bases[start]``, once ``[start, start + count)`` was checked."""
-        if not 0 <= start <= start + count <= self.num_tensors:
+        if not 0 <= start <= start + count <= len(self.bases):
             _check(
                 lib.DD_EINVAL,
-                f"tensors [{start}, {start + count}) of a layout of {self.num_tensors} tensors",
+                f"tensors [{start}, {start + count}) of a layout of {len(self.bases)} tensors",
             )
         return self._cbases + start
 
@@ -651,30 +650,17 @@ def vm_copy_blocks(
     n = len(d_blocks)
     if len(s_blocks) != n:
         _check(lib.DD_EINVAL, f"{n} dst blocks but {len(s_blocks)} src blocks")
-    if d_blocks.__class__ is list and s_blocks.__class__ is list:
-        try:  # (the usual case: lists of ints, in one C array, dst's first)
-            blocks = ffi.new("uint64_t[]", d_blocks + s_blocks)
-        except (OverflowError, TypeError):
-            blocks = _block_list("blocks", [*d_blocks, *s_blocks])
-    else:
-        blocks = _block_list("blocks", [*d_blocks, *s_blocks])
-    if 0 <= d_start <= d_start + count <= d_layout.num_tensors:
-        d_tensors = d_layout._cbases + d_start
-    else:
-        d_tensors = d_layout._tensors(d_start, count)  # (raises)
-    if 0 <= s_start <= s_start + count <= s_layout.num_tensors:
-        s_tensors = s_layout._cbases + s_start
-    else:
-        s_tensors = s_layout._tensors(s_start, count)  # (raises)
+    # One C array for both lists: its first n values are dst's.
+    blocks = _block_list("blocks", [*d_blocks, *s_blocks])
     err = ffi.new("int *")
     args = (
         pid,
-        write,
-        d_tensors,
+        int(write),
+        d_layout._tensors(d_start, count),
         d_layout.block_bytes,
         d_layout.num_blocks,
         blocks,
-        s_tensors,
+        s_layout._tensors(s_start, count),
         s_layout.block_bytes,
         s_layout.num_blocks,
         blocks + n,
