@@ -268,11 +268,14 @@ class LinkTable:
     def _live(self, cluster_id: int, *, own_only: bool = False) -> Link | None:
         """The live link to ``cluster_id`` (this side's first): with the lock held, or for
         one read that may race a link closing (``route``)."""
-        for own in (True,) if own_only else (True, False):
-            entry = self._entries.get((cluster_id, own))
-            if isinstance(entry, Link) and entry.live:
-                return entry
-        return None
+        entries = self._entries
+        entry = entries.get((cluster_id, True))
+        if isinstance(entry, Link) and entry.live:
+            return entry
+        if own_only:
+            return None
+        entry = entries.get((cluster_id, False))
+        return entry if isinstance(entry, Link) and entry.live else None
 
     def live_links(self) -> dict[int, Link]:
         """The live link to each linked cluster (the one transfers use), by cluster id."""
