@@ -80,46 +80,81 @@ def _loop_idle() -> bool:
     return isinstance(ready, collections.deque) and not ready
 
 
-def _wake(loop: asyncio.AbstractEventLoop, waiter: asyncio.Future[bool], _: object) -> None:
-    """A request ``waiter`` awaits completed: settle it on ``loop`` (at once when the loop
+class _Overdue:
+    """The waits of one event loop for started requests, and the safety net under them: a
+    wait whose request outlived its deadline plus ``GRACE_S`` (a transport that never
+    reported) gives up with ``LLM_TIMEOUT``.
+
+    The waits whose nets fall in the same second share one loop timer, so thousands of awaited
+    calls in flight cost the loop's timer heap a few entries, not one each (each a heap
+    operation of Python comparisons and an object the collector walks while the call waits).
+    """
+
+    __slots__ = ("_loop", "_slots")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        #: Waiters by the whole second of the loop's clock at which their net gives up.
+        self._slots: dict[int, set[asyncio.Future[bool]]] = {}
+
+    def waiter(self, completion: Completion) -> asyncio.Future[bool]:
+        """A future of the loop set True once ``completion`` completes, or False when its
+        net gives up first (call on the loop)."""
+        loop = self._loop
+        waiter: asyncio.Future[bool] = loop.create_future()
+        slot = -int(-(loop.time() + completion.timeout_s()) // 1)  # (the second after)
+        waiters = self._slots.get(slot)
+        if waiters is None:
+            waiters = self._slots[slot] = set()
+            loop.call_at(slot, self._give_up, slot)
+        waiters.add(waiter)
+        completion.add_done_callback(partial(_wake, self, slot, waiter))
+        return waiter
+
+    def settle(self, slot: int, waiter: asyncio.Future[bool]) -> None:
+        """(On the loop.) The request ``waiter`` awaits completed."""
+        waiters = self._slots.get(slot)
+        if waiters is not None:
+            waiters.discard(waiter)
+        if not waiter.done():
+            waiter.set_result(True)
+
+    def _give_up(self, slot: int) -> None:
+        for waiter in self._slots.pop(slot, ()):
+            if not waiter.done():
+                waiter.set_result(False)
+
+
+def _wake(overdue: _Overdue, slot: int, waiter: asyncio.Future[bool], _: object) -> None:
+    """A request ``waiter`` awaits completed: settle it on the loop (at once when the loop
     itself completed it, having read the answer)."""
+    loop = overdue._loop
     if _on_loop(loop):
-        _settle_waiter(waiter, True)
+        overdue.settle(slot, waiter)
         return
     with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-        loop.call_soon_threadsafe(_settle_waiter, waiter, True)
+        loop.call_soon_threadsafe(overdue.settle, slot, waiter)
 
 
-def _settle_waiter(waiter: asyncio.Future[bool], completed: bool) -> None:
-    if not waiter.done():
-        waiter.set_result(completed)
+def _overdue_error() -> LLMTimeoutError:
+    return LLMTimeoutError(
+        "transfer did not complete within sync_kv_timeout",
+        status_code=LLMStatusCode.LLM_TIMEOUT,
+    )
 
 
-async def _wait(completion: Completion) -> None:
+async def _wait(completion: Completion, overdue: _Overdue) -> None:
     """Await a started request without cancelling it; raise its ``LLMException``.
 
-    One loop future and one timer per wait: cancelling the awaiting task leaves the
-    request alone (the transport completes it, and the plan releases its pins then).
+    Cancelling the awaiting task leaves the request alone (the transport completes it, and
+    the plan releases its pins then).
     """
-    future = completion.future
-    if not future.done():
-        loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[bool] = loop.create_future()
-        future.add_done_callback(partial(_wake, loop, waiter))
-        timer = loop.call_later(completion.timeout_s(), _settle_waiter, waiter, False)
-        try:
-            completed = await waiter
-        finally:
-            timer.cancel()
-        if not completed:
-            raise LLMTimeoutError(
-                "transfer did not complete within sync_kv_timeout",
-                status_code=LLMStatusCode.LLM_TIMEOUT,
-            )
-    future.result()
+    if not completion.done() and not await overdue.waiter(completion):
+        raise _overdue_error()
+    completion.raise_failure()
 
 
-async def _drain(started: list[Completion]) -> None:
+async def _drain(started: list[Completion], overdue: _Overdue) -> None:
     """Wait, through further cancellations, until every request has ended or timed out.
 
     A cancelled transfer still owns the caller's memory while its requests run (a pull's
@@ -127,7 +162,7 @@ async def _drain(started: list[Completion]) -> None:
     """
     settled = asyncio.ensure_future(
         asyncio.gather(
-            *(_wait(c) for c in started if not c.done()),
+            *(_wait(c, overdue) for c in started if not c.done()),
             return_exceptions=True,
         )
     )
@@ -150,10 +185,13 @@ class _Driver:
     __slots__ = (
         "_call",
         "_cancelled",
+        "_end",
         "_error",
         "_first",
         "_op",
+        "_overdue",
         "_plan",
+        "_pump",
         "_reply",
         "_synchronizer",
         "_watching",
@@ -164,6 +202,7 @@ class _Driver:
         self,
         call: Call,
         plan: Plan,
+        overdue: _Overdue,
         synchronizer: LayerSynchronizer | None = None,
         cancelled: asyncio.Event | None = None,
         first: Start | Wait | Synchronize | None = None,
@@ -171,6 +210,7 @@ class _Driver:
         self._call = call
         #: The call's plan: a cancelled call waits for the requests it holds in flight.
         self._plan = plan
+        self._overdue = overdue
         #: What the call asked before the driver existed (see :func:`_advance`).
         self._first = first
         self._synchronizer = synchronizer
@@ -178,7 +218,11 @@ class _Driver:
         self._reply: Any = None
         self._error: Exception | None = None
         self._op: Start | Wait | Synchronize | None = None
-        self._watching: dict[object, Callable[[], None]] | None = None  # (made on first use)
+        #: The first pump watched for the call and the call that ends that watch; the
+        #: others, by pump (made on first use: a call mostly crosses one link).
+        self._pump: object = None
+        self._end: Callable[[], None] | None = None
+        self._watching: dict[object, Callable[[], None]] | None = None
         #: True once the call ended.
         self.done = False
 
@@ -201,20 +245,25 @@ class _Driver:
         watched = start.watch()
         if watched is None:
             return False
-        link, end = watched
-        if self._watching is None:
-            self._watching = {}
-        if link in self._watching:
+        pump, end = watched
+        if self._end is None:
+            self._pump, self._end = pump, end
+        elif pump is self._pump or (self._watching is not None and pump in self._watching):
             end()  # watched already for this call
+        elif self._watching is None:
+            self._watching = {pump: end}
         else:
-            self._watching[link] = end
+            self._watching[pump] = end
         return True
 
     def _unwatch(self) -> None:
-        watching, self._watching = self._watching, None
+        end, watching = self._end, self._watching
+        self._pump = self._end = self._watching = None
+        if end is not None:
+            end()
         if watching:
-            for end in watching.values():
-                end()
+            for more in watching.values():
+                more()
 
     def advance(self) -> None:
         """Run the call inline until it needs to wait (or ends)."""
@@ -246,8 +295,11 @@ class _Driver:
                         op.waiting = Waiting.LOOP  # moved on a worker thread
                         self._watch(op)
                         self._reply = await run_native(op.begin, nbytes=op.nbytes)
-                    elif isinstance(op, Wait):
-                        await _wait(op.completion)
+                    elif isinstance(op, Wait):  # (as _wait, without a coroutine of its own)
+                        completion = op.completion
+                        if not completion.done() and not await self._overdue.waiter(completion):
+                            raise _overdue_error()
+                        completion.raise_failure()
                     else:
                         self._reply = await self._synchronize(op.layer)
                 except asyncio.CancelledError:
@@ -257,7 +309,7 @@ class _Driver:
         except asyncio.CancelledError:
             self._call.close()
             try:  # every request the call started was tracked by its plan before any await
-                await _drain(self._plan.inflight())
+                await _drain(self._plan.inflight(), self._overdue)
             finally:
                 self._unwatch()
             raise
@@ -289,14 +341,14 @@ class _Driver:
         return waiter.result()
 
 
-def _advance(call: Call, plan: Plan) -> _Driver | None:
+def _advance(call: Call, plan: Plan, overdue: _Overdue) -> _Driver | None:
     """Run ``call`` (of ``plan``) inline as far as it goes: None when it ended there (a
     small call that completed inline needs no driver), else the driver whose ``finish()``
     awaits the rest."""
     op = next(call, None)  # (None: the call ended)
     if op is None:
         return None
-    driver = _Driver(call, plan, first=op)
+    driver = _Driver(call, plan, overdue, first=op)
     driver.advance()
     return None if driver.done else driver
 
@@ -324,6 +376,7 @@ class AsyncCacheManager(_LoopBound):
         self._links = links
         self._loop = loop
         self._bound_loop = loop
+        self._overdue = _Overdue(loop)
         self._background: set[asyncio.Task[None]] = set()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
@@ -335,7 +388,7 @@ class AsyncCacheManager(_LoopBound):
         """Run a pull or push call inline as far as it goes; the caller awaits ``finish()``
         of the driver returned, if any (no coroutine of its own: thousands of awaited calls
         in flight each hold one object less)."""
-        return _advance(run_call(plan, self._links, Waiting.LOOP), plan)
+        return _advance(run_call(plan, self._links, Waiting.LOOP), plan, self._overdue)
 
     async def _run(self, plan: CopyPlan) -> None:
         try:
@@ -864,7 +917,9 @@ class AsyncCacheManager(_LoopBound):
             tensor_num_per_layer,
         )
         task = CacheTask(1, self._loop)
-        driver = _advance(settle(run_call(plan, self._links, Waiting.LOOP), task), plan)
+        driver = _advance(
+            settle(run_call(plan, self._links, Waiting.LOOP), task), plan, self._overdue
+        )
         if driver is not None:
             self._spawn(driver.finish())
         return task
@@ -939,7 +994,7 @@ class AsyncCacheManager(_LoopBound):
         loop = self._bound_loop
         task._on_cancel(lambda: _call_soon(loop, cancelled.set))
         call = run_layers(job, task, self._links, Waiting.LOOP)
-        self._spawn(_Driver(call, job.plan, job.synchronizer, cancelled).finish())
+        self._spawn(_Driver(call, job.plan, self._overdue, job.synchronizer, cancelled).finish())
         return task
 
     def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:

@@ -30,7 +30,7 @@ from aio_datadist._engine.routes import (
     without_communicator,
 )
 from aio_datadist._transport.base import RequestKind
-from aio_datadist.aio import _advance, _Driver
+from aio_datadist.aio import _advance, _Driver, _Overdue, _wait
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.sync import drive
 
@@ -167,7 +167,7 @@ def test_a_call_starts_every_request_and_raises_the_first_failure_once_all_ended
     refused = LLMException("no such cache", status_code=S.LLM_KV_CACHE_NOT_EXIST)
     released: list[bool] = []
     routes: list[Route] = [Recorded("a", outcome=pending, pump=True)]
-    plan = Plan([transfer(), transfer(404), transfer()], 10**18, lambda: released.append(True))
+    plan = Plan([transfer(), transfer(404), transfer()], 10**18, lambda _: released.append(True))
     # The async face's view: a start crossing a pump is yielded (the loop watches it); the
     # missing link's has nothing for the loop to do, so the call starts it itself.
     call = run_call(plan, Links(routes), Waiting.LOOP)  # type: ignore[arg-type]
@@ -191,11 +191,11 @@ def test_a_call_starts_every_request_and_raises_the_first_failure_once_all_ended
 def test_the_blocking_face_drives_a_call_to_its_end() -> None:
     released: list[bool] = []
     route = Recorded("a")
-    plan = Plan([transfer(), transfer()], 10**18, lambda: released.append(True))
+    plan = Plan([transfer(), transfer()], 10**18, lambda _: released.append(True))
     drive(run_call(plan, Links([route]), Waiting.CALLER))  # type: ignore[arg-type]
     assert len(route.started) == 2 and released == [True]
     refused = Recorded("b", outcome=LLMException("x", status_code=S.LLM_PARAM_INVALID))
-    plan = Plan([transfer()], 10**18, lambda: released.append(True))
+    plan = Plan([transfer()], 10**18, lambda _: released.append(True))
     with pytest.raises(LLMException) as info:
         drive(run_call(plan, Links([refused]), Waiting.CALLER))  # type: ignore[arg-type]
     assert info.value.status_code == S.LLM_PARAM_INVALID and released == [True, True]
@@ -204,15 +204,16 @@ def test_the_blocking_face_drives_a_call_to_its_end() -> None:
 def test_a_blocking_call_of_one_request_runs_its_round_trip_in_the_caller() -> None:
     route = Recorded("a")
     for n, waiting in ((1, Waiting.EXCHANGE), (2, Waiting.CALLER)):
-        plan = Plan([transfer() for _ in range(n)], 10**18, lambda: None)
+        plan = Plan([transfer() for _ in range(n)], 10**18, lambda _: None)
         drive(run_call(plan, Links([route]), Waiting.CALLER))  # type: ignore[arg-type]
         assert route.waiting[-n:] == [waiting] * n
 
 
 async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_ready() -> None:
     async def call(n: int) -> None:
-        plan = Plan([transfer() for _ in range(n)], 10**18, lambda: None)
-        await _Driver(run_call(plan, Links([route]), Waiting.LOOP), plan).finish()  # type: ignore[arg-type]
+        plan = Plan([transfer() for _ in range(n)], 10**18, lambda _: None)
+        overdue = _Overdue(asyncio.get_running_loop())
+        await _Driver(run_call(plan, Links([route]), Waiting.LOOP), plan, overdue).finish()  # type: ignore[arg-type]
 
     route = Recorded("a", pump=True)
     await call(1)
@@ -228,6 +229,34 @@ async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_rea
     # A route with nothing for the loop to watch is started by the call itself, and
     # never told to busy-poll (the loop was not asked whether it is idle).
     plain = Recorded("b")
-    plan = Plan([transfer()], 10**18, lambda: None)
-    assert _advance(run_call(plan, Links([plain]), Waiting.LOOP), plan) is None  # type: ignore[arg-type]
+    plan = Plan([transfer()], 10**18, lambda _: None)
+    overdue = _Overdue(asyncio.get_running_loop())
+    assert _advance(run_call(plan, Links([plain]), Waiting.LOOP), plan, overdue) is None  # type: ignore[arg-type]
     assert plain.waiting == [Waiting.LOOP]
+
+
+async def test_an_awaited_request_the_transport_never_ends_times_out_and_waits_share_a_timer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import aio_datadist._engine.request as request
+
+    monkeypatch.setattr(request, "GRACE_S", 0.0)  # the net gives up at the deadline
+    loop = asyncio.get_running_loop()
+    overdue = _Overdue(loop)
+    deadline = request.now_ns() + 50_000_000
+    lost = [Completion(Future(), deadline) for _ in range(3)]  # never completed
+    answered: Future[None] = Future()
+    scheduled = len(loop._scheduled)  # type: ignore[attr-defined]
+    waits = [asyncio.ensure_future(_wait(c, overdue)) for c in lost]
+    later = deadline + 60 * 10**9  # (its net stays armed through the test)
+    kept = asyncio.ensure_future(_wait(Completion(answered, later), overdue))
+    await asyncio.sleep(0)
+    assert len(loop._scheduled) <= scheduled + 3  # type: ignore[attr-defined]
+    answered.set_result(None)  # (as a transport completes a request in another thread)
+    await kept
+    for wait in waits:
+        with pytest.raises(LLMException) as err:
+            await asyncio.wait_for(wait, 5)
+        assert err.value.status_code == LLMStatusCode.LLM_TIMEOUT
+    # Nothing of a wait outlives it: the net holds no waiter once every one has ended.
+    assert not any(overdue._slots.values())

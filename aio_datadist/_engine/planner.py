@@ -11,7 +11,6 @@ who waits, is decided later (``_engine.routes``, ``_engine.driver``).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -129,7 +128,7 @@ class Planner:
         registry = self.caches.registry
         registry.pin(entries)
         deadline_ns = now_ns() + self.timeout_ms * 1_000_000
-        return Plan(transfers, deadline_ns, functools.partial(registry.unpin, entries))
+        return Plan(transfers, deadline_ns, registry.unpin, entries)
 
     def _require_remote_access(self, call: str) -> None:
         if not self.remote_cache_accessible:

@@ -271,14 +271,20 @@ class Plan:
     started request completed (whoever waits, so a caller that gives up never frees
     memory a request still writes)."""
 
-    __slots__ = ("_inflight", "_pending", "deadline_ns", "release", "transfers")
+    __slots__ = ("_inflight", "_pending", "_pins", "_unpin", "deadline_ns", "transfers")
 
     def __init__(
-        self, transfers: list[Transfer], deadline_ns: int, release: Callable[[], None]
+        self,
+        transfers: list[Transfer],
+        deadline_ns: int,
+        unpin: Callable[[Sequence[CacheEntry]], object],
+        pins: Sequence[CacheEntry] = (),
     ) -> None:
         self.transfers = transfers
         self.deadline_ns = deadline_ns
-        self.release = release
+        #: Called with ``pins`` once (the local caches the call holds).
+        self._unpin = unpin
+        self._pins = pins
         self._pending = 1
         #: The requests that did not complete in the caller (None: none so far).
         self._inflight: list[Completion] | None = None
@@ -306,6 +312,10 @@ class Plan:
             self.release()
             return
         self._one_done(None)
+
+    def release(self) -> None:
+        """Let the local caches go (every started request completed)."""
+        self._unpin(self._pins)
 
     def inflight(self) -> list[Completion]:
         """The requests started that had not completed in the caller (whoever gives up

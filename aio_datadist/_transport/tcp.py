@@ -1630,9 +1630,7 @@ class TcpChannel(Channel):
                         return
                     if not done:
                         return  # the rest comes later
-                    if not self._readable_now():
-                        return
-                    continue
+                    continue  # (the next header's read says when nothing more came)
                 if self._owed:
                     self._disarm()
                     return
@@ -1649,8 +1647,6 @@ class TcpChannel(Channel):
                     continue
                 if not self._read_frame_here("an event loop reading an answer"):
                     self._disarm()
-                    return
-                if not self._readable_now():
                     return
         finally:
             self._rlock.release()
@@ -1680,8 +1676,17 @@ class TcpChannel(Channel):
         they arrive (``_rlock`` held; the header was read)."""
         self._served = False
         self._loop_req, self._loop_iov, self._loop_left = req, iov, left
-        loop = self._watch_loop
-        if req.deadline_ns > 0 and loop is not None:
+
+    def _loop_waits(self) -> None:
+        """The answer the loop receives waits for bytes still to come: fail it at its
+        deadline (one timer, armed only then: most answers have arrived whole)."""
+        req, loop = self._loop_req, self._watch_loop
+        if (
+            self._loop_timer is None
+            and req is not None
+            and req.deadline_ns > 0
+            and loop is not None
+        ):
             self._loop_timer = loop.call_at(req.deadline_ns / 1e9, self._loop_expired, req)
 
     def _loop_continue(
@@ -1691,6 +1696,7 @@ class TcpChannel(Channel):
         ``rid``'s answer: the loop receives the rest (``_rlock`` held)."""
         req = _Request(rid, RequestKind.PULL, local, nbytes, deadline_ns)
         self._loop_receiving(req, _iov_skip(local, moved), nbytes - moved)
+        self._loop_waits()
         return req.future
 
     def _receive_loop_answer(self, *, wait: bool) -> bool | str:
@@ -1709,6 +1715,7 @@ class TcpChannel(Channel):
                 self._loop_left -= exc.transferred
                 if not wait:
                     self._loop_iov = _iov_skip(iov, exc.transferred)
+                    self._loop_waits()
                     return False
                 moved = req.nbytes - self._loop_left
                 self._loop_abort(
