@@ -110,6 +110,8 @@ def _check(rc: int, what: str) -> None:
 
 def _u64(value: object, name: str) -> int:
     """``value`` as an int in [0, 2**64); ``TypeError`` for non-ints, else ParamInvalidError."""
+    if type(value) is int and 0 <= value < _U64_LIMIT:  # (the usual case, in one test)
+        return value
     if not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if not 0 <= value < _U64_LIMIT:
@@ -866,6 +868,8 @@ def deadline_after(timeout_s: float | None) -> int:
 
 
 def _fd(fd: object) -> int:
+    if type(fd) is int and 0 <= fd <= _INT_MAX:  # (the usual case, in one test)
+        return fd
     if isinstance(fd, bool) or not isinstance(fd, int):
         raise TypeError(f"fd must be an int, got {type(fd).__name__}")
     if not 0 <= fd <= _INT_MAX:
@@ -874,6 +878,8 @@ def _fd(fd: object) -> int:
 
 
 def _deadline(deadline_ns: object) -> int:
+    if type(deadline_ns) is int and -_I64_MAX - 1 <= deadline_ns <= _I64_MAX:  # (usual case)
+        return deadline_ns
     if isinstance(deadline_ns, bool) or not isinstance(deadline_ns, int):
         raise TypeError(f"deadline_ns must be an int, got {type(deadline_ns).__name__}")
     if not -_I64_MAX - 1 <= deadline_ns <= _I64_MAX:
