@@ -81,3 +81,37 @@ async def test_a_copy_that_fails_hands_its_error_to_the_verdict() -> None:
     assert future is not None
     await asyncio.wait_for(asyncio.wrap_future(future), 10)
     assert len(verdicts) == 1 and isinstance(verdicts[0], OSError)
+
+
+async def test_many_copies_in_flight_are_each_looked_at_about_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # 32 copies run at once; each post of the signal reaps the copies that ended, oldest
+    # first, not every running copy (that was about n * n / 2 looks for n copies).
+    src = np.random.default_rng(2).integers(0, 256, 2 * MiB, dtype=np.uint8)
+    dsts = [np.zeros_like(src) for _ in range(32)]
+    looks = 0
+    reap = api.CopyTask.reap
+
+    def counted(self: api.CopyTask, *, wait: bool = False) -> bool:
+        nonlocal looks
+        looks += 1
+        return reap(self, wait=wait)
+
+    monkeypatch.setattr(api.CopyTask, "reap", counted)
+    verdicts: list[OSError | None] = []
+
+    def begin(dst: np.ndarray) -> Any:
+        return lambda signal: api.vm_copy_batch(
+            os.getpid(), _rows(dst, src), write=False, signal=signal
+        )
+
+    try:
+        futures = [start_on_loop(begin(dst), verdicts.append) for dst in dsts]
+    except PermissionError as exc:
+        pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
+    await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), 20)
+    assert verdicts == [None] * len(dsts)
+    for dst in dsts:
+        np.testing.assert_array_equal(dst, src)
+    assert looks <= 3 * len(dsts)
