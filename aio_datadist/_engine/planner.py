@@ -246,8 +246,10 @@ class Planner:
         by_blocks = isinstance(src_cache_key, BlocksCacheKey)
         if by_blocks:
             check_blocks_key_range("src_cache_key", src_cache_key)
-        else:
-            check_type("src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex)
+        else:  # (the message names every key type the call takes)
+            check_type(
+                "src_cache_key", src_cache_key, CacheKey, CacheKeyByIdAndIndex, BlocksCacheKey
+            )
         if type(dst_cache) is not Cache:
             check_type("dst_cache", dst_cache, Cache)
         if src_blocks is None:

@@ -241,11 +241,6 @@ class RegionView:
             return -1
         return seq
 
-    def _seq(self) -> int:
-        if self._map.closed:
-            return -1
-        return int(_SEQ.unpack_from(self._map, _SEQ_AT)[0])
-
     def regions(self) -> RemoteRegions | None:
         """The current table, or None when no consistent snapshot could be read (or closed)."""
         cached = self._regions  # the usual case: the board did not change since last read
@@ -255,7 +250,7 @@ class RegionView:
             if self._map.closed:
                 return None
             cached = self._regions
-            if cached is not None and cached.seq == self._seq():
+            if cached is not None and cached.seq == self.seq():
                 return cached
             for _ in range(_READ_TRIES):
                 magic, layout, seq, nbytes, crc = _HEAD.unpack_from(self._map, 0)
@@ -264,7 +259,7 @@ class RegionView:
                 if seq & 1 or _HEAD.size + nbytes > len(self._map):
                     continue
                 table = self._map[_HEAD.size : _HEAD.size + nbytes]
-                if self._seq() != seq or zlib.crc32(table) != crc:
+                if self.seq() != seq or zlib.crc32(table) != crc:
                     continue
                 try:
                     self._regions = RemoteRegions.decode(seq, table)

@@ -175,8 +175,7 @@ class CacheRegistry:
         with self.lock:
             for entry in entries:
                 entry.pins -= 1
-                if entry.released:
-                    self._maybe_free(entry)
+                self._maybe_free(entry)
             if self._waiting:
                 self._unpinned.notify_all()
 

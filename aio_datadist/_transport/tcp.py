@@ -1322,11 +1322,7 @@ class TcpChannel(Channel):
             stalled = -1  # the readers' count when a frame was last seen waiting unread
             tick = _LOOP_PARK_S
             while not self._broken:
-                # (_parked_for(tick) > 0, read inline: the serving thread asks it every frame)
-                if self._loop_fd >= 0 or self._callers_until > now_ns():
-                    park_s = self._parked_for(tick)
-                else:
-                    park_s = 0.0
+                park_s = self._parked_for(tick)
                 if park_s > 0:  # another reader has the socket: off it, looking each tick
                     self._park.wait(park_s)
                     self._park.clear()
@@ -1367,7 +1363,7 @@ class TcpChannel(Channel):
                         reason = f"the peer stalled mid-frame for {self._stall_s} s"
                         break
                 spin = 0
-                if not readable or self._loop_fd >= 0 or self._callers_until > now_ns():
+                if not readable or self._parked_for(tick) > 0:
                     continue  # (another reader began meanwhile: the frame is its, first)
                 with self._rlock:  # a caller reading its own answer has it meanwhile
                     if self._broken:
