@@ -518,7 +518,7 @@ def test_vm_copy_batch_errors(peer_buffer: tuple[subprocess.Popen[str], int, int
     with pytest.raises(TypeError):
         api.vm_copy_batch("1", make_ops([]), write=False)  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        api.vm_copy_batch(0, make_ops([]), write=False)
+        api.vm_copy_batch(-1, make_ops([]), write=False)
     with pytest.raises(ParamInvalidError):  # a null address is refused before any I/O
         api.vm_copy_batch(proc.pid, make_ops([(0, there, 16)]), write=False)
     try:  # an address that is not mapped in the peer
@@ -756,8 +756,56 @@ def test_vm_copy_blocks_refuses_before_moving(
     with pytest.raises(TypeError):
         api.vm_copy_blocks(proc.pid, (mine, 0, ["0"]), (theirs, 0, [0]), 1, 4096, write=False)
     with pytest.raises(ValueError):
-        api.vm_copy_blocks(0, (mine, 0, [0]), (theirs, 0, [0]), 1, 4096, write=False)
+        api.vm_copy_blocks(-1, (mine, 0, [0]), (theirs, 0, [0]), 1, 4096, write=False)
     proc.kill()
     proc.wait()
     with pytest.raises((ProcessLookupError, PermissionError)):
         api.vm_copy_blocks(proc.pid, (mine, 0, [0]), (theirs, 0, [0]), 1, 4096, write=False)
+
+
+_SHARED_CHILD = (
+    "import ctypes, os, sys; from aio_datadist._native import api; "
+    "a, fd = api.host_alloc_shared(1 << 20); "
+    "v = (ctypes.c_uint8 * (1 << 20)).from_address(a); "
+    "v[:] = bytes(range(256)) * 4096; "
+    "print(fd, os.fstat(fd).st_ino, flush=True); sys.stdin.read(); print(v[5], flush=True)"
+)
+
+
+def test_shared_memory_is_mapped_by_a_peer_only_as_published() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SHARED_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        fd_no, ino = (int(v) for v in proc.stdout.readline().split())
+        try:
+            there = api.host_map_peer(proc.pid, fd_no, ino, 1 << 20)
+        except PermissionError as exc:
+            pytest.skip(f"the kernel refuses to hand over a descriptor here: {exc}")
+        local = np.zeros(8192, dtype=np.uint8)
+        # pid 0: both sides mapped here, moved with memcpy
+        api.vm_copy_batch(0, make_ops([(addr(local), there + 4096, 8192)]), write=False)
+        np.testing.assert_array_equal(local, np.tile(np.arange(256, dtype=np.uint8), 32))
+        local[5] = 200
+        api.vm_copy_batch(0, make_ops([(there, addr(local), 8)]), write=True)
+        api.host_free(there, 1 << 20)
+        for wrong in ((fd_no, ino + 1, 1 << 20), (fd_no, ino, 2 << 20), (0, ino, 1 << 20)):
+            with pytest.raises(OSError) as info:
+                api.host_map_peer(proc.pid, *wrong)
+            assert info.value.errno == errno.EBADF  # not the published file: never mapped
+        with pytest.raises(ValueError):
+            api.host_map_peer(proc.pid, -1, ino, 1 << 20)
+        proc.stdin.close()
+        assert proc.stdout.readline().strip() == "200"  # the write landed in the peer
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        if not proc.stdin.closed:
+            proc.stdin.close()
+    with pytest.raises((ProcessLookupError, PermissionError)):
+        api.host_map_peer(proc.pid, fd_no, ino, 1 << 20)

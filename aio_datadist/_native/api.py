@@ -283,8 +283,62 @@ def host_alloc(nbytes: int) -> int:
     return int(out[0])
 
 
+def host_alloc_shared(nbytes: int) -> tuple[int, int]:
+    """``host_alloc`` backed by a memory file sealed at its size, which a same-host peer may
+    map (:func:`host_map_peer`).
+
+    Returns ``(addr, fd)``: release with ``host_free(addr, nbytes)``, then ``os.close(fd)``.
+
+    Raises:
+        TypeError: ``nbytes`` is not an int.
+        ParamInvalidError: ``nbytes <= 0``.
+        OutOfMemoryError: the memory could not be had.
+        OSError: no memory file could be made (a kernel or sandbox without ``memfd``).
+    """
+    if not isinstance(nbytes, int):
+        raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    what = f"host_alloc_shared of {nbytes} bytes"
+    if not 0 < nbytes < _U64_LIMIT:
+        _check(lib.DD_EINVAL, what)
+    addr, fd = ffi.new("uint64_t *"), ffi.new("int *")
+    rc = lib.dd_host_alloc_shared(nbytes, addr, fd)
+    if rc == lib.DD_ESYS:
+        code = ffi.errno
+        raise OSError(code, f"{what}: {os.strerror(code)}")
+    _check(rc, what)
+    return int(addr[0]), int(fd[0])
+
+
+def host_map_peer(pid: int, fd_no: int, ino: int, nbytes: int) -> int:
+    """Map here, read-write, the shared memory (:func:`host_alloc_shared`) that process
+    ``pid`` holds open as descriptor ``fd_no``: only when it is the memory file of inode
+    ``ino`` and exactly ``nbytes`` (rounded up to pages), sealed against shrinking. Returns
+    its address here; unmap with ``host_free(addr, nbytes)``.
+
+    Raises:
+        TypeError, ValueError: an argument is not an int in range.
+        PermissionError: the kernel refuses access to ``pid`` (as for ``vm_copy_batch``), or
+            is too old to hand over a descriptor (before Linux 5.6).
+        ProcessLookupError: ``pid`` does not exist.
+        OSError: ``fd_no`` there is not that file, or the mapping failed.
+    """
+    _pid(pid)
+    if isinstance(fd_no, bool) or not isinstance(fd_no, int) or not 0 <= fd_no <= _INT_MAX:
+        raise ValueError(f"fd_no must be a descriptor number, got {fd_no!r}")
+    _u64(ino, "ino")
+    _u64(nbytes, "nbytes")
+    out = ffi.new("uint64_t *")
+    rc = lib.dd_host_map_peer(pid, fd_no, ino, nbytes, out)
+    if rc == lib.DD_ESYS:
+        code = ffi.errno
+        _vm_check(rc, code, pid, False, "host_map_peer")
+    _check(rc, f"host_map_peer of {nbytes} bytes of process {pid}")
+    return int(out[0])
+
+
 def host_free(addr: int, nbytes: int) -> None:
-    """Unmap memory from ``host_alloc``; ``nbytes`` is the size that was asked for.
+    """Unmap memory from ``host_alloc``, ``host_alloc_shared`` or ``host_map_peer``;
+    ``nbytes`` is the size that was asked for.
 
     Raises:
         ParamInvalidError: ``addr`` is not page aligned or ``nbytes <= 0``.
@@ -360,7 +414,9 @@ def vm_copy_batch(
 
     One kernel copy between the two address spaces (``process_vm_readv`` /
     ``process_vm_writev``, up to IOV_MAX merged ranges a call, GIL released); big batches
-    are cut across ``threads`` threads as for ``copy_batch``.
+    are cut across ``threads`` threads as for ``copy_batch``. ``pid`` 0: the peer's memory
+    is mapped here (:func:`host_map_peer`) and the rows are copied with memcpy, which cannot
+    report an unmapped address: the caller has checked every row.
 
     With ``signal`` the copy runs in the background: the rows are checked and the running
     copy returned at once (a :class:`CopyTask`, whose end posts ``signal``), unless it is
@@ -368,7 +424,7 @@ def vm_copy_batch(
     bytes moved.
 
     Raises:
-        TypeError, ValueError: as for ``copy_batch``, or ``pid`` not a positive int.
+        TypeError, ValueError: as for ``copy_batch``, or ``pid`` not a process id.
         ParamInvalidError: as for ``copy_batch``; nothing moved then.
         PermissionError: the kernel refuses access to ``pid`` (ptrace scope, another user,
             a container boundary); nothing moved.
@@ -479,8 +535,8 @@ class CopyTask:
 def _pid(pid: object) -> None:
     if isinstance(pid, bool) or not isinstance(pid, int):
         raise TypeError(f"pid must be an int, got {type(pid).__name__}")
-    if not 0 < pid <= _INT_MAX:
-        raise ValueError(f"pid must be a positive process id, got {pid}")
+    if not 0 <= pid <= _INT_MAX:
+        raise ValueError(f"pid must be a process id (or 0: this process), got {pid}")
 
 
 def _vm_check(rc: int, code: int, pid: int, write: bool, what: str) -> None:
@@ -641,7 +697,7 @@ def vm_copy_blocks(
             ``seg`` 0 or over a block; nothing moved then.
         PermissionError, ProcessLookupError, OSError: as for ``vm_copy_batch``.
     """
-    if type(pid) is not int or not 0 < pid <= _INT_MAX:  # exact ints in range: no call
+    if type(pid) is not int or not 0 <= pid <= _INT_MAX:  # exact ints in range: no call
         _pid(pid)
     if type(threads) is not int or threads:
         _copy_threads(threads)

@@ -13,6 +13,9 @@
  * process_vm_writev instead of memcpy: one kernel copy between the two address spaces, up
  * to IOV_MAX merged ranges a call, slices spread over the same workers.
  *
+ * The same calls with pid 0 copy within this process: a same-host peer's memory mapped
+ * here (hostmem.c) is copied with memcpy on the same workers.
+ *
  * A copy started in the background (dd_vm_copy_batch_start, dd_vm_copy_blocks_start) is a
  * heap task whose slices only the workers run: the caller returns at once, and the worker
  * that finishes the last slice adds 1 to the task's signal, an eventfd an event loop
@@ -509,7 +512,7 @@ int dd_copy_batch(const uint64_t *ops, size_t n, unsigned nthreads)
 int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
                      int *err_no)
 {
-    if (pid <= 0 || (write != 0 && write != 1) || err_no == NULL)
+    if (pid < 0 || (write != 0 && write != 1) || err_no == NULL)
         return DD_EINVAL;
     *err_no = 0;
     job_t j;
@@ -604,7 +607,7 @@ static bool start_args_ok(int pid, int write, unsigned *nthreads, dd_copy_signal
         return false;
     *task = NULL;
     *err_no = 0;
-    if (pid <= 0 || (write != 0 && write != 1) || signal == NULL ||
+    if (pid < 0 || (write != 0 && write != 1) || signal == NULL ||
         *nthreads > DD_COPY_MAX_THREADS)
         return false;
     if (*nthreads == 0)
@@ -790,7 +793,7 @@ int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t ds
     if (err_no == NULL)
         return DD_EINVAL;
     *err_no = 0;
-    if (pid <= 0 || (write != 0 && write != 1) ||
+    if (pid < 0 || (write != 0 && write != 1) ||
         !blocks_ok(dst_bases, dst_row_bytes, dst_num_rows, dst_blocks, src_bases, src_row_bytes,
                    src_num_rows, src_blocks, ntensors, nblocks, seg))
         return DD_EINVAL;

@@ -81,7 +81,9 @@ uint64_t dd_copy_split_threshold(void);
  * process_vm_writev, up to IOV_MAX merged ranges a call. Returns DD_OK, DD_EINVAL (bad
  * arguments or rows; nothing moved), or DD_ESYS with *err_no the first errno met: EPERM or
  * EACCES (the kernel refuses access to pid), ESRCH (no such process), EFAULT (an address
- * is not mapped on one side); bytes before the failure may have moved. */
+ * is not mapped on one side); bytes before the failure may have moved. pid 0: both sides
+ * are in this process (the peer's memory mapped here, dd_host_map_peer), moved with memcpy,
+ * which cannot report an unmapped address: the caller has checked every row. */
 int dd_vm_copy_batch(int pid, int write, const uint64_t *ops, size_t n, unsigned nthreads,
                      int *err_no);
 /* The one bounds check of a blocks access, which every path that serves or moves one
@@ -152,10 +154,21 @@ int dd_vm_copy_blocks_start(int pid, int write, const uint64_t *dst_bases,
  * the task stays), else as dd_vm_copy_batch (wait == 1 sleeps until it ended). */
 int dd_copy_task_reap(dd_copy_task *task, int wait, int *err_no);
 
-/* ---- hostmem.c: anonymous host memory ---- */
+/* ---- hostmem.c: host memory ---- */
 
 /* Page-aligned, zero-filled, committed lazily on first touch. */
 int dd_host_alloc(uint64_t nbytes, uint64_t *addr);
+/* dd_host_alloc backed by a memory file sealed at its size, whose descriptor (close-on-exec)
+ * is *fd: a same-host peer may map it (dd_host_map_peer). Unmap with dd_host_free, then
+ * close *fd. DD_ENOMEM, or DD_ESYS (errno set) when no memory file could be made. */
+int dd_host_alloc_shared(uint64_t nbytes, uint64_t *addr, int *fd);
+/* Map here, read-write, the shared memory process pid holds open as descriptor fd_no:
+ * taken with pidfd_getfd (allowed where process_vm_readv is), and mapped only when it is a
+ * regular file of inode ino and exactly nbytes (rounded up to pages) sealed against
+ * shrinking. *addr: its start here; unmap with dd_host_free. DD_ESYS with errno set
+ * (EPERM/EACCES: refused; ESRCH: no such process; EBADF: not that file; ENOSYS: a kernel
+ * before 5.6). */
+int dd_host_map_peer(int pid, int fd_no, uint64_t ino, uint64_t nbytes, uint64_t *addr);
 int dd_host_free(uint64_t addr, uint64_t nbytes);
 uint64_t dd_host_page_size(void);
 
