@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import dataclasses
 import os
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,6 +17,7 @@ from hypothesis import strategies as st
 from aio_datadist._engine import onesided
 from aio_datadist._engine.regions import (
     BOARD_BYTES,
+    BoardArena,
     BoardEntry,
     RegionBoard,
     RegionView,
@@ -22,6 +26,7 @@ from aio_datadist._engine.regions import (
 )
 from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime import HostRuntime
+from aio_datadist._runtime import host as host_runtime
 from aio_datadist._transport._wire import WireError
 from aio_datadist._transport.samehost import (
     HostPresence,
@@ -284,3 +289,202 @@ def test_two_entries_over_the_same_memory_parse() -> None:
     twins = [BoardEntry(1, -1, 64, 2, 128, (0x1000,)), BoardEntry(2, -1, 64, 2, 128, (0x1000,))]
     regions = RemoteRegions.decode(2, encode_entries(twins))
     assert regions.holder(0x1000, 128) in twins
+
+
+# -- caches in shared memory: mapped here, copied with memcpy --------------------------------
+def _arena_maps() -> int:
+    """How many mappings of shared arenas this process holds."""
+    with open("/proc/self/maps", encoding="utf-8") as maps:
+        return sum("aio-datadist-arena" in line for line in maps)
+
+
+class _Shared:
+    """A blocks cache of ``rows`` rows of ``row_bytes`` in a host runtime's shared memory,
+    published on a board, and a peer reading it (this process, as a same-host peer would)."""
+
+    def __init__(self, rows: int, row_bytes: int) -> None:
+        self.runtime = HostRuntime(0)
+        self.nbytes = rows * row_bytes
+        self.addr = self.runtime.alloc_device(self.nbytes)
+        share = self.runtime.host_share(self.addr, self.nbytes)
+        assert share is not None  # Linux has memory files
+        self.arena = BoardArena(share.fd, share.ino, share.base, share.nbytes)
+        self.src = np.ctypeslib.as_array(
+            (ctypes.c_uint8 * self.nbytes).from_address(self.addr)
+        ).reshape(rows, row_bytes)
+        self.src[...] = np.random.default_rng(rows).integers(0, 256, self.src.shape, np.uint8)
+        self.entry = BoardEntry(1, 5, row_bytes, rows, self.nbytes, (self.addr,), b"", self.arena)
+        self.board = RegionBoard()
+        self.board.publish([self.entry])
+        self.logged: list[str] = []
+        log = type("Log", (), {"info": self._log, "warning": self._log})()
+        self.peer = onesided.PeerMemory(
+            os.getpid(), RegionView(self.board.fd), Staging(self.runtime), log
+        )
+
+    def _log(self, event: str, **_: object) -> None:
+        self.logged.append(event)
+
+    def close(self) -> None:
+        self.peer.close()
+        self.board.close()
+        self.runtime.free_device(self.addr, self.nbytes)
+
+
+def test_a_cache_in_shared_memory_is_mapped_once_and_copied_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The kernel copy is refused for the peer's pid: only the mapping can move the bytes.
+    vm_copy_batch, vm_copy_blocks = onesided.api.vm_copy_batch, onesided.api.vm_copy_blocks
+
+    def only_here(copy: Any) -> Any:
+        def guarded(pid: int, *args: Any, **kwargs: Any) -> Any:
+            if pid:
+                raise PermissionError(1, "Operation not permitted")
+            return copy(pid, *args, **kwargs)
+
+        return guarded
+
+    monkeypatch.setattr(onesided.api, "vm_copy_batch", only_here(vm_copy_batch))
+    monkeypatch.setattr(onesided.api, "vm_copy_blocks", only_here(vm_copy_blocks))
+    before = _arena_maps()
+    shared = _Shared(4, 4096)
+    try:
+        assert _arena_maps() == before + 1  # the owner's own mapping
+        dst = np.zeros((2, 4096), dtype=np.uint8)
+        rows = np.array([[dst[0].ctypes.data, 4096], [dst[1].ctypes.data, 4096]], np.uint64)
+        kind = onesided.RequestKind.PULL
+        for _ in range(2):
+            assert shared.peer.transfer(kind, _blocks_access(4096, [3, 1]), rows, 0)
+            np.testing.assert_array_equal(dst, shared.src[[3, 1]])
+        assert _arena_maps() == before + 2  # mapped once, on the first copy
+        # a push writes the peer's memory through the same mapping
+        dst[0] = 7
+        push = onesided.RequestKind.PUSH
+        assert shared.peer.transfer(push, _blocks_access(4096, [2]), rows[:1], 0)
+        assert (shared.src[2] == 7).all()
+        # blocks to blocks, in one native call
+        local = np.zeros((4, 4096), dtype=np.uint8)
+        layout = onesided.api.BlockLayout((int(local.ctypes.data),), 4096, 4)
+        remote = onesided.RemoteBlocks(5, 0, 1, [0, 3], 4096)
+        mine = onesided.Blocks(layout, 0, 1, [1, 2], 4096)
+        assert shared.peer.transfer_blocks(kind, remote, mine, 0)
+        np.testing.assert_array_equal(local[[1, 2]], shared.src[[0, 3]])
+        assert shared.peer.enabled and shared.logged == []
+        # the board no longer names the arena: its mapping goes with the next copy's look
+        shared.board.publish([])
+        assert not shared.peer.transfer(kind, _blocks_access(4096, [1]), rows[:1], 0)
+        assert _arena_maps() == before + 1
+    finally:
+        shared.close()
+    assert _arena_maps() == before
+
+
+async def test_a_mapped_arena_outlives_the_board_until_its_copy_ended() -> None:
+    # An awaited copy of 1 MiB or more with mapped memory runs on the copy workers from the
+    # first (mapping the peer's memory proved the kernel allows access); the board dropping
+    # the cache meanwhile fails the transfer, and the mapping goes only once the copy ended.
+    before = _arena_maps()
+    shared = _Shared(4, 1 << 20)
+    try:
+        dst = np.zeros((2, 1 << 20), dtype=np.uint8)
+        local = np.array([[dst[0].ctypes.data, 1 << 20], [dst[1].ctypes.data, 1 << 20]])
+        access = _blocks_access(1 << 20, [3, 0])
+        kind = onesided.RequestKind.PULL
+        started = shared.peer.transfer(kind, access, local.astype(np.uint64), 0, on_loop=True)
+        assert started is not None and not started.done() and shared.peer.proven
+        await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
+        np.testing.assert_array_equal(dst, shared.src[[3, 0]])
+        started = shared.peer.transfer(kind, access, local.astype(np.uint64), 0, on_loop=True)
+        assert started is not None and not started.done()
+        shared.board.publish([])
+        shared.peer.transfer(kind, access, local.astype(np.uint64), 0)  # sweeps the board
+        assert _arena_maps() == before + 2  # still in use
+        with pytest.raises(onesided.KvCacheNotExistError):
+            await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
+        assert _arena_maps() == before + 1
+    finally:
+        shared.close()
+
+
+def test_an_arena_that_cannot_be_mapped_is_copied_through_the_kernel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    shared = _Shared(2, 4096)
+    try:
+        dst = np.zeros(4096, dtype=np.uint8)
+        rows = np.array([[dst.ctypes.data, 4096]], dtype=np.uint64)
+        kind, access = onesided.RequestKind.PULL, _blocks_access(4096, [1])
+        # a descriptor number the peer reused for another file: not mapped, not given up
+        wrong = dataclasses.replace(shared.arena, ino=shared.arena.ino + 1)
+        shared.board.publish([dataclasses.replace(shared.entry, arena=wrong)])
+        assert shared.peer.transfer(kind, access, rows, 0)
+        np.testing.assert_array_equal(dst, shared.src[1])
+        assert shared.peer.mapping and shared.logged == []
+
+        def refuse(*_: object) -> int:
+            raise PermissionError(1, "Operation not permitted")
+
+        monkeypatch.setattr(onesided.api, "host_map_peer", refuse)
+        shared.board.publish([shared.entry])
+        dst[...] = 0
+        assert shared.peer.transfer(kind, access, rows, 0)  # through the kernel, for good
+        np.testing.assert_array_equal(dst, shared.src[1])
+        assert not shared.peer.mapping and shared.logged == ["samehost.unmapped"]
+        assert shared.peer.transfer(kind, access, rows, 0)
+        assert shared.logged == ["samehost.unmapped"]
+    finally:
+        shared.close()
+
+
+def test_a_host_without_memory_files_allocates_private_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_memfd(_: int) -> tuple[int, int]:
+        raise OSError(38, "Function not implemented")
+
+    monkeypatch.setattr(host_runtime.api, "host_alloc_shared", no_memfd)
+    runtime = HostRuntime(0)
+    addr = runtime.alloc_host(8192)
+    try:
+        assert runtime.host_share(addr, 8192) is None
+        np.ctypeslib.as_array((ctypes.c_uint8 * 8192).from_address(addr))[:] = 1
+    finally:
+        runtime.free_host(addr, 8192)
+
+
+@pytest.mark.parametrize(
+    "arena",
+    [
+        BoardArena(3, 1, 0x10000, 0x1000),  # the entry runs past its arena
+        BoardArena(3, 1, 0x20000, 0x10000),  # the entry starts before it
+        BoardArena(3, 1, 2**64 - 4096, 8192),  # the arena wraps the address space
+    ],
+    ids=["past", "before", "wrap"],
+)
+def test_entries_outside_their_arena_are_refused(arena: BoardArena) -> None:
+    entry = BoardEntry(1, -1, 4096, 2, 8192, (0x10000,), b"", arena)
+    with pytest.raises(ValueError, match="malformed arena"):
+        RemoteRegions.decode(2, encode_entries([entry]))
+    inside = dataclasses.replace(entry, arena=BoardArena(3, 1, 0x10000, 8192))
+    assert RemoteRegions.decode(2, encode_entries([inside])).by_id[1] == inside
+
+
+def test_rows_over_two_arenas_are_each_moved_into_their_mapping() -> None:
+    # Raw addresses may name caches in two arenas in one request: each row is translated
+    # into its own arena's mapping.
+    first, second = _Shared(2, 4096), _Shared(2, 4096)
+    try:
+        first.board.publish([first.entry, dataclasses.replace(second.entry, cache_id=2)])
+        dst = np.zeros((2, 4096), dtype=np.uint8)
+        local = np.array([[dst[0].ctypes.data, 4096], [dst[1].ctypes.data, 4096]], np.uint64)
+        remote = np.array([[second.addr + 4096, 4096], [first.addr, 4096]], np.uint64)
+        access = onesided.Access(onesided.Target.ADDRESSES, rows=remote)
+        before = _arena_maps()
+        assert first.peer.transfer(onesided.RequestKind.PULL, access, local, 0)
+        assert _arena_maps() == before + 2
+        np.testing.assert_array_equal(dst[0], second.src[1])
+        np.testing.assert_array_equal(dst[1], first.src[0])
+    finally:
+        first.close()
+        second.close()

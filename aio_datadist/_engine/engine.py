@@ -14,7 +14,7 @@ from aio_datadist._engine.domain import CommRoutes
 from aio_datadist._engine.links import LinkTable, check_clusters
 from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.planner import Planner
-from aio_datadist._engine.regions import BoardEntry, RegionBoard
+from aio_datadist._engine.regions import BoardArena, BoardEntry, RegionBoard
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.serving import Server
 from aio_datadist._engine.ucxlinks import UcxLinks
@@ -519,6 +519,16 @@ class Engine:
                     tokens[key] = None
             return tokens[key]
 
+        def arena(e: CacheEntry) -> BoardArena | None:
+            """The shared host memory holding a host-readable cache, which peers map."""
+            if not e.addrs:
+                return None
+            low = min(e.addrs)
+            share = caches.runtime.host_share(low, max(e.addrs) + e.tensor_bytes - low)
+            return (
+                None if share is None else BoardArena(share.fd, share.ino, share.base, share.nbytes)
+            )
+
         def publish() -> None:
             was_full = board.overflowed
             live = [e for e in registry.entries() if not e.released and e.remote_accessible]
@@ -538,6 +548,7 @@ class Engine:
                             e.tensor_bytes,
                             e.addrs,
                             shared,
+                            None if shared else arena(e),
                         )
                     )
             board.publish(published)

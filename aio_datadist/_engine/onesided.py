@@ -11,6 +11,12 @@ copy with this peer through, on the native copy workers, completing on the loop
 (``_engine.background``). Requests by cache key (which may drop the
 key on the peer) and anything the board does not show go over the link as before.
 
+Host caches in the peer's shared memory (``DeviceRuntime.host_share``: a sealed memory
+file, named on the board) are mapped here once per arena and copied with memcpy on the same
+copy workers, pid 0 (``api.host_map_peer``; the kernel allows it exactly where it allows
+``process_vm_readv``). A mapping stays while the board names its arena and no copy uses it;
+where it cannot be made, the copy goes through the kernel as above.
+
 Device caches the peer shared through its runtime (CUDA IPC) are mapped here once per
 allocation and copied by this engine's runtime (device to device, or to and from host
 rows); a local device cache against the peer's host memory is staged through pinned host
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -37,12 +44,13 @@ import structlog
 
 from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.background import start_on_loop
-from aio_datadist._engine.regions import BoardEntry, RegionView, RemoteRegions
+from aio_datadist._engine.regions import BoardArena, BoardEntry, RegionView, RemoteRegions
 from aio_datadist._engine.request import DONE, Blocks, Completion, RemoteBlocks
 from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api
+from aio_datadist._native.api import BlockLayout
 from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.samehost import SameHostPeer
@@ -55,6 +63,7 @@ from aio_datadist.status import (
 
 __all__ = ("ONE_SIDED_TARGETS", "PeerMemory", "open_peer_memory", "paired", "resolve")
 
+_ADDR_SPACE = 1 << 64
 #: Targets a peer's board can resolve without the peer.
 ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADDRESSES})
 #: The copy kind with a peer's shared device memory, by (local rows on device, request kind).
@@ -92,22 +101,39 @@ class PeerMemory:
         self._log = log
         #: False once the kernel refused: every later request goes over the link.
         self.enabled = True
-        #: True once a copy with the peer went through: the kernel allows access, so a
-        #: copy may run in the background (its failure is then the transfer's).
+        #: True once a copy with the peer went through, or its memory was mapped here: the
+        #: kernel allows access, so a copy may run in the background (its failure is then
+        #: the transfer's).
         self.proven = False
         #: False once the runtime could not map the peer's device memory (or never can:
         #: a process cannot map its own).
         self.device_sharing = pid != os.getpid()
         self._mapped: dict[bytes, int] = {}
         self._map_lock = threading.Lock()
+        #: False once the kernel refused to hand over the peer's shared memory: its host
+        #: caches are copied with ``process_vm`` from then on.
+        self.mapping = True
+        self._arenas: dict[tuple[int, int], _Arena] = {}
+        self._arenas_seq = -1
+        #: Readable once the peer exited (a copy into its mapped memory would still work).
+        self._exited: select.poll | None = None
+        self._pidfd = -1
 
     def close(self) -> None:
-        """Stop one-sided access (the link closed) and unmap the peer's device memory."""
+        """Stop one-sided access (the link closed) and unmap the peer's memory (a shared
+        arena a copy still uses, when that copy ends)."""
         self.enabled = False
         self._view.close()
         with self._map_lock:
             mapped, self._mapped = self._mapped, {}
             self.device_sharing = False
+            self.mapping = False
+            arenas, self._arenas = self._arenas, {}
+            for arena in arenas.values():
+                arena.drop()
+            pidfd, self._pidfd, self._exited = self._pidfd, -1, None
+        if pidfd >= 0:
+            os.close(pidfd)
         for addr in mapped.values():
             self._staging.runtime.close_shared(addr)
 
@@ -142,6 +168,8 @@ class PeerMemory:
         regions = self._view.regions()
         if regions is None:
             return None
+        if regions.seq != self._arenas_seq and self._arenas:
+            self._sweep(regions)
         resolved = resolve(regions, access)
         if resolved is None:
             return None
@@ -159,10 +187,21 @@ class PeerMemory:
         if not local_on_device:
             ops = paired(kind, local, remote)
             loop_deadline_ns = deadline_ns if on_loop else None
-            args = (self.pid, ops)
             nbytes = int(ops[:, 2].sum())
+            held = self._hold(regions, entries)
+            if held is None:
+                args = (self.pid, ops)
+            else:
+                theirs = 0 if write else 1
+                arenas = {id(a): a for a in held}
+                if len(arenas) == 1:  # every row lies in it: one shift
+                    ops[:, theirs] += np.uint64((held[0].addr - held[0].base) % _ADDR_SPACE)
+                else:
+                    spans = [(a.base, a.nbytes, a.addr) for a in arenas.values()]
+                    ops[:, theirs] = _translated(ops[:, theirs], spans)
+                args = (0, ops)
             return self._copy(
-                regions, entries, api.vm_copy_batch, args, write, nbytes, loop_deadline_ns
+                regions, entries, api.vm_copy_batch, args, write, nbytes, loop_deadline_ns, held
             )
         staged = self._staging.inbound(local) if not write else self._staging.outbound(local)
         done = None
@@ -198,17 +237,24 @@ class PeerMemory:
         regions = self._view.regions()
         if regions is None:
             return None
+        if regions.seq != self._arenas_seq and self._arenas:
+            self._sweep(regions)
         entry = regions.by_model.get(remote.model_id)
         if entry is None or entry.token:
             return None
-        theirs = (regions.layout(entry), remote.start, remote.blocks)
+        held = self._hold(regions, [entry])
+        if held is None:
+            pid, layout = self.pid, regions.layout(entry)
+        else:
+            pid, layout = 0, held[0].layout(entry)
+        theirs = (layout, remote.start, remote.blocks)
         mine = (local.layout, local.start, local.blocks)
         count, seg = local.count, local.seg
         push = kind is RequestKind.PUSH
         if push:
-            args: tuple[Any, ...] = (self.pid, theirs, mine, count, seg)
+            args: tuple[Any, ...] = (pid, theirs, mine, count, seg)
         else:
-            args = (self.pid, mine, theirs, count, seg)
+            args = (pid, mine, theirs, count, seg)
         nbytes = count * len(remote.blocks) * seg
         try:
             return self._copy(
@@ -219,21 +265,111 @@ class PeerMemory:
                 push,
                 nbytes,
                 deadline_ns if on_loop else None,
+                held,
             )
         except ParamInvalidError:
             return None
 
+    def _hold(self, regions: RemoteRegions, entries: list[BoardEntry]) -> list[_Arena] | None:
+        """The peer's shared arenas holding ``entries``, mapped here and held for one copy
+        (:meth:`_end` or :meth:`_release` them after it); None when one is private or cannot
+        be mapped (the copy then goes through the kernel)."""
+        if not self.mapping:
+            return None
+        for entry in entries:
+            if entry.arena is None:
+                return None
+        with self._map_lock:
+            # (A snapshot older than the last sweep might map an arena for good.)
+            if not self.mapping or regions.seq < self._arenas_seq:
+                return None
+            held: list[_Arena] = []
+            for entry in entries:
+                published: BoardArena = entry.arena  # type: ignore[assignment]
+                arena = self._arenas.get((published.fd, published.ino))
+                if arena is None or (arena.base, arena.nbytes) != (
+                    published.base,
+                    published.nbytes,
+                ):
+                    arena = self._map_arena(published)
+                    if arena is None:
+                        _release(held)
+                        return None
+                arena.users += 1
+                held.append(arena)
+            return held
+
+    def _map_arena(self, published: BoardArena) -> _Arena | None:
+        """Map ``published`` here (replacing an older mapping under its key); None when it
+        cannot be. The caller holds the map lock."""
+        if self._exited is None:  # the first mapping: watch for the peer's exit from now on
+            try:
+                self._pidfd = os.pidfd_open(self.pid)
+            except OSError as exc:
+                self._unmappable(exc)
+                return None
+            self._exited = select.poll()
+            self._exited.register(self._pidfd, select.POLLIN)
+        try:
+            addr = api.host_map_peer(self.pid, published.fd, published.ino, published.nbytes)
+        except PermissionError as exc:
+            self._unmappable(exc)
+            return None
+        except (OSError, ValueError, LLMException):  # gone meanwhile: its entry is stale
+            return None
+        key = (published.fd, published.ino)
+        older = self._arenas.get(key)
+        if older is not None:
+            older.drop()
+        arena = self._arenas[key] = _Arena(addr, published.base, published.nbytes)
+        # The kernel handed over the peer's file under the very check process_vm_readv
+        # passes (ptrace access), so copies with this peer may run in the background.
+        self.proven = True
+        return arena
+
+    def _unmappable(self, exc: OSError) -> None:
+        self.mapping = False
+        self._log.info(
+            "samehost.unmapped", peer_pid=self.pid, reason=str(exc), fallback="process_vm"
+        )
+
+    def _end(self, held: list[_Arena]) -> None:
+        """A copy with the peer's mapped memory ended: release ``held``, and fail the copy
+        once the peer exited (its memory outlives it here, so the copy itself cannot tell)."""
+        with self._map_lock:  # (also: one poll object is never polled by two threads at once)
+            _release(held)
+            exited = self._exited
+            gone = exited is None or exited.poll(0)
+        if gone:
+            raise LLMException(
+                f"the peer process {self.pid} is gone", status_code=LLMStatusCode.LLM_LINK_FAILED
+            )
+
+    def _sweep(self, regions: RemoteRegions) -> None:
+        """Drop the mappings of arenas the board no longer names (each when no copy uses
+        it); called when the board changed."""
+        named = {(e.arena.fd, e.arena.ino) for e in regions.by_id.values() if e.arena is not None}
+        with self._map_lock:
+            for key in [k for k in self._arenas if k not in named]:
+                self._arenas.pop(key).drop()
+            self._arenas_seq = regions.seq
+
+    def _release(self, held: list[_Arena] | None) -> None:
+        if held:
+            with self._map_lock:
+                _release(held)
+
     def _map(self, entries: list[BoardEntry], remote: Iov) -> Iov | None:
         """``remote`` rows translated into this process through the peer's sharing tokens;
         None when the runtime cannot map them (the link carries such requests from then on)."""
-        out = remote.copy()
+        spans = []
         for entry in entries:
             base = self._open(entry)
             if base is None:
                 return None
-            low, nbytes = entry.span
-            inside = (remote[:, 0] >= low) & (remote[:, 0] < low + nbytes)
-            out[inside, 0] = remote[inside, 0] - np.uint64(low) + np.uint64(base)
+            spans.append((*entry.span, base))
+        out = remote.copy()
+        out[:, 0] = _translated(remote[:, 0], spans)
         return out
 
     def _open(self, entry: BoardEntry) -> int | None:
@@ -263,40 +399,55 @@ class PeerMemory:
         write: bool,
         nbytes: int,
         loop_deadline_ns: int | None,
+        held: list[_Arena] | None = None,
     ) -> Completion | None:
         """Run ``copy(*args, write=write)`` (``nbytes``) with the peer's host memory: in this
         thread, or, given ``loop_deadline_ns`` (an event loop in this thread waits; the
         completion's deadline), a copy of ``api.BACKGROUND_MIN`` bytes or more once a copy
-        with this peer went through, on the native copy workers (``_engine.background``).
-        None when the kernel refused (use the link)."""
+        with this peer went through (or its memory was mapped here), on the native copy
+        workers (``_engine.background``). ``held``: the peer's arenas the copy uses, mapped
+        here (pid 0), released when it ended. None when the kernel refused (use the link)."""
         large = nbytes >= api.BACKGROUND_MIN and self.proven
         deadline_ns = loop_deadline_ns if large else None
         try:
             if deadline_ns is not None and _loop_here():
                 future = start_on_loop(
-                    partial(_background, copy, args, write), partial(self._ended, regions, entries)
+                    partial(_background, copy, args, write),
+                    partial(self._ended, regions, entries, held),
                 )
                 if future is not None:
                     return Completion(future, deadline_ns)
             else:
                 copy(*args, write=write)
-        except PermissionError as exc:
-            self.enabled = False
-            self._log.warning(
-                "samehost.denied", peer_pid=self.pid, reason=str(exc), fallback="link"
-            )
-            return None
-        except OSError as exc:
-            raise self._failure(exc, regions, entries) from None
+        except BaseException as exc:  # nothing runs on: the arenas are free again
+            if held is not None:
+                self._release(held)
+            if isinstance(exc, PermissionError):
+                self.enabled = False
+                self._log.warning(
+                    "samehost.denied", peer_pid=self.pid, reason=str(exc), fallback="link"
+                )
+                return None
+            if isinstance(exc, OSError):
+                raise self._failure(exc, regions, entries) from None
+            raise
         self.proven = True
+        if held is not None:
+            self._end(held)
         self._check_still_there(regions, entries)
         return DONE
 
     def _ended(
-        self, regions: RemoteRegions, entries: list[BoardEntry], error: OSError | None
+        self,
+        regions: RemoteRegions,
+        entries: list[BoardEntry],
+        held: list[_Arena] | None,
+        error: OSError | None,
     ) -> None:
-        """A copy on the native copy workers ended (on the loop): raise the transfer's
-        failure, if any."""
+        """A copy on the native copy workers ended (on the loop): release the arenas it
+        used, and raise the transfer's failure, if any."""
+        if held is not None:
+            self._end(held)
         if error is not None:
             raise self._failure(error, regions, entries)
         self._check_still_there(regions, entries)
@@ -333,6 +484,62 @@ class PeerMemory:
             "the peer released the cache while it was being transferred",
             status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST,
         )
+
+
+class _Arena:
+    """A peer's shared arena (``base``, ``nbytes`` there) mapped here at ``addr``; unmapped
+    once dropped and no copy uses it (``users``). Changed under its peer's map lock."""
+
+    __slots__ = ("addr", "base", "dropped", "layouts", "nbytes", "users")
+
+    def __init__(self, addr: int, base: int, nbytes: int) -> None:
+        self.addr = addr
+        self.base = base
+        self.nbytes = nbytes
+        self.users = 0
+        self.dropped = False
+        #: Block layouts of the peer's entries, translated here, by cache id.
+        self.layouts: dict[int, tuple[BoardEntry, BlockLayout]] = {}
+
+    def layout(self, entry: BoardEntry) -> BlockLayout:
+        """The blocks of the peer's ``entry`` (inside this arena) as mapped here."""
+        known = self.layouts.get(entry.cache_id)
+        if known is not None and known[0] is entry:
+            return known[1]
+        addrs = tuple(a - self.base + self.addr for a in entry.addrs)
+        layout = BlockLayout(addrs, entry.row_bytes, entry.num_rows)
+        self.layouts[entry.cache_id] = (entry, layout)
+        return layout
+
+    def drop(self) -> None:
+        """No new copy may use it: unmap now, or when the last copy using it ends."""
+        self.dropped = True
+        if self.users == 0:
+            self._unmap()
+
+    def _unmap(self) -> None:
+        addr, self.addr = self.addr, 0
+        if addr:
+            api.host_free(addr, self.nbytes)
+
+
+def _release(held: list[_Arena]) -> None:
+    """End one copy's use of ``held`` (the map lock held)."""
+    for arena in held:
+        arena.users -= 1
+        if arena.dropped and arena.users == 0:
+            arena._unmap()
+    held.clear()
+
+
+def _translated(addrs: np.ndarray, spans: list[tuple[int, int, int]]) -> np.ndarray:
+    """``addrs`` of the peer moved here: each inside a ``(start, nbytes, here)`` span of the
+    peer's memory becomes ``here + (addr - start)``; others stay."""
+    out = addrs.copy()
+    for start, nbytes, here in spans:
+        inside = (addrs >= start) & (addrs < start + nbytes)
+        out[inside] = addrs[inside] - np.uint64(start) + np.uint64(here)
+    return out
 
 
 def _loop_here() -> bool:

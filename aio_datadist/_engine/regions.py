@@ -5,19 +5,25 @@ it holds (cache id, blocks key, tensor addresses, block size and count) on a *bo
 small memory file (``memfd``) it rewrites after every registry change. A peer on the same
 host receives the board's descriptor when it proves itself (``_transport.samehost``), maps
 it read-only and resolves its requests against it locally,
-then moves the bytes with ``process_vm_readv``/``process_vm_writev``: the serving engine
-takes no part in the transfer, and a peer never touches an address outside the board.
+then moves the bytes with ``process_vm_readv``/``process_vm_writev``, or, for a cache in
+shared host memory (a sealed memory file, ``DeviceRuntime.host_share``), maps that memory once
+and copies with memcpy: the serving engine takes no part in the transfer, and a peer never
+touches an address outside the board.
 
 Board layout (little endian): ``u32 magic, u32 layout, u64 seq, u64 nbytes, u32 crc32``,
 then ``nbytes`` of table. The writer makes ``seq`` odd, writes the table, then makes it
 even again; a reader takes a snapshot only when ``seq`` is even and unchanged across the
 read and the CRC matches, so it never uses a torn table. Table entries:
 ``u64 cache_id, i64 blocks_model_id (-1: none), u64 row_bytes, u64 num_rows,
-u64 tensor_bytes, u32 num_tensors, u32 token_len``, then the tensor addresses (``u64``
-each), then ``token_len`` bytes of the device runtime's sharing token: empty for host
-memory (read with ``process_vm_readv``); for device memory, what the peer's runtime maps
-with ``open_shared`` to reach the span from the lowest tensor address to the end of the
-highest tensor (device caches the runtime cannot share are not published).
+u64 tensor_bytes, u32 num_tensors, u32 token_len, i64 arena_fd, u64 arena_ino,
+u64 arena_base, u64 arena_bytes``, then the tensor addresses (``u64`` each), then
+``token_len`` bytes of the device runtime's sharing token: empty for host memory (read with
+``process_vm_readv``); for device memory, what the peer's runtime maps with ``open_shared``
+to reach the span from the lowest tensor address to the end of the highest tensor (device
+caches the runtime cannot share are not published). ``arena_fd`` is -1, or, for host memory
+in a shared arena, the descriptor number under which the writer holds the arena's memory
+file open, with the file's inode and where and how big the arena is in the writer: the
+entry's span lies inside it.
 
 A board comes from another process, so a reader trusts nothing in it: it maps only a memfd
 sealed against shrinking (a file shrunk under a mapping kills its reader with ``SIGBUS``),
@@ -40,22 +46,37 @@ from dataclasses import dataclass
 
 from aio_datadist._native.api import BlockLayout
 
-__all__ = ("BOARD_BYTES", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegions")
+__all__ = ("BOARD_BYTES", "BoardArena", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegions")
 
 #: Size of a board file (sparse: only the pages a table uses are ever committed).
 BOARD_BYTES = 16 << 20
 _MAGIC = 0x41494F52  # "AIOR"
-_LAYOUT = 2
+_LAYOUT = 3
 _HEAD = struct.Struct("<IIQQI")
 _SEQ = struct.Struct("<Q")
 _SEQ_AT = 8
-_ENTRY = struct.Struct("<QqQQQII")
+_ENTRY = struct.Struct("<QqQQQIIqQQQ")
 #: Largest sharing token a table may carry.
 MAX_TOKEN = 256
 _READ_TRIES = 8
 _ADDR_LIMIT = 1 << 64
+_FD_MAX = (1 << 31) - 1
 #: Seals a board carries, so no one can shrink it under a reader's mapping (SIGBUS).
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+
+
+@dataclass(frozen=True, slots=True)
+class BoardArena:
+    """Shared host memory a peer may map: the writer's descriptor number of its memory file,
+    the file's inode, and the arena's start and size in the writer."""
+
+    fd: int
+    ino: int
+    base: int
+    nbytes: int
+
+
+_NO_ARENA = BoardArena(-1, 0, 0, 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +91,8 @@ class BoardEntry:
     addrs: tuple[int, ...]
     #: The device runtime's sharing token; empty for host memory.
     token: bytes = b""
+    #: The shared host arena holding the entry's memory; None when it is private.
+    arena: BoardArena | None = None
 
     @property
     def span(self) -> tuple[int, int]:
@@ -82,6 +105,7 @@ def encode_entries(entries: Iterable[BoardEntry]) -> bytes:
     """The table bytes of ``entries``."""
     parts: list[bytes] = []
     for e in entries:
+        arena = e.arena or _NO_ARENA
         parts.append(
             _ENTRY.pack(
                 e.cache_id,
@@ -91,6 +115,10 @@ def encode_entries(entries: Iterable[BoardEntry]) -> bytes:
                 e.tensor_bytes,
                 len(e.addrs),
                 len(e.token),
+                arena.fd,
+                arena.ino,
+                arena.base,
+                arena.nbytes,
             )
         )
         parts.append(struct.pack(f"<{len(e.addrs)}Q", *e.addrs))
@@ -107,6 +135,16 @@ def _check_entry(entry: BoardEntry) -> None:
         )
     if any(addr + entry.tensor_bytes > _ADDR_LIMIT for addr in entry.addrs):
         raise ValueError(f"board entry of cache {entry.cache_id} wraps around the address space")
+    arena = entry.arena
+    if arena is not None:
+        low, nbytes = entry.span if entry.addrs else (arena.base, 0)
+        if (
+            entry.token
+            or arena.fd > _FD_MAX
+            or arena.base + arena.nbytes > _ADDR_LIMIT
+            or not arena.base <= low <= low + nbytes <= arena.base + arena.nbytes
+        ):
+            raise ValueError(f"board entry of cache {entry.cache_id} has a malformed arena")
 
 
 class RemoteRegions:
@@ -138,9 +176,17 @@ class RemoteRegions:
         entries: list[BoardEntry] = []
         at = 0
         while at < len(table):
-            cache_id, model_id, row_bytes, num_rows, tensor_bytes, n, token_len = (
-                _ENTRY.unpack_from(table, at)
-            )
+            (
+                cache_id,
+                model_id,
+                row_bytes,
+                num_rows,
+                tensor_bytes,
+                n,
+                token_len,
+                arena_fd,
+                *arena_rest,
+            ) = _ENTRY.unpack_from(table, at)
             at += _ENTRY.size
             if at + 8 * n > len(table):
                 raise ValueError(f"board entry of cache {cache_id} names {n} tensors past the end")
@@ -150,7 +196,10 @@ class RemoteRegions:
                 raise ValueError(f"board entry of cache {cache_id} has a malformed sharing token")
             token = bytes(table[at : at + token_len])
             at += token_len
-            entry = BoardEntry(cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs, token)
+            arena = BoardArena(arena_fd, *arena_rest) if arena_fd >= 0 else None
+            entry = BoardEntry(
+                cache_id, model_id, row_bytes, num_rows, tensor_bytes, addrs, token, arena
+            )
             _check_entry(entry)
             entries.append(entry)
         return cls(seq, entries)

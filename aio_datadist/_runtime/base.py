@@ -7,6 +7,7 @@ interface, so CUDA and Ascend runtimes drop in without touching it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import IntEnum
 from types import TracebackType
 from typing import Protocol
@@ -93,6 +94,17 @@ class Communicator(Protocol):
 
     def close(self) -> None:
         """Unbind the memory and leave the domain; idempotent."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostShare:
+    """Host memory a same-host peer may map: a memory file sealed at its size
+    (``api.host_alloc_shared``), open here as descriptor ``fd``, mapped at ``base``."""
+
+    fd: int
+    ino: int
+    base: int
+    nbytes: int
 
 
 class DeviceRuntime(ABC):
@@ -202,6 +214,12 @@ class DeviceRuntime(ABC):
 
     def close_shared(self, addr: int) -> None:  # noqa: B027 - optional, pairs open_shared
         """Drop a mapping from :meth:`open_shared` (``addr`` is what it returned)."""
+
+    def host_share(self, addr: int, nbytes: int) -> HostShare | None:
+        """The shared memory holding ``[addr, addr + nbytes)`` of host memory this runtime
+        allocated, which a same-host peer may map; None when that memory is private (peers
+        then copy it with ``process_vm_readv``)."""
+        return None
 
     def open_communicator(self, rank_table_path: str, rank: int) -> Communicator | None:
         """Join, as ``rank``, the device communication domain a rank-table file describes
