@@ -400,12 +400,23 @@ def _view(address: int, n: int) -> U8:
     return np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(address))
 
 
-@pytest.mark.parametrize("n", [1, 4096, 12345, 8 * MiB + 1])
-def test_host_alloc_is_aligned_zeroed_and_writable(n: int) -> None:
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+@pytest.mark.parametrize("n", [1, 4096, 12345, 100_000, 8 * MiB + 1])
+def test_host_alloc_is_aligned_zeroed_and_writable(n: int, shared: bool) -> None:
     page = api.host_page_size()
-    a = api.host_alloc(n)
+    fd = -1
+    if shared:
+        a, fd = api.host_alloc_shared(n)
+    else:
+        a = api.host_alloc(n)
     try:
-        assert a % page == 0
+        # aligned to the largest power of two (up to 2 MiB) that fits in it, whatever
+        # address the kernel would pick: a pool's pages start aligned
+        length = -(-n // page) * page
+        align = page
+        while align < 2 * MiB and align * 2 <= length:
+            align *= 2
+        assert a % align == 0
         view = _view(a, n)
         assert not view.any()
         view[:] = 0xAB
@@ -414,15 +425,18 @@ def test_host_alloc_is_aligned_zeroed_and_writable(n: int) -> None:
         assert np.array_equal(view, src)
     finally:
         api.host_free(a, n)
+        if fd >= 0:
+            os.close(fd)
 
 
 def test_host_alloc_bad_sizes() -> None:
-    for bad in (0, -1):
-        with pytest.raises(ParamInvalidError):
-            api.host_alloc(bad)
-    with pytest.raises(OutOfMemoryError) as info:
-        api.host_alloc(1 << 62)
-    assert info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
+    for alloc in (api.host_alloc, api.host_alloc_shared):
+        for bad in (0, -1):
+            with pytest.raises(ParamInvalidError):
+                alloc(bad)
+        with pytest.raises(OutOfMemoryError) as info:
+            alloc(1 << 62)
+        assert info.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
 
 
 def test_host_free_bad_arguments() -> None:

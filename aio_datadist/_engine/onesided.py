@@ -35,6 +35,7 @@ import asyncio
 import os
 import select
 import threading
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -115,9 +116,10 @@ class PeerMemory:
         self.mapping = True
         self._arenas: dict[tuple[int, int], _Arena] = {}
         self._arenas_seq = -1
-        #: Readable once the peer exited (a copy into its mapped memory would still work).
-        self._exited: select.poll | None = None
+        #: A pidfd of the peer, readable once it exited (a copy into its mapped memory would
+        #: still work): watched by a poll object per thread; closed with this object.
         self._pidfd = -1
+        self._pollers = threading.local()
 
     def close(self) -> None:
         """Stop one-sided access (the link closed) and unmap the peer's memory (a shared
@@ -131,9 +133,6 @@ class PeerMemory:
             arenas, self._arenas = self._arenas, {}
             for arena in arenas.values():
                 arena.drop()
-            pidfd, self._pidfd, self._exited = self._pidfd, -1, None
-        if pidfd >= 0:
-            os.close(pidfd)
         for addr in mapped.values():
             self._staging.runtime.close_shared(addr)
 
@@ -273,59 +272,70 @@ class PeerMemory:
     def _hold(self, regions: RemoteRegions, entries: list[BoardEntry]) -> list[_Arena] | None:
         """The peer's shared arenas holding ``entries``, mapped here and held for one copy
         (:meth:`_end` or :meth:`_release` them after it); None when one is private or cannot
-        be mapped (the copy then goes through the kernel)."""
+        be mapped (the copy then goes through the kernel).
+
+        Holding takes no lock: a copy adds itself to its arena's users, then looks whether
+        the arena was dropped meanwhile; dropping marks the arena, then unmaps it only if it
+        has no users. One of the two always sees the other (list appends and attribute
+        writes are atomic under the GIL), so a held arena is never unmapped under its copy.
+        """
         if not self.mapping:
             return None
+        held: list[_Arena] = []
         for entry in entries:
-            if entry.arena is None:
+            published = entry.arena
+            if published is None:
+                self._release(held)
                 return None
+            arena = self._arenas.get((published.fd, published.ino))
+            if arena is None or arena.base != published.base or arena.nbytes != published.nbytes:
+                arena = self._map_arena(regions, published)
+            if arena is None:
+                self._release(held)
+                return None
+            arena.users.append(None)
+            if arena.dropped:  # dropped since it was looked up: not for this copy
+                self._release([arena])
+                self._release(held)
+                return None
+            held.append(arena)
+        return held
+
+    def _map_arena(self, regions: RemoteRegions, published: BoardArena) -> _Arena | None:
+        """Map ``published`` here (replacing an older mapping under its key); None when it
+        cannot be, or ``regions`` is older than the last sweep (its arena might stay mapped
+        for good)."""
         with self._map_lock:
-            # (A snapshot older than the last sweep might map an arena for good.)
             if not self.mapping or regions.seq < self._arenas_seq:
                 return None
-            held: list[_Arena] = []
-            for entry in entries:
-                published: BoardArena = entry.arena  # type: ignore[assignment]
-                arena = self._arenas.get((published.fd, published.ino))
-                if arena is None or (arena.base, arena.nbytes) != (
-                    published.base,
-                    published.nbytes,
-                ):
-                    arena = self._map_arena(published)
-                    if arena is None:
-                        _release(held)
-                        return None
-                arena.users += 1
-                held.append(arena)
-            return held
-
-    def _map_arena(self, published: BoardArena) -> _Arena | None:
-        """Map ``published`` here (replacing an older mapping under its key); None when it
-        cannot be. The caller holds the map lock."""
-        if self._exited is None:  # the first mapping: watch for the peer's exit from now on
+            key = (published.fd, published.ino)
+            older = self._arenas.get(key)
+            if older is not None and (older.base, older.nbytes) == (
+                published.base,
+                published.nbytes,
+            ):
+                return older  # another thread mapped it meanwhile
+            if self._pidfd < 0:  # the first mapping: watch for the peer's exit from now on
+                try:
+                    self._pidfd = os.pidfd_open(self.pid)
+                except OSError as exc:
+                    self._unmappable(exc)
+                    return None
+                weakref.finalize(self, os.close, self._pidfd)
             try:
-                self._pidfd = os.pidfd_open(self.pid)
-            except OSError as exc:
+                addr = api.host_map_peer(self.pid, published.fd, published.ino, published.nbytes)
+            except PermissionError as exc:
                 self._unmappable(exc)
                 return None
-            self._exited = select.poll()
-            self._exited.register(self._pidfd, select.POLLIN)
-        try:
-            addr = api.host_map_peer(self.pid, published.fd, published.ino, published.nbytes)
-        except PermissionError as exc:
-            self._unmappable(exc)
-            return None
-        except (OSError, ValueError, LLMException):  # gone meanwhile: its entry is stale
-            return None
-        key = (published.fd, published.ino)
-        older = self._arenas.get(key)
-        if older is not None:
-            older.drop()
-        arena = self._arenas[key] = _Arena(addr, published.base, published.nbytes)
-        # The kernel handed over the peer's file under the very check process_vm_readv
-        # passes (ptrace access), so copies with this peer may run in the background.
-        self.proven = True
-        return arena
+            except (OSError, ValueError, LLMException):  # gone meanwhile: its entry is stale
+                return None
+            if older is not None:
+                self._arenas.pop(key).drop()
+            arena = self._arenas[key] = _Arena(addr, published.base, published.nbytes)
+            # The kernel handed over the peer's file under the very check process_vm_readv
+            # passes (ptrace access), so copies with this peer may run in the background.
+            self.proven = True
+            return arena
 
     def _unmappable(self, exc: OSError) -> None:
         self.mapping = False
@@ -336,14 +346,26 @@ class PeerMemory:
     def _end(self, held: list[_Arena]) -> None:
         """A copy with the peer's mapped memory ended: release ``held``, and fail the copy
         once the peer exited (its memory outlives it here, so the copy itself cannot tell)."""
-        with self._map_lock:  # (also: one poll object is never polled by two threads at once)
-            _release(held)
-            exited = self._exited
-            gone = exited is None or exited.poll(0)
-        if gone:
+        self._release(held)
+        poller = getattr(self._pollers, "poller", None)
+        if poller is None:  # (a poll object is never polled by two threads at once)
+            poller = self._pollers.poller = select.poll()
+            poller.register(self._pidfd, select.POLLIN)
+        if poller.poll(0):
             raise LLMException(
                 f"the peer process {self.pid} is gone", status_code=LLMStatusCode.LLM_LINK_FAILED
             )
+
+    def _release(self, held: list[_Arena] | None) -> None:
+        """End one copy's use of ``held``; an arena dropped meanwhile is unmapped by the last
+        copy that used it."""
+        if not held:
+            return
+        for arena in held:
+            arena.users.pop()
+            if arena.dropped and not arena.users:
+                with self._map_lock:
+                    arena.unmap_if_idle()
 
     def _sweep(self, regions: RemoteRegions) -> None:
         """Drop the mappings of arenas the board no longer names (each when no copy uses
@@ -353,11 +375,6 @@ class PeerMemory:
             for key in [k for k in self._arenas if k not in named]:
                 self._arenas.pop(key).drop()
             self._arenas_seq = regions.seq
-
-    def _release(self, held: list[_Arena] | None) -> None:
-        if held:
-            with self._map_lock:
-                _release(held)
 
     def _map(self, entries: list[BoardEntry], remote: Iov) -> Iov | None:
         """``remote`` rows translated into this process through the peer's sharing tokens;
@@ -488,7 +505,8 @@ class PeerMemory:
 
 class _Arena:
     """A peer's shared arena (``base``, ``nbytes`` there) mapped here at ``addr``; unmapped
-    once dropped and no copy uses it (``users``). Changed under its peer's map lock."""
+    once dropped and no copy uses it (``users``: one item per copy). :meth:`drop` and
+    :meth:`unmap_if_idle` run under the peer's map lock."""
 
     __slots__ = ("addr", "base", "dropped", "layouts", "nbytes", "users")
 
@@ -496,7 +514,7 @@ class _Arena:
         self.addr = addr
         self.base = base
         self.nbytes = nbytes
-        self.users = 0
+        self.users: list[None] = []
         self.dropped = False
         #: Block layouts of the peer's entries, translated here, by cache id.
         self.layouts: dict[int, tuple[BoardEntry, BlockLayout]] = {}
@@ -514,22 +532,13 @@ class _Arena:
     def drop(self) -> None:
         """No new copy may use it: unmap now, or when the last copy using it ends."""
         self.dropped = True
-        if self.users == 0:
-            self._unmap()
+        self.unmap_if_idle()
 
-    def _unmap(self) -> None:
-        addr, self.addr = self.addr, 0
-        if addr:
+    def unmap_if_idle(self) -> None:
+        """Unmap a dropped arena no copy uses (once)."""
+        if self.dropped and not self.users and self.addr:
+            addr, self.addr = self.addr, 0
             api.host_free(addr, self.nbytes)
-
-
-def _release(held: list[_Arena]) -> None:
-    """End one copy's use of ``held`` (the map lock held)."""
-    for arena in held:
-        arena.users -= 1
-        if arena.dropped and arena.users == 0:
-            arena._unmap()
-    held.clear()
 
 
 def _translated(addrs: np.ndarray, spans: list[tuple[int, int, int]]) -> np.ndarray:

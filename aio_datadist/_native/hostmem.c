@@ -60,6 +60,42 @@ static int round_to_pages(uint64_t nbytes, size_t *out)
     return DD_OK;
 }
 
+/* Mappings start at a multiple of the largest power of two up to this that fits in them, so
+ * a pool's pages (and huge pages, where the kernel gives them) start aligned whatever the
+ * kernel would have picked. */
+#define ALIGN_MAX (2ull << 20)
+
+/* Map len bytes (fd -1: anonymous private memory; else fd's file, shared), aligned as
+ * ALIGN_MAX says: reserve room for the alignment, map over its aligned part, return the
+ * rest. MAP_FAILED on failure (errno set). */
+static void *map_aligned(size_t len, int fd)
+{
+    size_t align = (size_t)dd_host_page_size();
+    while (align < ALIGN_MAX && align * 2 <= len)
+        align *= 2;
+    int flags = fd < 0 ? MAP_PRIVATE | MAP_ANONYMOUS : MAP_SHARED;
+    if (len > SIZE_MAX - align)
+        return MAP_FAILED;
+    char *room = mmap(NULL, len + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                      -1, 0);
+    if (room == MAP_FAILED)
+        return MAP_FAILED;
+    char *start = (char *)(((uintptr_t)room + align - 1) & ~((uintptr_t)align - 1));
+    void *p = mmap(start, len, PROT_READ | PROT_WRITE, flags | MAP_FIXED | MAP_NORESERVE, fd, 0);
+    if (p == MAP_FAILED) {
+        int saved = errno;
+        munmap(room, len + align);
+        errno = saved;
+        return MAP_FAILED;
+    }
+    if (start > room)
+        munmap(room, (size_t)(start - room));
+    size_t tail = (size_t)(room + len + align - (start + len));
+    if (tail > 0)
+        munmap(start + len, tail);
+    return p;
+}
+
 static void advise(void *p, size_t len)
 {
 #ifdef MADV_HUGEPAGE
@@ -76,8 +112,7 @@ int dd_host_alloc(uint64_t nbytes, uint64_t *addr)
     size_t len;
     if (addr == NULL || round_to_pages(nbytes, &len) != DD_OK)
         return DD_EINVAL;
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+    void *p = map_aligned(len, -1);
     if (p == MAP_FAILED)
         return DD_ENOMEM;
     advise(p, len);
@@ -99,7 +134,7 @@ int dd_host_alloc_shared(uint64_t nbytes, uint64_t *addr, int *fd)
         errno = saved;
         return errno == ENOMEM || errno == ENOSPC ? DD_ENOMEM : DD_ESYS;
     }
-    void *p = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, f, 0);
+    void *p = map_aligned(len, f);
     if (p == MAP_FAILED) {
         close(f);
         return DD_ENOMEM;
