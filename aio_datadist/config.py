@@ -58,6 +58,7 @@ __all__ = (
     "OPTION_TRANSPORT",
     "OPTION_COMM_BASE_PORT",
     "OPTION_SAME_HOST",
+    "OPTION_SHARED_POOLS",
     "OPTION_BUSY_POLL_US",
     "OPTION_METRICS",
     "OPTION_ZERO_ON_ALLOC",
@@ -112,6 +113,10 @@ OPTION_TRANSPORT = "aio.Transport"
 OPTION_COMM_BASE_PORT = "aio.CommBasePort"
 #: "1" (default) or "0": one-sided transfers with linked processes on this host.
 OPTION_SAME_HOST = "aio.SameHost"
+#: "1" (default) or "0": the host runtime's pools in shared memory a same-host peer maps
+#: (only while same-host transfers are on); "0" keeps them private, on huge pages where the
+#: kernel gives them, and same-host peers copy them through the kernel.
+OPTION_SHARED_POOLS = "aio.SharedPools"
 #: The shared secret that authenticates links (``hex:`` and hex digits for raw bytes).
 OPTION_LINK_SECRET = "aio.LinkSecret"
 #: Microseconds a TCP link busy-polls for an expected frame before sleeping (0: never).
@@ -919,7 +924,7 @@ def prepare_init_options(options: dict[str, str], role: LLMRole) -> dict[str, st
     transport = result.get(OPTION_TRANSPORT)
     if transport is not None and transport not in TRANSPORTS:
         param_invalid(f"{OPTION_TRANSPORT} must be one of {list(TRANSPORTS)}, got {transport!r}")
-    for key in (OPTION_ZERO_ON_ALLOC, OPTION_METRICS, OPTION_UCX):
+    for key in (OPTION_ZERO_ON_ALLOC, OPTION_METRICS, OPTION_UCX, OPTION_SHARED_POOLS):
         switch = result.get(key)
         if switch is not None and switch not in ("1", "0"):
             param_invalid(f'{key} must be "1" or "0", got {switch!r}')

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import dataclasses
+import gc
 import os
 import struct
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aio_datadist import CacheDesc, DataType, LLMDataDist, LLMException, LLMRole, LLMStatusCode
 from aio_datadist._engine import onesided
 from aio_datadist._engine.regions import (
     BOARD_BYTES,
@@ -25,6 +27,7 @@ from aio_datadist._engine.regions import (
     encode_entries,
 )
 from aio_datadist._memory.staging import Staging
+from aio_datadist._options import engine_options
 from aio_datadist._runtime import HostRuntime
 from aio_datadist._runtime import host as host_runtime
 from aio_datadist._transport._wire import WireError
@@ -304,6 +307,7 @@ class _Shared:
 
     def __init__(self, rows: int, row_bytes: int) -> None:
         self.runtime = HostRuntime(0)
+        self.runtime.share_host_memory = True
         self.nbytes = rows * row_bytes
         self.addr = self.runtime.alloc_device(self.nbytes)
         share = self.runtime.host_share(self.addr, self.nbytes)
@@ -445,6 +449,7 @@ def test_a_host_without_memory_files_allocates_private_memory(
 
     monkeypatch.setattr(host_runtime.api, "host_alloc_shared", no_memfd)
     runtime = HostRuntime(0)
+    runtime.share_host_memory = True
     addr = runtime.alloc_host(8192)
     try:
         assert runtime.host_share(addr, 8192) is None
@@ -488,3 +493,44 @@ def test_rows_over_two_arenas_are_each_moved_into_their_mapping() -> None:
     finally:
         first.close()
         second.close()
+
+
+@pytest.mark.parametrize(
+    ("extra", "shared"),
+    [
+        ({}, True),  # the default: same-host transfers on, over TCP
+        ({"aio.SharedPools": "0"}, False),
+        ({"aio.SameHost": "0"}, False),  # no same-host peer could map them
+        ({"aio.Transport": "loopback"}, False),
+    ],
+    ids=["default", "off", "no-same-host", "loopback"],
+)
+def test_pools_are_shared_only_where_a_same_host_peer_can_map_them(
+    extra: dict[str, str], shared: bool
+) -> None:
+    options = engine_options(transport="tcp", pool_bytes=8 << 20, timeout_ms=5000)
+    options.update(extra)
+    before = _arena_maps()
+    dd = LLMDataDist(LLMRole.DECODER, 7)
+    dd.init(options)
+    try:
+        assert _arena_maps() == before + shared
+        cache = dd.cache_manager.allocate_cache(CacheDesc(1, [4, 4096], DataType.DT_UINT8))
+        cache.as_numpy()[0][...] = 3  # private or shared, a cache is ordinary memory here
+        assert int(cache.as_numpy()[0].sum()) == 3 * 4 * 4096
+        dd.cache_manager.deallocate_cache(cache)
+        del cache
+    finally:
+        dd.finalize()
+    gc.collect()  # (views of a cache keep its pool's memory until they are gone)
+    assert _arena_maps() == before
+
+
+def test_a_shared_pools_switch_other_than_1_or_0_is_refused() -> None:
+    options = engine_options(transport="tcp", pool_bytes=8 << 20, timeout_ms=5000)
+    options["aio.SharedPools"] = "yes"
+    dd = LLMDataDist(LLMRole.DECODER, 7)
+    with pytest.raises(LLMException) as info:
+        dd.init(options)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    assert "aio.SharedPools" in str(info.value)

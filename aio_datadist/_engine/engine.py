@@ -50,6 +50,7 @@ from aio_datadist.config import (
     OPTION_METRICS,
     OPTION_SAME_HOST,
     OPTION_SESSION_DEVICE_ID,
+    OPTION_SHARED_POOLS,
     OPTION_SYNC_KV_TIMEOUT,
     OPTION_TRANSFER_BACKEND,
     OPTION_TRANSPORT,
@@ -104,6 +105,13 @@ class EngineSettings:
         self.transport = options.get(OPTION_TRANSPORT)
         self.comm_base_port = _int_option(options, OPTION_COMM_BASE_PORT, DEFAULT_COMM_BASE_PORT)
         self.same_host = options.get(OPTION_SAME_HOST, "1") != "0"
+        #: Pools in shared memory same-host peers map (``aio.SharedPools``), only where a
+        #: same-host peer can be: same-host transfers on, over TCP.
+        self.shared_pools = (
+            self.same_host
+            and (self.transport or "tcp") == "tcp"
+            and options.get(OPTION_SHARED_POOLS) != "0"
+        )
         #: Zero pool memory before a cache is made of it (``aio.ZeroOnAlloc``).
         self.zero_on_alloc = options.get(OPTION_ZERO_ON_ALLOC) == "1"
         #: Record every transfer for ``stats()`` (``aio.Metrics``, on unless "0").
@@ -181,6 +189,7 @@ class Engine:
                 return
             settings = EngineSettings(prepare_init_options(options, self.role))
             runtime = select_runtime(settings.device_id)
+            runtime.share_host_memory = settings.shared_pools
             pools: dict[Placement, MemoryPool] = {}
             try:
                 for placement, cfg in (

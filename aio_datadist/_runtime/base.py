@@ -117,6 +117,9 @@ class DeviceRuntime(ABC):
     #: True when memory fresh from :meth:`alloc_device` and :meth:`alloc_host` reads zero
     #: (anonymous mappings); pools then zero only memory that was handed out before.
     fresh_memory_is_zero: bool = False
+    #: Allocate host memory that a same-host peer may map (:meth:`host_share`), where this
+    #: runtime can; set before allocating (the engine does, from ``aio.SharedPools``).
+    share_host_memory: bool = False
 
     def __init__(self, device_id: int) -> None:
         self.device_id = device_id

@@ -17,9 +17,11 @@ __all__ = ("HostRuntime",)
 class HostRuntime(DeviceRuntime):
     """Device memory is ordinary host memory; every copy is a native batched memcpy.
 
-    Both placements are shared memory (``api.host_alloc_shared``) where the host can make
-    it, so a same-host peer maps a cache here instead of copying it through the kernel
-    (:meth:`host_share`); private anonymous memory otherwise.
+    With :attr:`share_host_memory` both placements are shared memory
+    (``api.host_alloc_shared``) where the host can make it, so a same-host peer maps a cache
+    here instead of copying it through the kernel (:meth:`host_share`); otherwise private
+    anonymous memory, which the kernel may back with huge pages (shared memory gets them
+    only where ``/sys/kernel/mm/transparent_hugepage/shmem_enabled`` allows).
     """
 
     name = "host"
@@ -47,7 +49,7 @@ class HostRuntime(DeviceRuntime):
         self._free(addr, nbytes)
 
     def _alloc(self, nbytes: int) -> int:
-        if not self._can_share:
+        if not (self.share_host_memory and self._can_share):
             return api.host_alloc(nbytes)
         try:
             addr, fd = api.host_alloc_shared(nbytes)
