@@ -513,30 +513,28 @@ class Engine:
         registry = caches.registry
         tokens: dict[tuple[int, int], bytes | None] = {}
 
+        def span(e: CacheEntry) -> tuple[int, int]:
+            """``(start, nbytes)`` from the lowest tensor to the end of the highest."""
+            low = min(e.addrs, default=0)
+            return low, max(e.addrs, default=0) + e.tensor_bytes - low
+
         def token(e: CacheEntry) -> bytes | None:
             """b"" for host-readable memory; the runtime's sharing token for device memory
             (cached per cache); None when the entry cannot be published."""
             if not caches.on_device(e):
                 return b""
-            low = min(e.addrs, default=0)
+            low, nbytes = span(e)
             key = (e.cache_id, low)
             if key not in tokens:
-                span = max(e.addrs, default=0) + e.tensor_bytes - low
                 try:
-                    tokens[key] = caches.runtime.share(low, span) if e.addrs else None
+                    tokens[key] = caches.runtime.share(low, nbytes) if e.addrs else None
                 except LLMException:
                     tokens[key] = None
             return tokens[key]
 
         def arena(e: CacheEntry) -> BoardArena | None:
             """The shared host memory holding a host-readable cache, which peers map."""
-            if not e.addrs:
-                return None
-            low = min(e.addrs)
-            share = caches.runtime.host_share(low, max(e.addrs) + e.tensor_bytes - low)
-            return (
-                None if share is None else BoardArena(share.fd, share.ino, share.base, share.nbytes)
-            )
+            return caches.runtime.host_share(*span(e)) if e.addrs else None
 
         def publish() -> None:
             was_full = board.overflowed

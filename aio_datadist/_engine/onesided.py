@@ -51,7 +51,6 @@ from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api
-from aio_datadist._native.api import BlockLayout
 from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.samehost import SameHostPeer
@@ -164,11 +163,9 @@ class PeerMemory:
         """
         if not self.serves(access.target):
             return None
-        regions = self._view.regions()
+        regions = self._regions()
         if regions is None:
             return None
-        if regions.seq != self._arenas_seq and self._arenas:
-            self._sweep(regions)
         resolved = resolve(regions, access)
         if resolved is None:
             return None
@@ -192,12 +189,8 @@ class PeerMemory:
                 args = (self.pid, ops)
             else:
                 theirs = 0 if write else 1
-                arenas = {id(a): a for a in held}
-                if len(arenas) == 1:  # every row lies in it: one shift
-                    ops[:, theirs] += np.uint64((held[0].addr - held[0].base) % _ADDR_SPACE)
-                else:
-                    spans = [(a.base, a.nbytes, a.addr) for a in arenas.values()]
-                    ops[:, theirs] = _translated(ops[:, theirs], spans)
+                spans = {(a.base, a.nbytes, a.addr) for a in held}
+                ops[:, theirs] = _translated(ops[:, theirs], list(spans))
                 args = (0, ops)
             return self._copy(
                 regions, entries, api.vm_copy_batch, args, write, nbytes, loop_deadline_ns, held
@@ -233,11 +226,9 @@ class PeerMemory:
         """
         if not self.enabled:
             return None
-        regions = self._view.regions()
+        regions = self._regions()
         if regions is None:
             return None
-        if regions.seq != self._arenas_seq and self._arenas:
-            self._sweep(regions)
         entry = regions.by_model.get(remote.model_id)
         if entry is None or entry.token:
             return None
@@ -245,7 +236,7 @@ class PeerMemory:
         if held is None:
             pid, layout = self.pid, regions.layout(entry)
         else:
-            pid, layout = 0, held[0].layout(entry)
+            pid, layout = 0, regions.layout(entry, held[0].addr - held[0].base)
         theirs = (layout, remote.start, remote.blocks)
         mine = (local.layout, local.start, local.blocks)
         count, seg = local.count, local.seg
@@ -268,6 +259,14 @@ class PeerMemory:
             )
         except ParamInvalidError:
             return None
+
+    def _regions(self) -> RemoteRegions | None:
+        """The peer's board as it is now (None: no consistent snapshot); when it changed,
+        the mappings of arenas it no longer names are dropped."""
+        regions = self._view.regions()
+        if regions is not None and regions.seq != self._arenas_seq and self._arenas:
+            self._sweep(regions)
+        return regions
 
     def _hold(self, regions: RemoteRegions, entries: list[BoardEntry]) -> list[_Arena] | None:
         """The peer's shared arenas holding ``entries``, mapped here and held for one copy
@@ -508,7 +507,7 @@ class _Arena:
     once dropped and no copy uses it (``users``: one item per copy). :meth:`drop` and
     :meth:`unmap_if_idle` run under the peer's map lock."""
 
-    __slots__ = ("addr", "base", "dropped", "layouts", "nbytes", "users")
+    __slots__ = ("addr", "base", "dropped", "nbytes", "users")
 
     def __init__(self, addr: int, base: int, nbytes: int) -> None:
         self.addr = addr
@@ -516,18 +515,6 @@ class _Arena:
         self.nbytes = nbytes
         self.users: list[None] = []
         self.dropped = False
-        #: Block layouts of the peer's entries, translated here, by cache id.
-        self.layouts: dict[int, tuple[BoardEntry, BlockLayout]] = {}
-
-    def layout(self, entry: BoardEntry) -> BlockLayout:
-        """The blocks of the peer's ``entry`` (inside this arena) as mapped here."""
-        known = self.layouts.get(entry.cache_id)
-        if known is not None and known[0] is entry:
-            return known[1]
-        addrs = tuple(a - self.base + self.addr for a in entry.addrs)
-        layout = BlockLayout(addrs, entry.row_bytes, entry.num_rows)
-        self.layouts[entry.cache_id] = (entry, layout)
-        return layout
 
     def drop(self) -> None:
         """No new copy may use it: unmap now, or when the last copy using it ends."""
@@ -542,8 +529,11 @@ class _Arena:
 
 
 def _translated(addrs: np.ndarray, spans: list[tuple[int, int, int]]) -> np.ndarray:
-    """``addrs`` of the peer moved here: each inside a ``(start, nbytes, here)`` span of the
-    peer's memory becomes ``here + (addr - start)``; others stay."""
+    """``addrs`` of the peer moved here: each lies inside one ``(start, nbytes, here)`` span
+    of the peer's memory and becomes ``here + (addr - start)``."""
+    if len(spans) == 1:  # one shift for all
+        start, _, here = spans[0]
+        return addrs + np.uint64((here - start) % _ADDR_SPACE)
     out = addrs.copy()
     for start, nbytes, here in spans:
         inside = (addrs >= start) & (addrs < start + nbytes)

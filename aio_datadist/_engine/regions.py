@@ -45,6 +45,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from aio_datadist._native.api import BlockLayout
+from aio_datadist._runtime.base import HostShare
 
 __all__ = ("BOARD_BYTES", "BoardArena", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegions")
 
@@ -65,17 +66,9 @@ _FD_MAX = (1 << 31) - 1
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 
 
-@dataclass(frozen=True, slots=True)
-class BoardArena:
-    """Shared host memory a peer may map: the writer's descriptor number of its memory file,
-    the file's inode, and the arena's start and size in the writer."""
-
-    fd: int
-    ino: int
-    base: int
-    nbytes: int
-
-
+#: An arena on a board: the writer's :class:`HostShare` (its descriptor number of the
+#: memory file, the file's inode, and the arena's start and size in the writer).
+BoardArena = HostShare
 _NO_ARENA = BoardArena(-1, 0, 0, 0)
 
 
@@ -160,14 +153,17 @@ class RemoteRegions:
         )
         self._starts = [s for s, _, _ in spans]
         self._spans = spans
-        self._layouts: dict[int, BlockLayout] = {}
+        self._layouts: dict[tuple[int, int], BlockLayout] = {}
 
-    def layout(self, entry: BoardEntry) -> BlockLayout:
-        """The blocks of ``entry`` (one of this board's) for native code."""
-        layout = self._layouts.get(entry.cache_id)
+    def layout(self, entry: BoardEntry, shift: int = 0) -> BlockLayout:
+        """The blocks of ``entry`` (one of this board's) for native code; ``shift``: what
+        to add to its addresses (where the peer's memory is mapped here)."""
+        key = (entry.cache_id, shift)
+        layout = self._layouts.get(key)
         if layout is None:
-            layout = BlockLayout(entry.addrs, entry.row_bytes, entry.num_rows)
-            self._layouts[entry.cache_id] = layout
+            addrs = tuple(a + shift for a in entry.addrs) if shift else entry.addrs
+            layout = BlockLayout(addrs, entry.row_bytes, entry.num_rows)
+            self._layouts[key] = layout
         return layout
 
     @classmethod
