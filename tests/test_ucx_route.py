@@ -667,13 +667,26 @@ async def test_links_and_transfers_leave_no_descriptors_or_threads(
 
 # -- device memory ----------------------------------------------------------------------------
 @needs_ucx
-async def test_device_rows_are_staged_around_the_route(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("ucx_offers_cuda", [False, True])
+async def test_device_rows_are_staged_around_the_route(
+    monkeypatch: pytest.MonkeyPatch, ucx_offers_cuda: bool
+) -> None:
     """Under an accelerator runtime whose memory UCX cannot reach (the fake libcudart),
     device rows against the peer's host cache go through pinned buffers around the UCX
-    route; the peer's device caches are not published, so the link stages them."""
+    route; the peer's device caches are not published, so the link stages them. So too
+    where UCX offers CUDA memory (a GPU machine) but refuses the runtime's device pool as
+    such: what UCX can reach is not what this runtime allocates."""
     from tests.test_device_transfers import read
     from tests.test_runtime_cuda import _fake as fake_cudart
 
+    if ucx_offers_cuda:
+        init = ucx.UcxContext.__init__
+
+        def offering_cuda(self: ucx.UcxContext, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self.memory_types = self.memory_types | {"cuda"}
+
+        monkeypatch.setattr(ucx.UcxContext, "__init__", offering_cuda)
     fake = fake_cudart()
     monkeypatch.setenv("AIO_DATADIST_RUNTIME", "cuda")
     monkeypatch.setenv("AIO_DATADIST_CUDART", str(fake.path))
@@ -699,6 +712,7 @@ async def test_device_rows_are_staged_around_the_route(monkeypatch: pytest.Monke
         info.append_local_ip_info("127.0.0.1", 0)
         info.append_remote_ip_info("127.0.0.1", port)
         assert (await decoder.link_clusters([info], 5000))[0] == S.LLM_SUCCESS
+        assert not prompt._engine.ucx_links().cuda and not decoder._engine.ucx_links().cuda
         host_desc = CacheDesc(TENSORS, [BLOCKS, 1024], DataType.DT_UINT8, Placement.HOST)
         dev_desc = CacheDesc(TENSORS, [BLOCKS, 1024], DataType.DT_UINT8, Placement.DEVICE)
         host_src = await prompt.cache_manager.allocate_blocks_cache(host_desc, BlocksCacheKey(1, 0))

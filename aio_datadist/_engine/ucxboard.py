@@ -90,7 +90,9 @@ class UcxBoard:
         self._address = address
         self._host = host
         self._log = log
-        #: Device caches are registered as CUDA memory (else they are not published).
+        #: Device caches are registered as CUDA memory (else they are not published). Turned
+        #: off when UCX refuses the device pool as CUDA memory: whatever UCX can reach, this
+        #: runtime's device memory is not memory it knows, so device rows are staged.
         self.cuda = cuda
         self._registry = caches.registry
         self._seq = 0
@@ -110,6 +112,8 @@ class UcxBoard:
                 reg = Registration(context, pool.arena.addr, pool.arena.nbytes, memory=memory)
             except LLMException as exc:
                 log.warning("ucx.pool_unregistered", placement=str(pool.placement), reason=str(exc))
+                if memory == "cuda":
+                    self.cuda = False
                 continue
             self._pools.append((reg, UcxKey(reg.addr, reg.nbytes, memory, reg.rkey)))
         self._registry.add_listener(self._changed)

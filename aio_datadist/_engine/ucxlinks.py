@@ -118,8 +118,7 @@ class UcxLinks:
             self.context.close()
             raise
         try:
-            #: UCX reaches the runtime's device memory: device rows go to UCX directly.
-            self.cuda = "cuda" in self.context.memory_types and caches.runtime.name == "cuda"
+            cuda = "cuda" in self.context.memory_types and caches.runtime.name == "cuda"
             self.host = host_identity(local_host_key())
             #: UCX reads and writes other processes' memory here (cma, knem, xpmem).
             self.cross_memory = any(
@@ -132,13 +131,16 @@ class UcxLinks:
             raise
         try:
             self.board = UcxBoard(
-                self.context, caches, self.worker.address(), self.host, log, cuda=self.cuda
+                self.context, caches, self.worker.address(), self.host, log, cuda=cuda
             )
         except BaseException:
             self.progress.close()
             self.worker.close()
             self.context.close()
             raise
+        #: UCX reaches the runtime's device memory (it offers CUDA memory, the runtime is
+        #: CUDA's, and the device pool registered as such): device rows go to UCX directly.
+        self.cuda = self.board.cuda
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._peers: dict[int, tuple[Hello, _Peer]] = {}  # by id() of the channel's peer
