@@ -102,6 +102,14 @@ _MEMORY_TYPES = {
 #: Memory types a :class:`Registration` (and a local side of :func:`rma`) may name.
 MEMORY_TYPES = {"host": _ucx.UCS_MEMORY_TYPE_HOST, "cuda": _ucx.UCS_MEMORY_TYPE_CUDA}
 
+#: UCX settings a context takes unless the environment names them (``UCX_<name>``).
+#: UCX turns reads through CUDA IPC off where it finds no NVLink (over PCIe, reading a peer
+#: GPU is slower than writing it); an RMA read of CUDA memory then falls back to software
+#: emulation through host memory, about 1 GB/s. This route's pulls are RMA reads, and a read
+#: through CUDA IPC is far faster than that fallback: a device-local copy on one GPU, a
+#: peer-to-peer read between two.
+UCX_DEFAULTS = {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+
 _LINK_STATUSES = frozenset({-3, -6, -10, -13, -14, -16, -17, -23, -24, -25})
 _PARAM_STATUSES = frozenset({-5, -7, -9, -11, -19})
 
@@ -179,6 +187,10 @@ class UcxContext:
             ) from None
         config = ffi.new("ucp_config_t **")
         _check("ucp_config_read", lib.ucp_config_read(ffi.NULL, ffi.NULL, config))
+        for key, value in UCX_DEFAULTS.items():
+            if "UCX_" + key not in os.environ:
+                # a setting of a transport this UCX lacks is refused: nothing to set then
+                lib.ucp_config_modify(config[0], key.encode(), value.encode())
         params = ffi.new("ucp_params_t *")
         self._name = ffi.new("char[]", name.encode()[:31])
         params.field_mask = (
