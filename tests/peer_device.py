@@ -5,12 +5,14 @@ Usage: python tests/peer_device.py PORT BLOCKS BLOCK_BYTES
 Under the runtime ``AIO_DATADIST_RUNTIME`` names, it allocates a ``Placement.DEVICE`` blocks
 cache of 4 tensors x BLOCKS blocks of BLOCK_BYTES from its pool under
 ``BlocksCacheKey(1, 0)``, writes :func:`tests.peer_prompt.pattern` into it through the
-runtime, prints ``ready`` and serves until stdin closes.
+runtime, prints ``ready`` and serves until stdin closes. With ``AIO_TEST_UCX=1`` it enables
+the UCX route (``LLMConfig.ucx``).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import numpy as np
@@ -35,7 +37,10 @@ def main() -> None:
     cfg.enable_cache_manager = True
     cfg.enable_remote_cache_accessible = True
     cfg.listen_ip_info = f"127.0.0.1:{port}"
-    cfg.mem_pool_cfg = json.dumps({"memory_size": 1 << 24})
+    cache_bytes = TENSORS * blocks * block_bytes
+    cfg.mem_pool_cfg = json.dumps({"memory_size": max(1 << 24, cache_bytes + (8 << 20))})
+    if os.environ.get("AIO_TEST_UCX") == "1":
+        cfg.ucx = True
     dd = LLMDataDist(LLMRole.PROMPT, 1)
     dd.init(cfg.generate_options())
     cm = dd.cache_manager

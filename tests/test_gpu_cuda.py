@@ -1,4 +1,5 @@
-"""The CUDA runtime on a real GPU: the byte checks of test_runtime_cuda against a device.
+"""The CUDA runtime on a real GPU: the byte checks of test_runtime_cuda against a device,
+and device blocks moved between two processes on one GPU over every route.
 
 Skipped as a whole where no libcudart loads or it reports no device.
 """
@@ -25,9 +26,19 @@ _COUNT, _REASON = _LIB.probe_devices()
 if _COUNT == 0:
     pytest.skip(f"no CUDA device: {_REASON}", allow_module_level=True)
 
-from aio_datadist import Cache, CacheDesc, DataType, Placement  # noqa: E402
+from aio_datadist import (  # noqa: E402
+    BlocksCacheKey,
+    Cache,
+    CacheDesc,
+    DataType,
+    LLMRole,
+    Placement,
+)
 from aio_datadist._runtime.base import CopyKind  # noqa: E402
-from tests.conftest import Face, make_options, pool_cfg  # noqa: E402
+from aio_datadist._transport import ucx  # noqa: E402
+from tests.conftest import Face, make_options, pool_cfg, push_blocks  # noqa: E402
+from tests.peer_prompt import TENSORS, pattern  # noqa: E402
+from tests.test_cross_process import Peer, link, peer_memory, ucx_route  # noqa: E402
 from tests.test_runtime_cuda import _PEER, fill, read, rng_bytes, runtime_of  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,3 +215,75 @@ async def test_cache_manager_copies(gpu_face: Face) -> None:
         assert all((d[12] == 99).all() for d in read(runtime, dev))
     await cm.deallocate_blocks_cache(pool_host)
     await cm.deallocate_blocks_cache(dev)
+
+
+# -- two processes on one GPU ------------------------------------------------------------------
+DEVICE_PEER = ROOT / "tests" / "peer_device.py"
+#: ``link``: staged through the socket; ``ipc``: the peer's memory mapped through CUDA IPC;
+#: ``ucx``: UCP RMA on CUDA memory with UCX's own choice of transports (``cuda_ipc`` on one
+#: GPU); ``ucx-tcp``: the same over UCX's tcp transport, device memory reached by ``cuda_copy``.
+GPU_ROUTES = ["link", "ipc"] + (["ucx", "ucx-tcp"] if ucx.available() is None else [])
+
+
+@pytest.mark.parametrize("route", GPU_ROUTES)
+async def test_device_blocks_between_processes(
+    route: str, face_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decoder pulls the peer's device blocks into device memory and pushes them back, over
+    each route; the bytes arrive, and the route asked for is the one that moved them."""
+    monkeypatch.setenv("AIO_DATADIST_RUNTIME", "cuda")
+    over_ucx = route.startswith("ucx")
+    ucx_cuda = over_ucx and "cuda" in ucx.ucx_info().get("memory_types", [])
+    if route == "ucx-tcp":
+        monkeypatch.setenv("UCX_TLS", "tcp,cuda_copy,self" if ucx_cuda else "tcp,self")
+    blocks, block_bytes = 32, 64 << 10
+    peer = Peer(
+        blocks, block_bytes, script=DEVICE_PEER, env={"AIO_TEST_UCX": "1"} if over_ucx else None
+    )
+    face = Face(face_kind, LLMRole.DECODER, 2)
+    try:
+        await face.init(
+            make_options(
+                device_pool=pool_cfg(),
+                host_pool=pool_cfg(),
+                remote_accessible=True,
+                transport="tcp",
+                same_host=route == "ipc",
+                ucx=over_ucx or None,
+            )
+        )
+        await link(face, peer)
+        found, memory = ucx_route(face), peer_memory(face)
+        if over_ucx:
+            assert found is not None and found.remote.usable and memory is None
+            # device memory registers with UCX where it reaches CUDA memory, else is staged
+            assert found.cuda == ucx_cuda
+        elif route == "ipc":
+            assert found is None and memory is not None and memory.device_sharing
+        else:
+            assert found is None and memory is None
+        runtime = runtime_of(face)
+        desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)
+        dev = await face.cm.allocate_blocks_cache(desc)
+        src = [int(b) for b in np.random.default_rng(7).permutation(blocks)[:24]]
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), dev, src, list(range(24)))
+        expected = [pattern(t, blocks, block_bytes) for t in range(TENSORS)]
+        for got, want in zip(read(runtime, dev), expected, strict=True):
+            np.testing.assert_array_equal(got[:24], want[src])
+        if route == "ipc":
+            assert memory._mapped
+
+        # device blocks out into the peer's device memory, then back into host memory
+        await push_blocks(face, BlocksCacheKey(1, 0), dev, [0, 1, 2, 3], [28, 29, 30, 31])
+        host_desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.HOST)
+        host = await face.cm.allocate_blocks_cache(host_desc)
+        await face.cm.pull_blocks(BlocksCacheKey(1, 0), host, [28, 29, 30, 31], [4, 5, 6, 7])
+        for view, want in zip(host.as_numpy(), expected, strict=True):
+            np.testing.assert_array_equal(view[4:8], want[src[:4]])
+        await face.cm.deallocate_blocks_cache(host)
+        await face.cm.deallocate_blocks_cache(dev)
+        leaked = {str(k): v for k, v in face.pool_used().items() if v}
+        assert not leaked, f"pool memory leaked: {leaked}"
+    finally:
+        await face.finalize()
+        peer.close()
