@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 
 import numpy as np
 import numpy.typing as npt
@@ -10,6 +11,10 @@ import numpy.typing as npt
 __all__ = ("AddressRanges",)
 
 U64s = npt.NDArray[np.uint64]
+
+#: Up to this many rows, :meth:`AddressRanges.covers` looks them up one by one in Python
+#: (about 2 µs for four rows), past it in one numpy pass (about 5 µs however few).
+_ROW_BY_ROW = 8
 
 
 class AddressRanges:
@@ -25,12 +30,17 @@ class AddressRanges:
         self._lock = threading.Lock()
         self._map: dict[int, int] = {}
         empty = np.empty(0, dtype=np.uint64)
-        self._snapshot: tuple[U64s, U64s] = (empty, empty)
+        self._snapshot: tuple[U64s, U64s, list[int], list[int]] = (empty, empty, [], [])
 
     def _rebuild(self) -> None:
-        starts = np.array(sorted(self._map), dtype=np.uint64)
-        ends = np.array([self._map[int(s)] for s in starts], dtype=np.uint64)
-        self._snapshot = (starts, ends)
+        starts = sorted(self._map)
+        ends = [self._map[s] for s in starts]
+        self._snapshot = (
+            np.array(starts, dtype=np.uint64),
+            np.array(ends, dtype=np.uint64),
+            starts,
+            ends,
+        )
 
     def add(self, start: int, nbytes: int) -> None:
         """Remember ``[start, start + nbytes)``."""
@@ -49,17 +59,24 @@ class AddressRanges:
 
     def find(self, addr: int) -> tuple[int, int] | None:
         """``(start, nbytes)`` of the range holding ``addr``, or None."""
-        starts, ends = self._snapshot
-        i = int(np.searchsorted(starts, np.uint64(addr), side="right")) - 1
-        if i < 0 or addr >= int(ends[i]):
+        _, _, starts, ends = self._snapshot
+        i = bisect_right(starts, addr) - 1
+        if i < 0 or addr >= ends[i]:
             return None
-        return int(starts[i]), int(ends[i]) - int(starts[i])
+        return starts[i], ends[i] - starts[i]
 
     def covers(self, addrs: U64s, lengths: U64s) -> npt.NDArray[np.bool_]:
         """Per row: does one range hold all of ``[addrs[i], addrs[i] + lengths[i])``?"""
-        starts, ends = self._snapshot
+        starts, ends, start_list, end_list = self._snapshot
         if len(starts) == 0:
             return np.zeros(len(addrs), dtype=bool)
+        if len(addrs) <= _ROW_BY_ROW:
+            out = np.zeros(len(addrs), dtype=bool)
+            rows = zip(addrs.tolist(), lengths.tolist(), strict=True)
+            for row, (addr, nbytes) in enumerate(rows):
+                i = bisect_right(start_list, addr) - 1
+                out[row] = i >= 0 and addr + nbytes <= end_list[i]
+            return out
         idx = np.searchsorted(starts, addrs, side="right").astype(np.int64) - 1
         inside = idx >= 0
         idx[~inside] = 0
