@@ -292,9 +292,10 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
     calls = api.UcxCalls(addresses)
     with pytest.raises(ParamInvalidError):
         calls.drain(0, 0)  # no worker
+    count = calls.count()
     with pytest.raises(ParamInvalidError):
-        calls.rma(0, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint64), 0, write=False)
-    assert calls.reap(np.zeros(0, np.uint64), 0) == (0, 0)
+        calls.rma(0, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint64), 0, count, write=False)
+    assert count.left() == (0, 0)  # nothing started, nothing counted
 
 
 def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -320,6 +321,39 @@ def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None
         request.abandon()
         rkey.close()
         ep.close(_deadline(2), force=True)
+        reg.close()
+
+
+def test_a_batch_cut_off_by_a_forced_close_completes_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch of gets whose target never progresses stays in flight; closing the endpoint by
+    force completes every request through the batch's count, with the failure kept."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
+        remote = np.arange(1 << 20, dtype=np.uint64).view(np.uint8)
+        local = np.zeros_like(remote)
+        reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
+        ep = ucx.Endpoint(a, b.address())
+        rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+        n = 64
+        piece = remote.nbytes // n
+        ops = np.array(
+            [[local.ctypes.data + i * piece, reg.addr + i * piece, piece] for i in range(n)],
+            dtype=np.uint64,
+        )
+        requests, failure = ucx.rma(ep, ops, [rkey], np.zeros(n, np.intp), write=False)
+        assert failure is None
+        a.drain()
+        assert not requests.done() and len(requests) > 0  # b never serves them
+        with pytest.raises(LLMException, match="still in flight"):
+            requests.result()
+        rkey.close()
+        ep.close(_deadline(5), force=True)
+        assert a.wait_until(requests.done, _deadline(5))
+        with pytest.raises(LLMException) as info:
+            requests.result()
+        assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED, info.value
         reg.close()
 
 

@@ -44,9 +44,12 @@ status=0
     tests/test_bounds.py tests/test_fuzz.py tests/test_runtime_cuda.py \
     tests/test_runtime_acl.py tests/test_staging.py tests/test_device_transfers.py \
     tests/test_hccl_presence.py tests/test_hccl_domains.py \
-    tests/test_cross_process.py \
-    --deselect tests/test_runtime_cuda.py::test_ptx_header_is_current "$@" || status=$?
-# (that test runs nvcc, which does not survive the preloaded sanitizer runtime)
+    tests/test_cross_process.py tests/test_ucx_binding.py tests/test_ucx_route.py \
+    --deselect tests/test_runtime_cuda.py::test_ptx_header_is_current \
+    --deselect tests/test_ucx_binding.py::test_an_access_outside_the_peers_memory_fails_the_link \
+    "$@" || status=$?
+# (the first runs nvcc, which does not survive the preloaded sanitizer runtime; the second
+# has UCX in the peer read a wild address on purpose, which the sanitizer reports there)
 
 if compgen -G "$WORK/reports/*" >/dev/null; then
     cat "$WORK"/reports/*

@@ -42,7 +42,9 @@ __all__ = (
     "NetTimeout",
     "PeerClosed",
     "PoolStats",
+    "UCX_COUNTED",
     "UcxCalls",
+    "UcxCount",
     "copy",
     "copy_batch",
     "copy_threads",
@@ -784,10 +786,48 @@ def copy_threads() -> int:
 UCX_CALLS = {
     "get_nbx": "ucp_get_nbx",
     "put_nbx": "ucp_put_nbx",
-    "check_status": "ucp_request_check_status",
     "request_free": "ucp_request_free",
     "worker_progress": "ucp_worker_progress",
 }
+
+
+#: The address of the native UCP completion of a counted batch (``dd_ucx_counted``), for
+#: the ``cb.send`` of its request parameters.
+UCX_COUNTED = int(ffi.cast("uintptr_t", ffi.addressof(lib, "dd_ucx_counted")))
+
+#: Counts whose requests were still completing when they were dropped: freed once they end.
+_UNFINISHED_COUNTS: list[Any] = []
+
+
+class UcxCount:
+    """How many requests of one batch are still in flight, and the first failure among them
+    (``dd_ucx_count``): each request's completion takes itself off, so a look is one load."""
+
+    __slots__ = ("_count", "address")
+
+    def __init__(self, calls: Any) -> None:
+        if _UNFINISHED_COUNTS:
+            _UNFINISHED_COUNTS[:] = [
+                c for c in _UNFINISHED_COUNTS if lib.dd_ucx_count_free(c) != lib.DD_OK
+            ]
+        count = lib.dd_ucx_count_new(calls)
+        if count == ffi.NULL:
+            _check(lib.DD_ENOMEM, "ucx count")
+        self._count = count
+        #: The count's address, the ``user_data`` of the batch's request parameters.
+        self.address = int(ffi.cast("uintptr_t", count))
+
+    def left(self) -> tuple[int, int]:
+        """``(left, status)``: the requests still in flight and the ``ucs_status_t`` of the
+        first that failed (0: none)."""
+        status = ffi.new("int *")
+        return int(lib.dd_ucx_count_left(self._count, status)), int(status[0])
+
+    def __del__(self) -> None:
+        count = getattr(self, "_count", None)
+        if count is not None and lib.dd_ucx_count_free(count) == lib.DD_EAGAIN:
+            # UCX still completes requests into it (a worker torn down under them): keep it
+            _UNFINISHED_COUNTS.append(count)
 
 
 class UcxCalls:
@@ -810,26 +850,28 @@ class UcxCalls:
             setattr(c, field, address)
         self._c = c
 
+    def count(self) -> UcxCount:
+        """A completion count for one batch started with :meth:`rma`."""
+        return UcxCount(self._c)
+
     def rma(
         self,
         ep: int,
         ops: npt.NDArray[np.uint64],
         rkeys: npt.NDArray[np.uint64],
         param: int,
+        count: UcxCount,
         *,
         write: bool,
-    ) -> tuple[npt.NDArray[np.uint64], int, int]:
+    ) -> tuple[int, int]:
         """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``,
         row ``i`` through the remote key ``rkeys[i]``, on endpoint ``ep`` with the request
-        parameters ``param`` (handles as ints).
+        parameters ``param`` (handles as ints), which must name :data:`UCX_COUNTED` and
+        ``count``'s address: the requests left in flight complete into ``count``.
 
-        Returns ``(requests, refused, status)``: the requests still in flight, the index of
-        the row UCX refused (``len(ops)`` when none; the rows after it did not start) and its
-        ``ucs_status_t`` (0 when none).
+        Returns ``(refused, status)``: the index of the row UCX refused (``len(ops)`` when
+        none; the rows after it did not start) and its ``ucs_status_t`` (0 when none).
         """
-        n = len(ops)
-        reqs = np.empty(n, np.uint64)
-        nreqs = ffi.new("size_t *")
         status = ffi.new("int *")
         at = lib.dd_ucx_rma(
             self._c,
@@ -837,25 +879,14 @@ class UcxCalls:
             1 if write else 0,
             ffi.from_buffer("uint64_t[]", ops),
             ffi.from_buffer("uint64_t[]", rkeys),
-            n,
+            len(ops),
             param,
-            ffi.from_buffer("uint64_t[]", reqs),
-            nreqs,
+            count._count,
             status,
         )
         if at < 0:
             _check(int(at), "ucx rma batch")
-        return reqs[: nreqs[0]], int(at), int(status[0])
-
-    def reap(self, reqs: npt.NDArray[np.uint64], n: int) -> tuple[int, int]:
-        """Check the first ``n`` requests of ``reqs``: free the complete ones and move the
-        rest, in order, to the front. Returns ``(left, status)``: how many are left and the
-        ``ucs_status_t`` of the first that failed (0: none)."""
-        status = ffi.new("int *")
-        left = lib.dd_ucx_reap(self._c, ffi.from_buffer("uint64_t[]", reqs), n, status)
-        if left < 0:
-            _check(int(left), "ucx reap")
-        return int(left), int(status[0])
+        return int(at), int(status[0])
 
     def drain(self, worker: int, budget_ns: int) -> bool | None:
         """Progress ``worker`` until nothing is left to do: whether anything was, or None when

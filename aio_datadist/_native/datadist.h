@@ -269,23 +269,38 @@ int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spi
 typedef struct {
     uint64_t get_nbx;         /* ucp_get_nbx */
     uint64_t put_nbx;         /* ucp_put_nbx */
-    uint64_t check_status;    /* ucp_request_check_status */
     uint64_t request_free;    /* ucp_request_free */
     uint64_t worker_progress; /* ucp_worker_progress */
 } dd_ucx_calls;
 
+/* A batch's completion count: the requests of the batch still in flight, and the first
+ * failure among them. Each request of a counted batch completes through dd_ucx_counted (the
+ * batch's request parameters name it, with the count as user data), which frees it. Touch
+ * the fields only through the functions below. */
+typedef struct {
+    int64_t pending;       /* requests whose completion has not run yet */
+    int32_t status;        /* the first failure's ucs_status_t; 0: none */
+    uint64_t request_free; /* ucp_request_free */
+} dd_ucx_count;
+
+/* A count for one batch of calls c (0 pending); NULL when out of memory. */
+dd_ucx_count *dd_ucx_count_new(const dd_ucx_calls *c);
+/* Free count unless requests still complete into it (DD_EAGAIN: nothing freed). */
+int dd_ucx_count_free(dd_ucx_count *count);
+/* How many requests of count are still in flight; *status: the first failure (0: none). */
+int64_t dd_ucx_count_left(const dd_ucx_count *count, int *status);
+/* The UCP completion (ucp_send_nbx_callback_t) of a counted batch: records a failure, frees
+ * the request and takes it off the count. */
+void dd_ucx_counted(void *request, int8_t status, void *user_data);
 /* Start one get (write == 0: remote -> local) or put per row (local, remote, nbytes) of ops
  * (n rows) on endpoint ep, row i through remote key rkeys[i], all with the request
- * parameters param. The requests still in flight go to reqs (room for n), *nreqs says how
- * many. Returns n when every row started; else the index of the row UCX refused, *status its
- * ucs_status_t (the rows before it started, the rest did not); DD_EINVAL for bad arguments. */
+ * parameters param, which must name dd_ucx_counted and count: the requests left in flight
+ * complete into count. Returns n when every row started; else the index of the row UCX
+ * refused, *status its ucs_status_t (the rows before it started, the rest did not);
+ * DD_EINVAL for bad arguments. */
 int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, const uint64_t *ops,
-                   const uint64_t *rkeys, size_t n, uint64_t param, uint64_t *reqs,
-                   size_t *nreqs, int *status);
-/* Check the n requests of reqs: free the complete ones, keep the rest, in order, at the
- * front. Returns how many are left (DD_EINVAL for bad arguments); a failed one sets *status
- * to its ucs_status_t where *status is 0. */
-int64_t dd_ucx_reap(const dd_ucx_calls *c, uint64_t *reqs, size_t n, int *status);
+                   const uint64_t *rkeys, size_t n, uint64_t param, dd_ucx_count *count,
+                   int *status);
 /* Progress worker until a round finds nothing to do (1; 0 when the first one did not) or
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);

@@ -1,78 +1,106 @@
-/* ucx_batch.c: batches of UCP RMA requests, started, reaped and progressed in one call each.
+/* ucx_batch.c: batches of UCP RMA requests, started in one call, their completions counted.
  *
- * The UCX route issues one ucp_get_nbx/ucp_put_nbx per contiguous piece of a transfer and
- * checks every request until it completes; done from Python, that costs a call through cffi
- * and an object per request. These functions run the same loops in C, one call per batch.
+ * The UCX route issues one ucp_get_nbx/ucp_put_nbx per contiguous piece of a transfer; done
+ * from Python, that costs a call through cffi and an object per request. These functions
+ * start a batch in one call, and count its requests' completions.
  *
  * Nothing here is linked against UCX (the package builds without it): the caller passes the
- * addresses of the five UCP functions it loaded (dd_ucx_calls), and handles (endpoint, remote
+ * addresses of the four UCP functions it loaded (dd_ucx_calls), and handles (endpoint, remote
  * keys, worker, request parameters, requests) travel as uint64_t words. The prototypes below
  * are those of ucp/api/ucp.h with every pointer a word; ucs_status_t is one signed byte.
+ *
+ * A batch (dd_ucx_rma) is not checked request by request: each request's completion takes it
+ * off the batch's count, so whether the batch is done is one load.
  */
 #include <stdbool.h>
+#include <stdlib.h>
 
 #include "datadist.h"
 
 typedef uint64_t (*rma_fn)(uint64_t ep, uint64_t buffer, size_t count, uint64_t remote_addr,
                            uint64_t rkey, uint64_t param);
-typedef int8_t (*check_fn)(uint64_t request);
 typedef void (*free_fn)(uint64_t request);
 typedef unsigned (*progress_fn)(uint64_t worker);
 
 /* UCS_PTR_IS_ERR: the status pointers of errors are the last 100 addresses. */
 #define UCS_ERR_WORDS ((uint64_t)-100)
-#define UCS_INPROGRESS 1
 
 static bool calls_ok(const dd_ucx_calls *c)
 {
-    return c != NULL && c->get_nbx && c->put_nbx && c->check_status && c->request_free &&
-           c->worker_progress;
+    return c != NULL && c->get_nbx && c->put_nbx && c->request_free && c->worker_progress;
+}
+
+dd_ucx_count *dd_ucx_count_new(const dd_ucx_calls *c)
+{
+    if (!calls_ok(c))
+        return NULL;
+    dd_ucx_count *count = calloc(1, sizeof(*count));
+    if (count != NULL)
+        count->request_free = c->request_free;
+    return count;
+}
+
+int dd_ucx_count_free(dd_ucx_count *count)
+{
+    if (count == NULL)
+        return DD_EINVAL;
+    if (__atomic_load_n(&count->pending, __ATOMIC_ACQUIRE) != 0)
+        return DD_EAGAIN;
+    free(count);
+    return DD_OK;
+}
+
+int64_t dd_ucx_count_left(const dd_ucx_count *count, int *status)
+{
+    if (count == NULL || status == NULL)
+        return DD_EINVAL;
+    int64_t left = __atomic_load_n(&count->pending, __ATOMIC_ACQUIRE);
+    *status = __atomic_load_n(&count->status, __ATOMIC_RELAXED);
+    return left;
+}
+
+void dd_ucx_counted(void *request, int8_t status, void *user_data)
+{
+    dd_ucx_count *count = user_data;
+    if (status != 0) {
+        int32_t none = 0;
+        __atomic_compare_exchange_n(&count->status, &none, (int32_t)status, false,
+                                    __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    }
+    ((free_fn)(uintptr_t)count->request_free)((uint64_t)(uintptr_t)request);
+    /* last: once the count reads 0, the status is set and the count is no longer touched */
+    __atomic_fetch_sub(&count->pending, 1, __ATOMIC_RELEASE);
 }
 
 int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, const uint64_t *ops,
-                   const uint64_t *rkeys, size_t n, uint64_t param, uint64_t *reqs,
-                   size_t *nreqs, int *status)
+                           const uint64_t *rkeys, size_t n, uint64_t param, dd_ucx_count *count,
+                           int *status)
 {
-    if (!calls_ok(c) || !ep || (n && (ops == NULL || rkeys == NULL || reqs == NULL)) ||
-        nreqs == NULL || status == NULL)
+    if (!calls_ok(c) || !ep || (n && (ops == NULL || rkeys == NULL)) || count == NULL ||
+        status == NULL)
         return DD_EINVAL;
     rma_fn rma = (rma_fn)(uintptr_t)(write ? c->put_nbx : c->get_nbx);
-    size_t k = 0;
+    /* Count every row first, so that the count cannot read 0 while rows are still being
+     * started (a completion may run in another thread meanwhile); then take off the rows
+     * that left no request behind. */
+    __atomic_fetch_add(&count->pending, (int64_t)n, __ATOMIC_RELAXED);
+    size_t started = 0, i = 0;
+    int64_t result = (int64_t)n;
     *status = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (; i < n; i++) {
         const uint64_t *op = ops + 3 * i;
         uint64_t ptr = rma(ep, op[0], (size_t)op[2], op[1], rkeys[i], param);
         if (ptr == 0)
-            continue; /* done at once */
+            continue; /* done at once: no completion will run */
         if (ptr >= UCS_ERR_WORDS) {
             *status = (int)(int64_t)ptr;
-            *nreqs = k;
-            return (int64_t)i;
+            result = (int64_t)i;
+            break;
         }
-        reqs[k++] = ptr;
+        started++;
     }
-    *nreqs = k;
-    return (int64_t)n;
-}
-
-int64_t dd_ucx_reap(const dd_ucx_calls *c, uint64_t *reqs, size_t n, int *status)
-{
-    if (!calls_ok(c) || (n && reqs == NULL) || status == NULL)
-        return DD_EINVAL;
-    check_fn check = (check_fn)(uintptr_t)c->check_status;
-    free_fn release = (free_fn)(uintptr_t)c->request_free;
-    size_t left = 0;
-    for (size_t i = 0; i < n; i++) {
-        int8_t s = check(reqs[i]);
-        if (s == UCS_INPROGRESS) {
-            reqs[left++] = reqs[i];
-            continue;
-        }
-        release(reqs[i]);
-        if (s != 0 && *status == 0)
-            *status = s;
-    }
-    return (int64_t)left;
+    __atomic_fetch_sub(&count->pending, (int64_t)(n - started), __ATOMIC_RELEASE);
+    return result;
 }
 
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns)

@@ -5,8 +5,10 @@ between memory that both sides registered with ``ucp_mem_map``; what must cross 
 (a worker's address, a registration's packed rkey with its base and length) is plain
 ``bytes`` here and travels over the link's control plane.
 
-Completion is observed by progress plus ``ucp_request_check_status``: no callbacks are
-installed on requests. Waiting never busy-polls: :meth:`UcxWorker.wait` progresses the
+Completion is observed by progress: a single request (:class:`Request`) by
+``ucp_request_check_status``; the requests of an :func:`rma` batch by a native completion
+that counts them off (:class:`Requests`: done when the count reads 0, one load however many
+requests the batch has). Waiting never busy-polls: :meth:`UcxWorker.wait` progresses the
 worker, arms it (``ucp_worker_arm``; when it says busy, progress again) and sleeps in
 ``poll`` on the worker's event fd (``ucp_worker_get_efd``) until the deadline. An event loop
 adds :meth:`UcxWorker.event_fd` to its readers and does the same steps when it fires.
@@ -271,9 +273,6 @@ class UcxWorker:
         #: The worker and the UCP calls of a request batch, for the native layer.
         self._word = _ucx.word(self._handle)
         self._calls = _api.UcxCalls(_ucx.call_addresses(_api.UCX_CALLS.values()))
-        #: The request parameters of an RMA batch on host memory (read by UCX, never written).
-        self._host_param = ffi.new("ucp_request_param_t *")
-        self._host_param_word = _ucx.word(self._host_param)
         attr = ffi.new("ucp_worker_attr_t *")
         attr.field_mask = _ucx.UCP_WORKER_ATTR_FIELD_THREAD_MODE
         _check("ucp_worker_query", self._lib.ucp_worker_query(self._handle, attr))
@@ -589,20 +588,19 @@ class Request:
 
 
 class Requests:
-    """The requests of one :func:`rma` batch still in flight, checked in one native call.
+    """The requests of one :func:`rma` batch: each one's completion takes it off the batch's
+    native count (and UCX frees it), so a look at the batch is one load.
 
     As :class:`Request` for a batch: :meth:`done` once every one finished, :meth:`result`
-    raises the failure of the first that failed. Complete requests are freed as they are
-    seen.
+    raises the failure of the first that failed.
     """
 
-    __slots__ = ("_left", "_reqs", "_status", "what", "worker")
+    __slots__ = ("_count", "_left", "_status", "what")
 
-    def __init__(self, worker: UcxWorker, reqs: npt.NDArray[np.uint64], what: str) -> None:
-        self.worker = worker
+    def __init__(self, count: _api.UcxCount | None, what: str) -> None:
         self.what = what
-        self._reqs = reqs
-        self._left = len(reqs)
+        self._count = count
+        self._left = 0 if count is None else 1
         self._status = 0
 
     def __len__(self) -> int:
@@ -611,11 +609,8 @@ class Requests:
 
     def done(self) -> bool:
         """Whether every request finished (successfully or not)."""
-        if self._left:
-            with self.worker.lock:
-                self._left, status = self.worker._calls.reap(self._reqs, self._left)
-            if status and not self._status:
-                self._status = status
+        if self._left and self._count is not None:
+            self._left, self._status = self._count.left()
         return not self._left
 
     def result(self) -> None:
@@ -630,15 +625,6 @@ class Requests:
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
         _check(self.what, self._status)
-
-    def abandon(self) -> None:
-        """Stop tracking the unfinished requests: UCX frees each when it completes."""
-        if self._left:
-            free = self.worker._words.ucp_request_free
-            with self.worker.lock:
-                for req in self._reqs[: self._left].tolist():
-                    free(req)
-            self._left = 0
 
 
 class Endpoint:
@@ -1001,7 +987,7 @@ def rma(
 ) -> tuple[Requests, LLMException | None]:
     """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
     with ``write``), the remote side through ``keys[key_of[i]]``: one check of the whole
-    batch, then one native call that starts every op (:class:`Requests` checks them).
+    batch, then one native call that starts every op (:class:`Requests` counts them).
 
     ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`).
     Returns the requests still in flight, and the failure of the op UCX refused to start,
@@ -1019,7 +1005,7 @@ def rma(
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
     if not len(ops):
-        return Requests(worker, np.empty(0, np.uint64), what), None
+        return Requests(None, what), None
     op_list, key_list = ops.tolist(), key_of.tolist()
     used = {j: keys[j] for j in set(key_list)}
     if any(k.endpoint is not ep for k in used.values()):
@@ -1043,19 +1029,26 @@ def rma(
         for j, k in used.items():
             handles[j] = k.word
         rkeys = handles[key_of]
-    param: Any = worker._host_param
+    count = worker._calls.count()
+    param = ffi.new("ucp_request_param_t *")  # read by UCX during the call only
+    param.op_attr_mask = _COUNTED_FIELDS
+    param.cb.send = _COUNTED
+    param.user_data = ffi.cast("void *", count.address)
     if local_memory != "host":
-        param = ffi.new("ucp_request_param_t *")
-        param.op_attr_mask = _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+        param.op_attr_mask |= _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
         param.memory_type = MEMORY_TYPES[local_memory]
     table = np.ascontiguousarray(ops, np.uint64)
     with worker.lock:
-        reqs, refused, status = worker._calls.rma(
-            ep.word, table, rkeys, _ucx.word(param), write=write
+        refused, status = worker._calls.rma(
+            ep.word, table, rkeys, _ucx.word(param), count, write=write
         )
     failure = _error(what, status) if refused < len(ops) else None
-    return Requests(worker, reqs, what), failure
+    return Requests(count, what), failure
 
+
+#: A counted batch's requests complete through the native count (``dd_ucx_counted``).
+_COUNTED = ffi.cast("ucp_send_nbx_callback_t", _api.UCX_COUNTED)
+_COUNTED_FIELDS = _ucx.UCP_OP_ATTR_FIELD_CALLBACK | _ucx.UCP_OP_ATTR_FIELD_USER_DATA
 
 _LANE = re.compile(r"lane\[\d+\]:\s*\d+:(\S+?)(?:\.\d+)?\s")
 _RESOURCE = re.compile(r"#\s*resource\s+\d+\s*:\s*md\s+\d+\s+dev\s+\d+\s+flags\s+\S+\s+(\S+)/(\S+)")
