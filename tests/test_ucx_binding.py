@@ -364,7 +364,8 @@ class Peer:
     """``tests/peer_ucx.py`` in a child process: registered memory, served."""
 
     def __init__(self, tls: str, nbytes: int = BIG, seed: int = 11) -> None:
-        env = dict(os.environ, UCX_TLS=tls, PYTHONPATH=ROOT)
+        path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+        env = dict(os.environ, UCX_TLS=tls, PYTHONPATH=path)
         self.proc = subprocess.Popen(
             [sys.executable, PEER, str(nbytes), str(seed)],
             stdin=subprocess.PIPE,
