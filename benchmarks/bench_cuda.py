@@ -5,7 +5,9 @@ one warm-up):
 
 * swap_blocks H2D and D2H: NBLOCKS blocks between a pinned host pool cache and a device
   blocks cache through ``CacheManager.swap_blocks``, with a random block mapping and with
-  the identity mapping (runs merge into one copy), against torch's
+  the identity mapping (runs merge into one copy), by the copy kernel (which reads or writes
+  the mapped pinned pool itself; the default for many rows), by ``cudaMemcpyBatchAsync`` and
+  by a ``cudaMemcpyAsync`` loop, against torch's
   ``dev.copy_(pinned_host, non_blocking=True)`` of the same bytes as one tensor;
 * copy_blocks: NBLOCKS blocks to NBLOCKS other blocks (random mapping) inside one device
   blocks cache through ``CacheManager.copy_blocks``, against ``t.index_copy_(0, dst_idx,
@@ -120,9 +122,10 @@ def main() -> int:
         h2d_torch = median_seconds(lambda: t_dev.copy_(t_host, non_blocking=True), sync)
         d2h_torch = median_seconds(lambda: t_host.copy_(t_dev, non_blocking=True), sync)
         for label, mapping in mappings.items():
-            for batch in (True, False):
+            for kernel, batch in ((True, True), (False, True), (False, False)):
+                runtime.set_feature("copy_kernel", kernel)
                 runtime.set_feature("memcpy_batch", batch)
-                tag = "" if batch else ", no batch API"
+                tag = ", kernel" if kernel else ("" if batch else ", no batch API")
                 h2d = median_seconds(lambda m=mapping: cm.swap_blocks(host, dev, m), sync)
                 d2h = median_seconds(lambda m=mapping: cm.swap_blocks(dev, host, m), sync)
                 report(f"swap H2D {label}{tag}", total, h2d, h2d_torch, "torch copy_")
@@ -132,6 +135,7 @@ def main() -> int:
                 lambda: None,
             )
             print(f"{'':<34} of which planning {swap_planning * 1e3:.3f} ms")
+        runtime.set_feature("copy_kernel", True)
         runtime.set_feature("memcpy_batch", True)
         cm.deallocate_blocks_cache(host)
         cm.deallocate_blocks_cache(dev)

@@ -404,6 +404,62 @@ def test_adjacent_rows_merge(rt: CudaRuntime, fake: Fake) -> None:
     assert fake.count("cudaMemcpyAsync") == 1 and fake.count("cudaMemcpyBatchAsync") == 0
 
 
+def test_many_scattered_host_rows_go_to_one_kernel(rt: CudaRuntime, fake: Fake) -> None:
+    """Host-device batches of many rows whose host side is cudaHostAlloc memory run as one
+    kernel (it reaches that memory mapped); registered host memory, a few rows, or the kernel
+    switched off go to the copy engines. The bytes are the same every way."""
+    n, row = 32, 2048
+    dev = rt.alloc_device(n * row)
+    host = rt.alloc_host(n * row)
+    mine = np.zeros(n * row, np.uint8)  # pinned by registration: not mapped for a kernel
+    rt.register_host(mine.ctypes.data, mine.nbytes)
+    data = rng_bytes(n * row, 21)
+    order = np.random.default_rng(5).permutation(n)
+    try:
+        ctypes.memmove(host, data, len(data))
+        to_dev = np.array(
+            [(dev + i * row, host + int(j) * row, row) for i, j in enumerate(order)], U64
+        )
+        rt.copy_batch(to_dev, CopyKind.HOST_TO_DEVICE)  # (the kernel's one-time self-test)
+        fake.reset()
+        rt.copy_batch(to_dev, CopyKind.HOST_TO_DEVICE)
+        assert 16 <= fake.count("kernel_rows") <= n  # (neighbours in both orders merge)
+        assert fake.count("cudaMemcpyBatchAsync") == 0
+        got = rt.download(dev, n * row)
+        for i, j in enumerate(order):
+            assert got[i * row : (i + 1) * row] == data[int(j) * row : (int(j) + 1) * row]
+
+        back = np.array([(host + i * row, dev + i * row, row) for i in range(n)[::-2]], U64)
+        ctypes.memset(host, 0, n * row)
+        fake.reset()
+        rt.copy_batch(back, CopyKind.DEVICE_TO_HOST)
+        assert fake.count("kernel_rows") == len(back)
+        now = ctypes.string_at(host, n * row)
+        for i in range(n)[::-2]:
+            assert now[i * row : (i + 1) * row] == got[i * row : (i + 1) * row]
+
+        for ops, what in (
+            (to_dev[:8], "few rows"),
+            (
+                np.array([(d, mine.ctypes.data + int(s) - host, k) for d, s, k in to_dev], U64),
+                "registered",
+            ),
+        ):
+            fake.reset()
+            rt.copy_batch(ops, CopyKind.HOST_TO_DEVICE)
+            assert fake.count("kernel_rows") == 0, what
+        rt.set_feature("copy_kernel", False)
+        ctypes.memmove(host, data, len(data))
+        fake.reset()
+        rt.copy_batch(to_dev, CopyKind.HOST_TO_DEVICE)
+        assert fake.count("kernel_rows") == 0 and fake.count("cudaMemcpyBatchAsync") == 1
+        assert rt.download(dev, n * row) == got
+    finally:
+        rt.unregister_host(mine.ctypes.data)
+        rt.free_host(host, n * row)
+        rt.free_device(dev, n * row)
+
+
 def test_kernel_self_test_failure_falls_back(fake: Fake, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FAKE_CUDA_KERNEL_BROKEN", "1")
     runtime = small_ring(fake)

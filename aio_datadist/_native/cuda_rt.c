@@ -957,6 +957,11 @@ static int kernel_ready(dd_cuda_ctx *ctx, lane_t *ln)
 
 /* ---- copies ---- */
 
+/* A host-device batch goes to the kernel (which reads or writes mapped pinned host memory over
+ * the bus itself, in one launch) from this many merged rows; fewer, longer rows go to the copy
+ * engines, one DMA each, which the kernel does not beat. */
+#define KERNEL_HOST_ROWS 16
+
 static int sync_lane(dd_cuda_ctx *ctx, lane_t *ln)
 {
     CK(ctx->lib, ctx->lib->StreamSynchronize(ln->stream), "cudaStreamSynchronize");
@@ -978,13 +983,18 @@ int dd_cuda_copy(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kind, int 
     if ((rc = lane_get(ctx, &ln)))
         return rc;
     /* First, as its one-time self-test uses the lane's tables too. */
-    int kernel = mode == DD_CUDA_MODE_KERNEL && kind == DD_CUDA_D2D && kernel_ready(ctx, ln);
+    int kernel = mode == DD_CUDA_MODE_KERNEL &&
+                 (kind == DD_CUDA_D2D ||
+                  ((kind == DD_CUDA_H2D || kind == DD_CUDA_D2H) && n >= KERNEL_HOST_ROWS)) &&
+                 kernel_ready(ctx, ln);
     size_t m = 0;
     rc = merge_rows(ln, ops, n, &m);
     if (rc) {
         lane_put(ctx, ln, 1);
         return rc;
     }
+    if (kind != DD_CUDA_D2D && m < KERNEL_HOST_ROWS) /* rows merged into few long ones */
+        kernel = 0;
     if (kernel && m > 0)
         rc = launch_rows(ctx, ln, m);
     else

@@ -53,7 +53,8 @@ enum {
 enum {
     DD_CUDA_MODE_ENGINE = 0, /* copy engines: cudaMemcpyBatchAsync when usable, else a loop */
     DD_CUDA_MODE_LOOP = 1,   /* copy engines, one cudaMemcpyAsync per (merged) row */
-    DD_CUDA_MODE_KERNEL = 2  /* D2D only: one gather-scatter kernel; ENGINE when unavailable */
+    DD_CUDA_MODE_KERNEL = 2  /* one gather-scatter kernel (D2D; H2D/D2H of many rows whose host
+                                side is mapped pinned memory); ENGINE when unavailable */
 };
 
 enum {

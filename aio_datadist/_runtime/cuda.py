@@ -9,7 +9,11 @@ are pinned (``cudaHostAlloc``). Copies run on per-call streams of a :class:`Cuda
 * host to device and back: straight through the copy engines when the host side is pinned
   (known from this runtime's own ``alloc_host`` / :meth:`CudaRuntime.register_host`, else
   asked of ``cudaPointerGetAttributes``); pageable rows go through a ring of pinned staging
-  buffers, so the CPU copy of one chunk overlaps the DMA of the previous one.
+  buffers, so the CPU copy of one chunk overlaps the DMA of the previous one. A batch of
+  many scattered rows (16 or more once neighbours merge) between this runtime's own
+  ``alloc_host`` memory (mapped into the device's address space) and device memory it
+  allocated or mapped runs as one launch of the same kernel, which reads or writes the
+  pinned memory over the bus itself instead of one DMA per row.
 
 Beyond :class:`DeviceRuntime`, the runtime offers what transports need for device memory:
 :meth:`~CudaRuntime.stage_out` / :meth:`~CudaRuntime.stage_in` stream device bytes through
@@ -144,6 +148,7 @@ class CudaRuntime(DeviceRuntime):
         self._ctx = CudaContext(library, device_id, chunk, slots)
         self._device = AddressRanges()  # this runtime's cudaMalloc allocations
         self._pinned = AddressRanges()  # its cudaHostAlloc and cudaHostRegister memory
+        self._mapped_host = AddressRanges()  # its cudaHostAlloc memory (device-accessible)
         self._ipc = AddressRanges()  # peer allocations mapped by open_ipc
         self._ipc_lock = threading.Lock()
         self._ipc_refs: dict[bytes, list[int]] = {}  # handle -> [base, references]
@@ -183,9 +188,11 @@ class CudaRuntime(DeviceRuntime):
     def alloc_host(self, nbytes: int) -> int:
         addr = self.library.host_alloc(self.device_id, nbytes)
         self._pinned.add(addr, nbytes)
+        self._mapped_host.add(addr, nbytes)
         return addr
 
     def free_host(self, addr: int, nbytes: int) -> None:
+        self._mapped_host.remove(addr)
         self._pinned.remove(addr)
         self.library.host_free(self.device_id, addr)
 
@@ -218,7 +225,7 @@ class CudaRuntime(DeviceRuntime):
             raise _invalid(f"the host side of a {kind.name} copy is device memory")
         pinned = self._pinned_rows(host, ops[:, 2])
         if pinned.all():
-            self._ctx.copy(ops, kind, CopyMode.ENGINE)
+            self._ctx.copy(ops, kind, self._host_mode(ops, kind))
         elif not pinned.any():
             self._ctx.copy_staged(ops, kind)
         else:
@@ -232,6 +239,20 @@ class CudaRuntime(DeviceRuntime):
             return CopyMode.ENGINE
         lengths = ops[:, 2]
         inside = self._mapped(ops[:, 0], lengths) & self._mapped(ops[:, 1], lengths)
+        return CopyMode.KERNEL if bool(inside.all()) else CopyMode.ENGINE
+
+    def _host_mode(self, ops: npt.NDArray[np.uint64], kind: CopyKind) -> CopyMode:
+        # A kernel reaches host memory this runtime allocated (cudaHostAlloc: mapped, at the
+        # same address on the device) and, as for device-to-device copies, only device memory
+        # it allocated or mapped. The native layer still sends a batch of few rows to the copy
+        # engines (one DMA each); many scattered rows go to one launch.
+        if "copy_kernel" not in self._ctx.features:
+            return CopyMode.ENGINE
+        host, device = (1, 0) if kind is CopyKind.HOST_TO_DEVICE else (0, 1)
+        lengths = ops[:, 2]
+        inside = self._mapped_host.covers(ops[:, host], lengths) & self._mapped(
+            ops[:, device], lengths
+        )
         return CopyMode.KERNEL if bool(inside.all()) else CopyMode.ENGINE
 
     def _mapped(

@@ -11,7 +11,8 @@
  *   caller synchronises (stream, event, cudaFree), so a missing wait shows up as wrong bytes.
  *   Asynchronous copies touching pageable host memory run at once, as the real runtime does,
  *   and are counted as "pageable_async".
- * - cudaLaunchKernel runs the "dd_copy_rows" kernel of the PTX the caller loaded, on the host.
+ * - cudaLaunchKernel runs the "dd_copy_rows" kernel of the PTX the caller loaded, on the host;
+ *   its rows may name device memory and cudaHostAlloc memory (mapped), nothing else.
  *
  * Knobs (environment, read at each call): FAKE_CUDA_DEVICES (default 1);
  * FAKE_CUDA_FAIL_MALLOC_OVER / FAKE_CUDA_FAIL_HOSTALLOC_OVER=<bytes>: larger allocations fail
@@ -233,6 +234,13 @@ static void xcopy(uint64_t dst, uint64_t src, uint64_t len)
         d[i] = s[i] ^ KEY;
 }
 
+/* What a kernel may touch: device memory, and pinned memory cudaHostAlloc mapped. */
+static int kernel_reaches(uint64_t addr, uint64_t len)
+{
+    range_t *r = find(addr, len ? len : 1, 0);
+    return r && (r->kind == R_DEVICE || r->kind == R_IPC || r->kind == R_PINNED);
+}
+
 static void run_kernel(uint64_t table, uint64_t rows)
 {
     if (!is_dev(table, rows * 24)) {
@@ -246,7 +254,7 @@ static void run_kernel(uint64_t table, uint64_t rows)
         const unsigned char *q = (const unsigned char *)(uintptr_t)(table + 24 * i);
         for (int b = 0; b < 24; b++)
             p[b] = q[b] ^ KEY;
-        if (!is_dev(r[0], r[2]) || !is_dev(r[1], r[2])) {
+        if (!kernel_reaches(r[0], r[2]) || !kernel_reaches(r[1], r[2])) {
             g_sticky = E_ILLEGAL_ADDRESS;
             return;
         }
