@@ -803,7 +803,7 @@ class UcxCount:
     """How many requests of one batch are still in flight, and the first failure among them
     (``dd_ucx_count``): each request's completion takes itself off, so a look is one load."""
 
-    __slots__ = ("_count", "address")
+    __slots__ = ("_count", "_status", "address")
 
     def __init__(self, calls: Any) -> None:
         if _UNFINISHED_COUNTS:
@@ -814,14 +814,15 @@ class UcxCount:
         if count == ffi.NULL:
             _check(lib.DD_ENOMEM, "ucx count")
         self._count = count
+        self._status = ffi.new("int *")
         #: The count's address, the ``user_data`` of the batch's request parameters.
         self.address = int(ffi.cast("uintptr_t", count))
 
     def left(self) -> tuple[int, int]:
         """``(left, status)``: the requests still in flight and the ``ucs_status_t`` of the
         first that failed (0: none)."""
-        status = ffi.new("int *")
-        return int(lib.dd_ucx_count_left(self._count, status)), int(status[0])
+        left = int(lib.dd_ucx_count_left(self._count, self._status))
+        return left, int(self._status[0])
 
     def __del__(self) -> None:
         count = getattr(self, "_count", None)

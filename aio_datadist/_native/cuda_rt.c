@@ -982,7 +982,8 @@ int dd_cuda_copy(dd_cuda_ctx *ctx, const uint64_t *ops, size_t n, int kind, int 
     lane_t *ln;
     if ((rc = lane_get(ctx, &ln)))
         return rc;
-    /* First, as its one-time self-test uses the lane's tables too. */
+    /* First, as its one-time self-test uses the lane's tables too (so a host batch is judged
+     * by its row count before merging, and again after). */
     int kernel = mode == DD_CUDA_MODE_KERNEL &&
                  (kind == DD_CUDA_D2D ||
                   ((kind == DD_CUDA_H2D || kind == DD_CUDA_D2H) && n >= KERNEL_HOST_ROWS)) &&

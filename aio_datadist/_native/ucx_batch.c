@@ -73,8 +73,8 @@ void dd_ucx_counted(void *request, int8_t status, void *user_data)
 }
 
 int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, const uint64_t *ops,
-                           const uint64_t *rkeys, size_t n, uint64_t param, dd_ucx_count *count,
-                           int *status)
+                   const uint64_t *rkeys, size_t n, uint64_t param, dd_ucx_count *count,
+                   int *status)
 {
     if (!calls_ok(c) || !ep || (n && (ops == NULL || rkeys == NULL)) || count == NULL ||
         status == NULL)

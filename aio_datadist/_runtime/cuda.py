@@ -218,42 +218,43 @@ class CudaRuntime(DeviceRuntime):
             api.copy_batch(ops)
             return
         if kind is CopyKind.DEVICE_TO_DEVICE:
-            self._ctx.copy(ops, kind, self._d2d_mode(ops))
+            self._ctx.copy(ops, kind, self._kernel_mode(ops, kind))
             return
         host = ops[:, 1] if kind is CopyKind.HOST_TO_DEVICE else ops[:, 0]
         if self._device.covers(host, ops[:, 2]).any():
             raise _invalid(f"the host side of a {kind.name} copy is device memory")
         pinned = self._pinned_rows(host, ops[:, 2])
         if pinned.all():
-            self._ctx.copy(ops, kind, self._host_mode(ops, kind))
+            self._ctx.copy(ops, kind, self._kernel_mode(ops, kind))
         elif not pinned.any():
             self._ctx.copy_staged(ops, kind)
         else:
             self._ctx.copy(np.ascontiguousarray(ops[pinned]), kind, CopyMode.ENGINE)
             self._ctx.copy_staged(np.ascontiguousarray(ops[~pinned]), kind)
 
-    def _d2d_mode(self, ops: npt.NDArray[np.uint64]) -> CopyMode:
+    def _kernel_mode(self, ops: npt.NDArray[np.uint64], kind: CopyKind) -> CopyMode:
         # The kernel faults the whole context on a bad address, so it only runs over memory
-        # this runtime allocated; anything else goes to the copy engines, which report it.
+        # this runtime allocated or mapped: device memory, and its cudaHostAlloc memory
+        # (mapped, at the same address on the device). Anything else goes to the copy
+        # engines, which report it. (The native layer still sends a host batch of few rows
+        # to the engines, one DMA each; many scattered rows go to one launch.)
         if "copy_kernel" not in self._ctx.features:
             return CopyMode.ENGINE
         lengths = ops[:, 2]
-        inside = self._mapped(ops[:, 0], lengths) & self._mapped(ops[:, 1], lengths)
+        dst = self._mapped_host if kind is CopyKind.DEVICE_TO_HOST else None
+        src = self._mapped_host if kind is CopyKind.HOST_TO_DEVICE else None
+        inside = self._reached(dst, ops[:, 0], lengths) & self._reached(src, ops[:, 1], lengths)
         return CopyMode.KERNEL if bool(inside.all()) else CopyMode.ENGINE
 
-    def _host_mode(self, ops: npt.NDArray[np.uint64], kind: CopyKind) -> CopyMode:
-        # A kernel reaches host memory this runtime allocated (cudaHostAlloc: mapped, at the
-        # same address on the device) and, as for device-to-device copies, only device memory
-        # it allocated or mapped. The native layer still sends a batch of few rows to the copy
-        # engines (one DMA each); many scattered rows go to one launch.
-        if "copy_kernel" not in self._ctx.features:
-            return CopyMode.ENGINE
-        host, device = (1, 0) if kind is CopyKind.HOST_TO_DEVICE else (0, 1)
-        lengths = ops[:, 2]
-        inside = self._mapped_host.covers(ops[:, host], lengths) & self._mapped(
-            ops[:, device], lengths
-        )
-        return CopyMode.KERNEL if bool(inside.all()) else CopyMode.ENGINE
+    def _reached(
+        self,
+        host: AddressRanges | None,
+        addrs: npt.NDArray[np.uint64],
+        lengths: npt.NDArray[np.uint64],
+    ) -> npt.NDArray[np.bool_]:
+        """Rows a kernel reaches: inside ``host`` where that side is host memory, else inside
+        device memory this runtime allocated or mapped."""
+        return self._mapped(addrs, lengths) if host is None else host.covers(addrs, lengths)
 
     def _mapped(
         self, addrs: npt.NDArray[np.uint64], lengths: npt.NDArray[np.uint64]

@@ -600,8 +600,7 @@ class Requests:
     def __init__(self, count: _api.UcxCount | None, what: str) -> None:
         self.what = what
         self._count = count
-        self._left = 0 if count is None else 1
-        self._status = 0
+        self._left, self._status = (0, 0) if count is None else count.left()
 
     def __len__(self) -> int:
         """How many requests are still in flight (as of the last :meth:`done`)."""
