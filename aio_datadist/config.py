@@ -63,7 +63,9 @@ __all__ = (
     "OPTION_METRICS",
     "OPTION_ZERO_ON_ALLOC",
     "OPTION_UCX",
+    "OPTION_UCX_LANES",
     "MAX_BUSY_POLL_US",
+    "MAX_UCX_LANES",
     "DEFAULT_BUSY_POLL_US",
     "DEFAULT_MEM_UTILIZATION",
     "DEFAULT_PAGE_SHIFT",
@@ -127,6 +129,8 @@ OPTION_ZERO_ON_ALLOC = "aio.ZeroOnAlloc"
 OPTION_METRICS = "aio.Metrics"
 #: "1" or "0" (default): the UCX route (UCP RMA) for links whose two ends enable it.
 OPTION_UCX = "aio.Ucx"
+#: How many UCX workers, each progressed by its own thread, move one large UCX transfer.
+OPTION_UCX_LANES = "aio.UcxLanes"
 
 OPTION_KEYS: Mapping[str, str] = {
     "device_id": OPTION_DEVICE_ID,
@@ -156,6 +160,7 @@ OPTION_KEYS: Mapping[str, str] = {
     "zero_on_alloc": OPTION_ZERO_ON_ALLOC,
     "metrics": OPTION_METRICS,
     "ucx": OPTION_UCX,
+    "ucx_lanes": OPTION_UCX_LANES,
 }
 """LLMConfig property name -> the option key it writes (``device_id`` also writes
 ``OPTION_SESSION_DEVICE_ID``)."""
@@ -175,6 +180,8 @@ DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 DEFAULT_MEM_UTILIZATION = 0.95
 MAX_BUSY_POLL_US = 100_000
 """Largest accepted ``aio.BusyPollUs`` (microseconds)."""
+MAX_UCX_LANES = 8
+"""Largest accepted ``aio.UcxLanes``."""
 DEFAULT_PAGE_SHIFT = 16
 """Pool allocation granularity is ``1 << page_shift`` bytes when the pool config omits it."""
 HOST_MEM_POOL_MAX_BYTES = 20 * 2**30
@@ -234,6 +241,7 @@ class LLMConfig:
         "_transfer_backend",
         "_transport",
         "_ucx",
+        "_ucx_lanes",
         "_zero_on_alloc",
     )
 
@@ -267,6 +275,7 @@ class LLMConfig:
         self._zero_on_alloc: bool | None = None
         self._metrics: bool | None = None
         self._ucx: bool | None = None
+        self._ucx_lanes: int | None = None
 
     # -- building the options -------------------------------------------------------------
 
@@ -341,6 +350,8 @@ class LLMConfig:
             opts[OPTION_METRICS] = _bool_opt(self._metrics)
         if self._ucx is not None:
             opts[OPTION_UCX] = _bool_opt(self._ucx)
+        if self._ucx_lanes is not None:
+            opts[OPTION_UCX_LANES] = str(self._ucx_lanes)
         return opts
 
     @property
@@ -722,6 +733,27 @@ class LLMConfig:
     def ucx(self, ucx: bool | None) -> None:
         _check_optional("ucx", ucx, bool)
         self._ucx = ucx
+
+    @property
+    def ucx_lanes(self) -> int | None:
+        """How many UCX workers move one large transfer of the UCX route (key
+        ``aio.UcxLanes``, 1 to ``MAX_UCX_LANES``).
+
+        The UCX route's own worker moves every transfer; each further lane is a worker
+        progressed by a thread of its own. A transfer of host memory of 1 MiB or more is
+        cut into one part per lane, so that its bytes move on as many cores (over UCX's
+        cross-memory transports the initiator's CPU copies them). None (the default) means
+        2 where the machine has two or more CPUs, else 1; 1 keeps every transfer on one
+        worker. Used only with ``ucx``. Not part of the reference API.
+        """
+        return self._ucx_lanes
+
+    @ucx_lanes.setter
+    def ucx_lanes(self, ucx_lanes: int | None) -> None:
+        _check_optional("ucx_lanes", ucx_lanes, int)
+        if ucx_lanes is not None and not 1 <= ucx_lanes <= MAX_UCX_LANES:
+            param_invalid(f"ucx_lanes must be in [1, {MAX_UCX_LANES}], but got {ucx_lanes}.")
+        self._ucx_lanes = ucx_lanes
 
     @property
     def link_secret(self) -> str | bytes | None:

@@ -84,7 +84,7 @@ def _desc() -> CacheDesc:
 
 
 def _options(
-    transport: str, same_host: bool, ucx: bool, listen: str | None = None
+    transport: str, same_host: bool, ucx: bool, lanes: int | None, listen: str | None = None
 ) -> dict[str, str]:
     cfg = LLMConfig()
     cfg.device_id = 0
@@ -94,6 +94,7 @@ def _options(
     cfg.transport = transport
     cfg.same_host = same_host
     cfg.ucx = ucx
+    cfg.ucx_lanes = lanes
     if listen is not None:
         cfg.listen_ip_info = listen
     return cfg.generate_options()
@@ -166,11 +167,13 @@ class AioDataDistAdapter:
         face: str = "async",
         same_host: bool = False,
         ucx: bool = False,
+        ucx_lanes: int | None = None,
     ) -> None:
         self.transport = transport
         self.face = face
         self.same_host = same_host
         self.ucx = ucx
+        self.lanes = ucx_lanes
         self.dd: Any = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # per workload: [bytes, initiator CPU s, target CPU s, wall s]
@@ -187,7 +190,9 @@ class AioDataDistAdapter:
         host = os.environ.get("AIO_BENCH_LISTEN_IP", "127.0.0.1")
         port = _free_port()
         self.dd = LLMDataDist(LLMRole.PROMPT, TARGET_ID)
-        self.dd.init(_options(self.transport, self.same_host, self.ucx, f"{host}:{port}"))
+        self.dd.init(
+            _options(self.transport, self.same_host, self.ucx, self.lanes, f"{host}:{port}")
+        )
         self.cache = self.dd.cache_manager.register_blocks_cache(
             _desc(), self._addrs(addr), BlocksCacheKey(TARGET_ID, 0)
         )
@@ -209,7 +214,7 @@ class AioDataDistAdapter:
         self.info = info
         if self.face == "blocking":
             self.dd = LLMDataDist(LLMRole.DECODER, INITIATOR_ID)
-            self.dd.init(_options(self.transport, self.same_host, self.ucx))
+            self.dd.init(_options(self.transport, self.same_host, self.ucx, self.lanes))
             self.cm = self.dd.cache_manager
             self.cache = self.cm.register_blocks_cache(
                 _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
@@ -225,7 +230,7 @@ class AioDataDistAdapter:
 
     async def _async_init(self, addr: int, info: LLMClusterInfo) -> LLMStatusCode:
         self.dd = AsyncLLMDataDist(LLMRole.DECODER, INITIATOR_ID)
-        await self.dd.init(_options(self.transport, self.same_host, self.ucx))
+        await self.dd.init(_options(self.transport, self.same_host, self.ucx, self.lanes))
         self.cm = self.dd.cache_manager
         self.cache = await self.cm.register_blocks_cache(
             _desc(), self._addrs(addr), BlocksCacheKey(INITIATOR_ID, 0)
@@ -357,6 +362,12 @@ VARIANTS = {
     # one host), then with its tcp transport only, on the loopback device (as NIXL's nixl-ucx-tcp)
     "aio-ucx-async": ({"transport": "tcp", "face": "async", "ucx": True}, {}),
     "aio-ucx-blocking": ({"transport": "tcp", "face": "blocking", "ucx": True}, {}),
+    # the same on one UCX worker (aio.UcxLanes=1; the default moves large transfers on two)
+    "aio-ucx-1lane-async": ({"transport": "tcp", "face": "async", "ucx": True, "ucx_lanes": 1}, {}),
+    "aio-ucx-1lane-blocking": (
+        {"transport": "tcp", "face": "blocking", "ucx": True, "ucx_lanes": 1},
+        {},
+    ),
     "aio-ucx-tcp-async": (
         {"transport": "tcp", "face": "async", "ucx": True},
         {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},

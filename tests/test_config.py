@@ -117,6 +117,7 @@ def test_every_setting_writes_its_key() -> None:
     cfg.zero_on_alloc = True
     cfg.metrics = False
     cfg.ucx = True
+    cfg.ucx_lanes = 4
     assert cfg.generate_options() == {
         "ge.flowGraphMemMaxSize": "4106127360",
         "ge.exec.deviceId": "0;1",
@@ -147,6 +148,7 @@ def test_every_setting_writes_its_key() -> None:
         "aio.ZeroOnAlloc": "1",
         "aio.Metrics": "0",
         "aio.Ucx": "1",
+        "aio.UcxLanes": "4",
     }
     # The table names exactly the keys the settings wrote (plus ge_options and the session id).
     written = set(cfg.options) - {"ge.flowGraphMemMaxSize", "ge.session_device_id"}

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
@@ -153,6 +154,7 @@ class Pair:
     """One context, two workers; the target's worker is progressed by a serving thread."""
 
     def __init__(self, peer_errors: bool) -> None:
+        self.peer_errors = peer_errors
         self.context = ucx.UcxContext()
         self.requester = ucx.UcxWorker(self.context)
         self.target = ucx.UcxWorker(self.context)
@@ -281,6 +283,58 @@ def test_a_batch_of_gets_and_puts_through_two_keys_moves_exact_bytes(pair: Pair)
         reg.close()
 
 
+def test_a_batch_a_lane_thread_progresses_wakes_the_worker_it_names(pair: Pair) -> None:
+    # a second worker progressed by a native lane thread; the batches started on it (not yet
+    # progressed: its thread sleeps until signalled) name the requester's worker, whose event
+    # fd (armed, never progressed meanwhile) must wake when the last request completes
+    rng = np.random.default_rng(5)
+    block, blocks = 65536, 64
+    remote = rng.integers(0, 256, block * blocks, dtype=np.uint8)
+    local = np.zeros_like(remote)
+    lane = ucx.UcxWorker(pair.context)
+    thread = lane._calls.lane(lane._word, lane.event_fd())
+    ep = ucx.Endpoint(lane, pair.target.address(), peer_errors=pair.peer_errors)
+    reg = ucx.Registration(pair.context, remote.ctypes.data, remote.nbytes)
+    rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+    order = rng.permutation(blocks)
+    ops = np.array(
+        [
+            [local.ctypes.data + i * block, reg.addr + int(b) * block, block]
+            for i, b in enumerate(order)
+        ],
+        dtype=np.uint64,
+    )
+    key_of = np.zeros(blocks, np.intp)
+
+    def run(write: bool) -> None:
+        while not pair.requester.arm():  # events pending: take them first
+            pair.requester.drain()
+        requests, failure = ucx.rma(ep, ops, [rkey], key_of, write=write, flush=write)
+        assert failure is None
+        requests.notify(pair.requester)
+        assert not requests.done()
+        lane.signal()
+        poller = select.poll()
+        poller.register(pair.requester.event_fd(), select.POLLIN)
+        assert poller.poll(10_000), "the last completion did not signal the named worker"
+        assert requests.done()
+        requests.result()
+
+    try:
+        run(write=False)
+        assert np.array_equal(local.reshape(blocks, block), remote.reshape(blocks, block)[order])
+        local[:] = rng.integers(0, 256, local.nbytes, dtype=np.uint8)
+        run(write=True)  # the flush is in the batch: done means in the target's memory
+        assert np.array_equal(remote.reshape(blocks, block)[order], local.reshape(blocks, block))
+    finally:
+        thread.stop()
+        thread.stop()  # once is enough; again does nothing
+        rkey.close()
+        ep.close(_deadline(), force=True)
+        reg.close()
+        lane.close()
+
+
 def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
     from aio_datadist._native import api
     from aio_datadist.status import ParamInvalidError
@@ -296,6 +350,8 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
     with pytest.raises(ParamInvalidError):
         calls.rma(0, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint64), 0, count, write=False)
     assert count.left() == (0, 0)  # nothing started, nothing counted
+    with pytest.raises(OSError):
+        calls.lane(0, -1)  # no worker
 
 
 def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:

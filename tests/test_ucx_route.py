@@ -55,6 +55,7 @@ from aio_datadist._engine.routes import (
     with_communicator,
     with_peer_memory,
 )
+from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES, UcxLane, split
 from aio_datadist._engine.ucxroute import UcxRoute
 from aio_datadist._engine.ucxtable import KeySpans, UcxKey, decode_table, encode_table
 from aio_datadist._native import ucx as native
@@ -130,11 +131,12 @@ async def make_pair() -> AsyncIterator[Callable[..., Any]]:
         same_host: bool = False,
         secret: str | None = None,
         link: bool = True,
+        lanes: int | None = None,
     ) -> Pair:
         port = 0 if transport == "tcp" else next(_ports)
 
         def options(ucx_on: bool, listen: str | None = None) -> dict[str, str]:
-            return make_options(
+            cfg = make_options(
                 device_pool=pool_cfg(),
                 remote_accessible=True,
                 transport=transport,
@@ -144,6 +146,9 @@ async def make_pair() -> AsyncIterator[Callable[..., Any]]:
                 ucx=ucx_on,
                 listen=listen,
             )
+            if lanes is not None:
+                cfg["aio.UcxLanes"] = str(lanes)
+            return cfg
 
         prompt = AsyncLLMDataDist(LLMRole.PROMPT, 1)
         await prompt.init(options(prompt_ucx, f"127.0.0.1:{port}"))
@@ -219,6 +224,24 @@ async def test_the_option_takes_one_or_zero(make_face: Callable[..., Face]) -> N
     assert cfg.generate_options()["aio.Ucx"] == "0"
     with pytest.raises(TypeError):
         cfg.ucx = "1"  # type: ignore[assignment]
+
+
+async def test_the_lanes_option_takes_one_to_eight(make_face: Callable[..., Face]) -> None:
+    for bad in ("0", "9", "two"):
+        options = make_options(device_pool=pool_cfg())
+        options["aio.UcxLanes"] = bad
+        with pytest.raises(LLMException) as info:
+            await make_face().init(options)
+        assert info.value.status_code == S.LLM_PARAM_INVALID and "aio.UcxLanes" in str(info.value)
+    cfg = LLMConfig()
+    assert cfg.ucx_lanes is None and "aio.UcxLanes" not in cfg.generate_options()
+    cfg.ucx_lanes = 3
+    assert cfg.generate_options()["aio.UcxLanes"] == "3"
+    for wrong in (0, 9):
+        with pytest.raises(LLMException):
+            cfg.ucx_lanes = wrong
+    with pytest.raises(TypeError):
+        cfg.ucx_lanes = "2"  # type: ignore[assignment]
 
 
 @needs_ucx
@@ -777,3 +800,166 @@ def test_registering_memory_ucx_cannot_reach_is_refused() -> None:
     with ucx.UcxContext() as context, pytest.raises(LLMException) as info:
         ucx.Registration(context, buf.ctypes.data, buf.nbytes, memory="cuda")
     assert info.value.status_code == S.LLM_FEATURE_NOT_ENABLED
+
+
+# -- lanes --------------------------------------------------------------------------------------
+@st.composite
+def _ops_and_parts(draw: Any) -> tuple[np.ndarray[Any, Any], int]:
+    sizes = draw(st.lists(st.integers(1, 3 << 20), min_size=1, max_size=12))
+    local = draw(st.integers(1, 1 << 40))
+    remote = draw(st.integers(1, 1 << 40))
+    rows = []
+    for i, n in enumerate(sizes):
+        rows.append((local + i * (4 << 20), remote + (len(sizes) - i) * (4 << 20), n))
+    return np.array(rows, np.uint64), draw(st.integers(1, 8))
+
+
+@given(_ops_and_parts())
+@settings(max_examples=300, deadline=None)
+def test_split_cuts_a_transfer_into_runs_of_the_same_bytes(case: Any) -> None:
+    ops, parts = case
+    key_of = np.arange(len(ops), dtype=np.intp)
+    runs = split(ops, key_of, parts)
+    assert 1 <= len(runs) <= parts
+    total = int(ops[:, 2].sum())
+
+    def bytes_of(rows: np.ndarray[Any, Any], keys: np.ndarray[Any, Any]) -> list[tuple[int, ...]]:
+        # every row as (key, local, remote, n), neighbours that continue each other merged
+        out: list[tuple[int, ...]] = []
+        for (here, there, n), k in zip(rows.tolist(), keys.tolist(), strict=True):
+            assert n > 0
+            if out and out[-1][0] == k and out[-1][1] + out[-1][3] == here:
+                key, start, far, size = out[-1]
+                assert far + size == there
+                out[-1] = (key, start, far, size + n)
+            else:
+                out.append((k, here, there, n))
+        return out
+
+    joined_rows = np.concatenate([r for r, _ in runs])
+    joined_keys = np.concatenate([k for _, k in runs])
+    assert bytes_of(joined_rows, joined_keys) == bytes_of(ops, key_of)
+    if total >= 2 * 4096 and parts > 1:
+        sizes = [int(r[:, 2].sum()) for r, _ in runs]
+        assert max(sizes) - min(sizes) <= 2 * 4096 + total % parts, sizes  # about equal
+
+
+def test_split_keeps_small_transfers_whole() -> None:
+    ops = np.array([[4096, 8192, 4096]], np.uint64)
+    key_of = np.zeros(1, np.intp)
+    assert split(ops, key_of, 4)[0][0] is ops
+    assert split(np.array([[4096, 8192, 1 << 20]], np.uint64), key_of, 1)[0][0].shape == (1, 3)
+
+
+def _thread_names() -> list[str]:
+    """The names of this process's threads, native ones included."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return names
+
+
+def _fill(cache: Any, seed: int) -> list[np.ndarray[Any, Any]]:
+    rng = np.random.default_rng(seed)
+    views = cache.as_numpy()
+    for v in views:
+        v.view(np.uint8)[...] = rng.integers(0, 256, v.view(np.uint8).shape, dtype=np.uint8)
+    return [v.view(np.uint8).copy() for v in views]
+
+
+@needs_ucx
+@pytest.mark.parametrize("transport", ["loopback", "tcp"])
+@pytest.mark.parametrize(("decoder", "lanes"), [("async", 1), ("async", 3), ("blocking", 2)])
+async def test_large_transfers_are_cut_across_the_lanes(
+    make_pair: Callable[..., Any],
+    monkeypatch: pytest.MonkeyPatch,
+    transport: str,
+    decoder: str,
+    lanes: int,
+) -> None:
+    woken: list[UcxLane] = []
+    wake = UcxLane.wake
+
+    def counted(self: UcxLane) -> None:
+        woken.append(self)
+        wake(self)
+
+    monkeypatch.setattr(UcxLane, "wake", counted)
+    pair = await make_pair(transport=transport, decoder=decoder, lanes=lanes)
+    dd = pair.decoder.dd if isinstance(pair.decoder, Face) else pair.decoder
+    ours = dd._engine.ucx_links()
+    assert 1 + len(ours.lanes) == lanes
+    threads = [n for n in _thread_names() if n == "aio-dd-ucx-lane"]
+    assert len(threads) == 2 * (lanes - 1)  # the prompt's engine has as many
+    pcm = pair.prompt.cache_manager
+    dcm = pair.decoder.cm if isinstance(pair.decoder, Face) else pair.decoder.cache_manager
+
+    async def call(fn: Callable[..., Any], *args: Any) -> Any:
+        if isinstance(pair.decoder, Face):
+            return await fn(*args)
+        return await asyncio.to_thread(fn, *args)
+
+    src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    want = _fill(src, 1)
+    dst = await call(dcm.allocate_blocks_cache, blocks_desc())
+    await pair.settled()
+    order = [int(b) for b in np.random.default_rng(2).permutation(BLOCKS)]
+    assert TENSORS * BLOCKS * BLOCK_BYTES >= LANE_MIN_BYTES
+    await call(dcm.pull_blocks, BlocksCacheKey(1, 0), dst, order, list(range(BLOCKS)))
+    got = [v.view(np.uint8) for v in dst.as_numpy()]
+    for t in range(TENSORS):
+        assert np.array_equal(got[t], want[t][order]), t
+    assert {id(lane) for lane in woken} == {id(lane) for lane in ours.lanes}
+    # a push of new bytes the other way, then one block (below the lanes' size) each way
+    woken.clear()
+    sent = _fill(dst, 3)
+    await call(dcm.push_blocks, BlocksCacheKey(1, 0), dst, list(range(BLOCKS)), order)
+    back = [v.view(np.uint8) for v in src.as_numpy()]
+    for t in range(TENSORS):
+        assert np.array_equal(back[t][order], sent[t]), t
+    assert {id(lane) for lane in woken} == {id(lane) for lane in ours.lanes}
+    woken.clear()
+    await call(dcm.pull_blocks, BlocksCacheKey(1, 0), dst, [0], [1])
+    await call(dcm.push_blocks, BlocksCacheKey(1, 0), dst, [2], [3])
+    assert woken == []
+    assert routes_of(dd, 1)[0] == "ucx"
+    await call(dcm.deallocate_blocks_cache, dst)
+    await pcm.deallocate_blocks_cache(src)
+
+
+@needs_ucx
+async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
+    make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over UCX's tcp transport (a part may stall, as across a network), a lane whose thread
+    # never progresses its part: the transfer fails at its deadline with LLM_TIMEOUT, the
+    # route closes (its requests cancelled, nothing left in flight) and the link carries the
+    # next transfer.
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setattr(UcxLane, "wake", lambda self: None)
+    monkeypatch.setattr(UcxLane, "_start", lambda self: None)
+    pair = await make_pair(transport="tcp", lanes=2)
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    want = _fill(src, 5)
+    dst = await dcm.allocate_blocks_cache(blocks_desc())
+    await pair.settled()
+    link = pair.decoder.dd._engine.link_table().get(1)
+    remote = pair.decoder.dd._engine.ucx_links().route_of(link.channel)
+    assert remote is not None and remote.usable
+    every = list(range(BLOCKS))
+    started = time.monotonic()
+    with pytest.raises(LLMException) as info:
+        await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, every, every)
+    assert info.value.status_code == S.LLM_TIMEOUT
+    assert time.monotonic() - started < 5 + 3  # the deadline, and the cancellation
+    assert not remote.usable
+    await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, every, every)
+    got = [v.view(np.uint8) for v in dst.as_numpy()]
+    assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
+    await dcm.deallocate_blocks_cache(dst)
+    started = time.monotonic()  # the peer's tables are still acknowledged: no wait
+    await pcm.deallocate_blocks_cache(src)
+    assert time.monotonic() - started < 2
+    assert pair.prompt._engine.link_table().get(2) is not None  # and the link stays

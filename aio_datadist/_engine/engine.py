@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any
 
@@ -34,6 +35,7 @@ from aio_datadist.config import (
     DEFAULT_BUSY_POLL_US,
     DEFAULT_SYNC_KV_TIMEOUT_MS,
     MAX_BUSY_POLL_US,
+    MAX_UCX_LANES,
     OPTION_BUSY_POLL_US,
     OPTION_COMM_BASE_PORT,
     OPTION_DEVICE_ID,
@@ -55,6 +57,7 @@ from aio_datadist.config import (
     OPTION_TRANSFER_BACKEND,
     OPTION_TRANSPORT,
     OPTION_UCX,
+    OPTION_UCX_LANES,
     OPTION_ZERO_ON_ALLOC,
     TRANSFER_BACKEND_HIXL,
     parse_listen_ip_info,
@@ -118,6 +121,13 @@ class EngineSettings:
         self.metrics = options.get(OPTION_METRICS) != "0"
         #: The UCX route for links whose two ends enable it (``aio.Ucx``).
         self.ucx = options.get(OPTION_UCX) == "1"
+        #: UCX workers that move one large UCX transfer (``aio.UcxLanes``).
+        self.ucx_lanes = _int_option(options, OPTION_UCX_LANES, min(2, os.cpu_count() or 1))
+        if not 1 <= self.ucx_lanes <= MAX_UCX_LANES:
+            raise ParamInvalidError(
+                f"option {OPTION_UCX_LANES}={self.ucx_lanes} is outside [1, {MAX_UCX_LANES}]",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
         self.link_secret = resolve_link_secret(options)
         self.busy_poll_us = _int_option(options, OPTION_BUSY_POLL_US, DEFAULT_BUSY_POLL_US)
         if not 0 <= self.busy_poll_us <= MAX_BUSY_POLL_US:
@@ -487,6 +497,7 @@ class Engine:
                 caches,
                 get_logger("ucx", cluster_id=self.cluster_id, role=self.role.name),
                 name=f"aio-dd-{self.cluster_id}",
+                lanes=settings.ucx_lanes,
             )
         except (OSError, RuntimeError) as exc:  # no descriptor or thread to be had for it
             raise LLMFailedError(

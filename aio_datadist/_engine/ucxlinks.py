@@ -2,7 +2,9 @@
 each link.
 
 An engine made with ``aio.Ucx = "1"`` owns one UCP context and one worker
-(``UCS_THREAD_MODE_MULTI``; ``_engine.ucxroute.UcxProgress`` drives it), its table
+(``UCS_THREAD_MODE_MULTI``; ``_engine.ucxroute.UcxProgress`` drives it), ``aio.UcxLanes - 1``
+further workers with a thread each that move parts of large transfers (``_engine.ucxlanes``),
+its table
 (``_engine.ucxboard``) and, per link whose two ends offered UCX in their handshake, a
 :class:`_Peer`: this side's subscription to the board and the peer's table as applied here
 (``_engine.ucxremote``).
@@ -44,6 +46,7 @@ from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import NO_ROWS
 from aio_datadist._engine.ucxboard import Subscriber, UcxBoard
+from aio_datadist._engine.ucxlanes import UcxLane
 from aio_datadist._engine.ucxremote import UcxRemote
 from aio_datadist._engine.ucxroute import UcxProgress, UcxRoute
 from aio_datadist._engine.ucxtable import decode_table, host_identity
@@ -108,7 +111,12 @@ class UcxLinks:
     """
 
     def __init__(
-        self, caches: CacheService, log: structlog.stdlib.BoundLogger, *, name: str = "aio-dd"
+        self,
+        caches: CacheService,
+        log: structlog.stdlib.BoundLogger,
+        *,
+        name: str = "aio-dd",
+        lanes: int = 1,
     ) -> None:
         self._log = log
         self.context = UcxContext(name=name)
@@ -129,11 +137,23 @@ class UcxLinks:
             self.worker.close()
             self.context.close()
             raise
+        #: The workers beside :attr:`worker` that move parts of large transfers.
+        self.lanes: list[UcxLane] = []
+        try:
+            for index in range(1, lanes):
+                self.lanes.append(UcxLane(self.context, index, name=name))
+        except BaseException:
+            self._close_lanes()
+            self.progress.close()
+            self.worker.close()
+            self.context.close()
+            raise
         try:
             self.board = UcxBoard(
                 self.context, caches, self.worker.address(), self.host, log, cuda=cuda
             )
         except BaseException:
+            self._close_lanes()
             self.progress.close()
             self.worker.close()
             self.context.close()
@@ -150,6 +170,7 @@ class UcxLinks:
         try:
             self._thread.start()
         except BaseException:
+            self._close_lanes()
             self.progress.close()
             self.board.close()
             self.worker.close()
@@ -160,6 +181,7 @@ class UcxLinks:
             cuda=self.cuda,
             cross_memory=self.cross_memory,
             memory_types=sorted(self.context.memory_types),
+            lanes=1 + len(self.lanes),
         )
 
     # -- links ---------------------------------------------------------------------------
@@ -186,6 +208,7 @@ class UcxLinks:
             lambda seq: self._ours_to_ack(made, seq),
             log,
             cross_memory=self.cross_memory,
+            lanes=self.lanes,
         )
         sub = Subscriber(name, notify=lambda: self._queue("table", made))
         peer = _Peer(channel, sub, remote, ready, fail)
@@ -410,6 +433,13 @@ class UcxLinks:
         for peer in peers:
             self._close(peer, "the engine was finalized")
         self.progress.close()
+        self._close_lanes()
         self.board.close()
         self.worker.close()
         self.context.close()
+
+    def _close_lanes(self) -> None:
+        """Stop the lanes' threads and destroy their workers (their endpoints closed)."""
+        lanes, self.lanes = self.lanes, []
+        for lane in lanes:
+            lane.close()

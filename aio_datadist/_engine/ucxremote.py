@@ -9,6 +9,10 @@ once: later transfers see only it. Its acknowledgement goes back once no transfe
 under an older table is in flight; only then may the peer free what ``N`` withdrew. Remote
 keys that ``N`` dropped are destroyed at that point too, never under a transfer using them.
 
+With lanes (``_engine.ucxlanes``) there is one endpoint per lane, each lane's worker to the
+peer's worker, and the table's remote keys are unpacked on each: a transfer large enough is
+cut into parts, one per lane, each started on its lane's endpoint through its lane's keys.
+
 The endpoint is made in peer error-handling mode: a failed peer fails its requests, and
 closing the endpoint by force cancels what is in flight (a transfer past its deadline). The
 one exception is a peer on this host when UCX has a cross-memory transport (``cma``, ``knem``,
@@ -21,7 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,8 +33,9 @@ import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
+from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES, UcxLane, split
 from aio_datadist._engine.ucxtable import KeySpans, UcxTable
-from aio_datadist._transport.ucx import Endpoint, RemoteKey, Request, Requests, UcxWorker, rma
+from aio_datadist._transport.ucx import Endpoint, RemoteKey, Requests, UcxWorker, rma
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("CLOSE_S", "Snapshot", "UcxRemote")
@@ -45,7 +50,8 @@ class Snapshot:
 
     seq: int
     regions: RemoteRegions
-    keys: tuple[RemoteKey, ...]
+    #: The table's remote keys as unpacked on each lane's endpoint (the engine's worker first).
+    keys: tuple[tuple[RemoteKey, ...], ...]
     spans: KeySpans
 
 
@@ -54,7 +60,8 @@ class UcxRemote:
 
     ``host`` is this side's host identity (``ucxtable.host_identity``) and ``cross_memory``
     whether UCX has a cross-memory transport here; ``ack(seq)`` queues the acknowledgement of
-    the peer's table ``seq`` (called with no lock held).
+    the peer's table ``seq`` (called with no lock held); ``lanes`` the engine's lanes beside
+    its own ``worker``.
     """
 
     def __init__(
@@ -65,16 +72,19 @@ class UcxRemote:
         log: structlog.stdlib.BoundLogger,
         *,
         cross_memory: bool = False,
+        lanes: Sequence[UcxLane] = (),
     ) -> None:
         self._worker = worker
+        self._lanes = tuple(lanes)
         self._host = host
         self._cross_memory = cross_memory
         self._ack = ack
         self._log = log
         self._lock = threading.Lock()
-        self._ep: Endpoint | None = None
+        #: One endpoint per lane, the engine's worker's first (empty before the first table).
+        self._eps: tuple[Endpoint, ...] = ()
         self._table: UcxTable | None = None
-        self._keys: tuple[RemoteKey, ...] = ()
+        self._keys: tuple[tuple[RemoteKey, ...], ...] = ()
         self._spans = KeySpans(())
         self._inflight: dict[int, int] = {}
         self._retired: list[tuple[int, RemoteKey]] = []
@@ -86,9 +96,9 @@ class UcxRemote:
     # -- state ----------------------------------------------------------------------------
     @property
     def usable(self) -> bool:
-        """True while transfers may start: a table applied, the endpoint open and sound."""
-        ep = self._ep
-        return self.reason is None and ep is not None and ep.failure is None
+        """True while transfers may start: a table applied, the endpoints open and sound."""
+        eps = self._eps
+        return self.reason is None and bool(eps) and all(ep.failure is None for ep in eps)
 
     @property
     def seq(self) -> int:
@@ -97,48 +107,47 @@ class UcxRemote:
 
     def transports(self) -> list[str]:
         """The ``tl/device`` of the endpoint's lanes (empty before the first table)."""
-        ep = self._ep
-        if ep is None or not self.usable:
+        eps = self._eps
+        if not eps or not self.usable:
             return []
         try:
-            return ep.transports()
+            return eps[0].transports()
         except LLMException:
             return []
 
     # -- the peer's tables ----------------------------------------------------------------
     def apply(self, table: UcxTable) -> bool:
         """Apply the peer's ``table``; True the first time (the route may now be used).
-        A table no newer than the applied one is ignored.
+        A table no newer than the applied one is ignored. Once the route is off for good
+        nothing reads through a table again: a newer one is acknowledged as soon as the
+        transfers started under older ones ended, so that the peer may free what it withdrew.
 
         :raises LLMException: the table cannot be used (the endpoint or a remote key cannot
             be made): the route is off for good, as :meth:`close` leaves it.
         """
+        first = False
+        failed: LLMException | None = None
+        due = 0
         with self._lock:
-            if self.reason is not None:
+            if self.reason is not None:  # off for good: acknowledge, apply nothing
+                if table.seq > self._applied:
+                    self._applied = table.seq
+                    due = self._settle()
+            elif self._table is not None and table.seq <= self._table.seq:
                 return False
-            current = self._table
-            if current is not None and table.seq <= current.seq:
-                return False
-            first = self._ep is None
-            failed: LLMException | None = None
-            due = 0
-            try:
-                if first:
-                    same_host = bool(self._host) and table.host == self._host
-                    self._ep = Endpoint(
-                        self._worker,
-                        table.address,
-                        peer_errors=not (same_host and self._cross_memory),
-                        name="aio-dd",
-                    )
-                self._unpack(table)
-            except LLMException as exc:
-                self.reason = f"the peer's UCX table cannot be used: {exc}"
-                failed = exc
             else:
-                self._table, self._spans = table, KeySpans(table.keys)
-                self._applied = table.seq
-                due = self._settle()
+                first = not self._eps
+                try:
+                    if first:
+                        self._connect(table)
+                    self._unpack(table)
+                except LLMException as exc:
+                    self.reason = f"the peer's UCX table cannot be used: {exc}"
+                    failed = exc
+                else:
+                    self._table, self._spans = table, KeySpans(table.keys)
+                    self._applied = table.seq
+                    due = self._settle()
         if failed is not None:
             self._shut()
             raise failed
@@ -146,30 +155,50 @@ class UcxRemote:
             self._ack(due)
         return first
 
+    def _connect(self, table: UcxTable) -> None:
+        """(Lock held.) One endpoint per lane to the worker of the peer's first ``table``."""
+        same_host = bool(self._host) and table.host == self._host
+        for worker in (self._worker, *(lane.worker for lane in self._lanes)):
+            ep = Endpoint(
+                worker,
+                table.address,
+                peer_errors=not (same_host and self._cross_memory),
+                name="aio-dd",
+            )
+            self._eps = (*self._eps, ep)
+
     def _unpack(self, table: UcxTable) -> None:
-        """(Lock held.) The remote keys of ``table``: the applied table's where the peer sent
-        the same registration, new ones unpacked; the rest retire at ``table.seq``."""
-        ep = self._ep
-        assert ep is not None
-        old: dict[tuple[int, int, str, bytes], RemoteKey] = {}
-        if self._table is not None:
-            for key, rkey in zip(self._table.keys, self._keys, strict=True):
-                old[(key.addr, key.nbytes, key.memory, key.rkey)] = rkey
-        made: list[RemoteKey] = []
+        """(Lock held.) The remote keys of ``table`` on each lane's endpoint: the applied
+        table's where the peer sent the same registration, new ones unpacked; the rest retire
+        at ``table.seq``."""
+        applied = self._table.keys if self._table is not None else ()
+        olds: list[dict[tuple[int, int, str, bytes], RemoteKey]] = [
+            {
+                (key.addr, key.nbytes, key.memory, key.rkey): rkey
+                for key, rkey in zip(applied, lane_keys, strict=True)
+            }
+            for lane_keys in self._keys
+        ]
+        made: list[list[RemoteKey]] = []
         try:
-            for key in table.keys:
-                same = old.pop((key.addr, key.nbytes, key.memory, key.rkey), None)
-                made.append(
-                    same if same is not None else RemoteKey(ep, key.rkey, key.addr, key.nbytes)
-                )
+            for lane, ep in enumerate(self._eps):
+                old = olds[lane] if lane < len(olds) else {}
+                row: list[RemoteKey] = []
+                made.append(row)
+                for key in table.keys:
+                    same = old.pop((key.addr, key.nbytes, key.memory, key.rkey), None)
+                    row.append(
+                        same if same is not None else RemoteKey(ep, key.rkey, key.addr, key.nbytes)
+                    )
         except LLMException:
-            reused = set(map(id, self._keys))
-            for made_key in made:
-                if id(made_key) not in reused:
-                    made_key.close()
+            reused = {id(k) for lane_keys in self._keys for k in lane_keys}
+            for row in made:
+                for made_key in row:
+                    if id(made_key) not in reused:
+                        made_key.close()
             raise
-        self._retired += [(table.seq, rkey) for rkey in old.values()]
-        self._keys = tuple(made)
+        self._retired += [(table.seq, rkey) for old in olds for rkey in old.values()]
+        self._keys = tuple(tuple(row) for row in made)
 
     # -- transfers --------------------------------------------------------------------------
     def begin(self) -> Snapshot | None:
@@ -189,29 +218,50 @@ class UcxRemote:
         *,
         write: bool,
         local_memory: str,
-    ) -> tuple[list[Request | Requests], LLMException | None]:
+    ) -> tuple[list[Requests], LLMException | None]:
         """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``) through
-        the snapshot's keys, and for a push a flush after them: see ``ucx.rma``.
+        the snapshot's keys, and for a push a flush after them: see ``ucx.rma``. Host
+        transfers of :data:`~aio_datadist._engine.ucxlanes.LANE_MIN_BYTES` or more are cut
+        into one part per lane. The requests started, and the failure that stopped the rest.
 
         :raises LLMException: ``LLM_LINK_FAILED`` once the route closed; the bounds check's
             ``LLM_PARAM_INVALID`` (nothing started).
         """
         with self._lock:
-            ep = self._ep
-            if self.reason is not None or ep is None:
+            eps = self._eps
+            if self.reason is not None or not eps:
                 raise LLMException(
                     f"the UCX route to the peer closed: {self.reason}",
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
-            requests, failure = rma(
-                ep, ops, snap.keys, key_of, write=write, local_memory=local_memory
-            )
-            started: list[Request | Requests] = [requests]
-            if write and failure is None:
+            parts = [(ops, key_of)]
+            if len(eps) > 1 and local_memory == "host" and int(ops[:, 2].sum()) >= LANE_MIN_BYTES:
+                parts = split(ops, key_of, len(eps))
+            started: list[Requests] = []
+            failure: LLMException | None = None
+            # the lanes' parts first: their threads wake while this one starts its own
+            for lane in (*range(1, len(parts)), 0):
+                part, part_keys = parts[lane]
                 try:
-                    started.append(ep.flush_request())
+                    requests, failure = rma(
+                        eps[lane],
+                        part,
+                        snap.keys[lane],
+                        part_keys,
+                        write=write,
+                        local_memory=local_memory,
+                        flush=write,
+                    )
                 except LLMException as exc:
-                    failure = exc
+                    if not started:
+                        raise
+                    failure = exc  # the parts started before it still complete
+                    break
+                started.append(requests)
+                if lane:
+                    self._lanes[lane - 1].wake()
+                if failure is not None:
+                    break
         return started, failure
 
     def end(self, snap: Snapshot) -> None:
@@ -264,15 +314,16 @@ class UcxRemote:
 
     def _shut(self) -> None:
         with self._lock:
-            ep, self._ep = self._ep, None
+            eps, self._eps = self._eps, ()
             keys, self._keys = self._keys, ()
             retired, self._retired = self._retired, []
-        if ep is not None:
+        for ep in eps:
             try:
                 ep.close(time.monotonic_ns() + int(CLOSE_S * 1e9), force=True)
             except LLMException as exc:
                 self._log.info("ucx.endpoint_close_failed", reason=str(exc))
-        for rkey in keys:
-            rkey.close()
+        for lane_keys in keys:
+            for rkey in lane_keys:
+                rkey.close()
         for _, rkey in retired:
             rkey.close()

@@ -18,6 +18,10 @@ what no one waits for, and fails a batch whose deadline passed: it closes the en
 force (UCX completes every request still in flight as cancelled, so nothing writes the local
 rows afterwards), the batch fails with ``LLM_TIMEOUT`` and the link carries the peer's later
 transfers. Every request a batch started has completed before its future does.
+
+A large host transfer is cut into parts that the engine's lanes move beside this worker
+(``_engine.ucxlanes``): a lane's part completes on the lane's own thread, and its last
+completion signals this worker, so the waiters above wake as for any other completion.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from aio_datadist._engine.routes import Carrier, Waiting
 from aio_datadist._engine.ucxremote import Snapshot, UcxRemote
 from aio_datadist._transport.base import Payload, RequestKind
 from aio_datadist._transport.future import RequestFuture
-from aio_datadist._transport.ucx import Request, Requests, UcxWorker
+from aio_datadist._transport.ucx import Requests, UcxWorker
 from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCode
 
 __all__ = ("Batch", "UcxProgress", "UcxRoute")
@@ -79,7 +83,7 @@ class Batch:
         remote: UcxRemote,
         snap: Snapshot,
         entries: list[BoardEntry],
-        requests: list[Request | Requests],
+        requests: list[Requests],
         failure: LLMException | None,
         deadline_ns: int,
     ) -> None:
@@ -118,6 +122,12 @@ class Batch:
             return True
         finally:
             self._lock.release()
+
+    def notify(self, worker: UcxWorker) -> None:
+        """Have the requests other workers progress (the lanes' parts) signal ``worker`` when
+        they complete: whoever waits for the batch sleeps on its event fd."""
+        for requests in self.requests:
+            requests.notify(worker)
 
     def expire(self) -> None:
         """The deadline passed: the batch fails with ``LLM_TIMEOUT`` once its requests are
@@ -178,7 +188,13 @@ class UcxProgress:
         """Progress once and see whether ``batch`` completed; else wait for it here (``wait``,
         until its deadline, then for its cancellation a while) and hand it to whoever
         progresses next if it still runs. Its future either way."""
-        if not self._progress_once(batch) and wait:
+        if self._progress_once(batch):
+            return batch.future
+        # Only now, with a wait ahead, do the lanes' parts signal this worker: a part that
+        # completed while this thread moved its own wakes no one (the progress thread sleeps
+        # on the same event fd).
+        batch.notify(self.worker)
+        if wait:
             with self._foreground(), contextlib.suppress(LLMException):  # (closed: finalize)
                 if not self.worker.wait_until(batch.poll, batch.deadline_ns):
                     self._expire(batch)

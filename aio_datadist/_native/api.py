@@ -788,6 +788,9 @@ UCX_CALLS = {
     "put_nbx": "ucp_put_nbx",
     "request_free": "ucp_request_free",
     "worker_progress": "ucp_worker_progress",
+    "worker_signal": "ucp_worker_signal",
+    "ep_flush_nbx": "ucp_ep_flush_nbx",
+    "worker_arm": "ucp_worker_arm",
 }
 
 
@@ -824,11 +827,36 @@ class UcxCount:
         left = int(lib.dd_ucx_count_left(self._count, self._status))
         return left, int(self._status[0])
 
+    def notify(self, worker: int) -> None:
+        """Have the completion that takes the count to 0 signal ``worker`` (a handle as an
+        int; ``ucp_worker_signal``). Look at the count after: either that look sees 0 or the
+        worker is signalled."""
+        lib.dd_ucx_count_notify(self._count, worker)
+
     def __del__(self) -> None:
         count = getattr(self, "_count", None)
         if count is not None and lib.dd_ucx_count_free(count) == lib.DD_EAGAIN:
             # UCX still completes requests into it (a worker torn down under them): keep it
             _UNFINISHED_COUNTS.append(count)
+
+
+class UcxLaneThread:
+    """A native thread that progresses one UCX worker (``dd_ucx_lane``): it sleeps on the
+    worker's event fd, and ``ucp_worker_signal`` wakes it."""
+
+    __slots__ = ("_lane",)
+
+    def __init__(self, lane: Any) -> None:
+        if lane == ffi.NULL:
+            code = ffi.errno
+            raise OSError(code, f"ucx lane thread: {os.strerror(code)}")
+        self._lane = lane
+
+    def stop(self) -> None:
+        """Stop the thread and wait for it (once; later calls do nothing)."""
+        lane, self._lane = self._lane, None
+        if lane is not None:
+            lib.dd_ucx_lane_stop(lane)
 
 
 class UcxCalls:
@@ -864,20 +892,24 @@ class UcxCalls:
         count: UcxCount,
         *,
         write: bool,
+        flush: bool = False,
     ) -> tuple[int, int]:
         """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``,
         row ``i`` through the remote key ``rkeys[i]``, on endpoint ``ep`` with the request
         parameters ``param`` (handles as ints), which must name :data:`UCX_COUNTED` and
-        ``count``'s address: the requests left in flight complete into ``count``.
+        ``count``'s address: the requests left in flight complete into ``count``. With
+        ``flush``, a flush of ``ep`` follows the rows into the same count.
 
         Returns ``(refused, status)``: the index of the row UCX refused (``len(ops)`` when
-        none; the rows after it did not start) and its ``ucs_status_t`` (0 when none).
+        none; the rows after it did not start) and the ``ucs_status_t`` of what UCX refused,
+        a row or the flush (0 when nothing).
         """
         status = ffi.new("int *")
         at = lib.dd_ucx_rma(
             self._c,
             ep,
             1 if write else 0,
+            1 if flush else 0,
             ffi.from_buffer("uint64_t[]", ops),
             ffi.from_buffer("uint64_t[]", rkeys),
             len(ops),
@@ -888,6 +920,15 @@ class UcxCalls:
         if at < 0:
             _check(int(at), "ucx rma batch")
         return int(at), int(status[0])
+
+    def lane(self, worker: int, efd: int) -> UcxLaneThread:
+        """Start a native thread that progresses ``worker`` (a handle as an int; its event fd
+        ``efd``) until :meth:`UcxLaneThread.stop`.
+
+        Raises:
+            OSError: no thread could be made.
+        """
+        return UcxLaneThread(lib.dd_ucx_lane_start(self._c, worker, efd))
 
     def drain(self, worker: int, budget_ns: int) -> bool | None:
         """Progress ``worker`` until nothing is left to do: whether anything was, or None when

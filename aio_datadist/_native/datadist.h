@@ -271,6 +271,9 @@ typedef struct {
     uint64_t put_nbx;         /* ucp_put_nbx */
     uint64_t request_free;    /* ucp_request_free */
     uint64_t worker_progress; /* ucp_worker_progress */
+    uint64_t worker_signal;   /* ucp_worker_signal */
+    uint64_t ep_flush_nbx;    /* ucp_ep_flush_nbx */
+    uint64_t worker_arm;      /* ucp_worker_arm */
 } dd_ucx_calls;
 
 /* A batch's completion count: the requests of the batch still in flight, and the first
@@ -281,29 +284,50 @@ typedef struct {
     int64_t pending;       /* requests whose completion has not run yet */
     int32_t status;        /* the first failure's ucs_status_t; 0: none */
     uint64_t request_free; /* ucp_request_free */
+    uint64_t signal;       /* ucp_worker_signal */
+    uint64_t notify;       /* the worker signalled when the count reaches 0 (0: none) */
+    int32_t busy;          /* completions running now (the count is not freed under them) */
 } dd_ucx_count;
 
 /* A count for one batch of calls c (0 pending); NULL when out of memory. */
 dd_ucx_count *dd_ucx_count_new(const dd_ucx_calls *c);
-/* Free count unless requests still complete into it (DD_EAGAIN: nothing freed). */
+/* Have the completion that takes count to 0 signal worker (ucp_worker_signal), so that a
+ * thread sleeping on that worker's event fd learns of a batch another worker progressed.
+ * Set it any time before sleeping, then look at the count (dd_ucx_count_left): either that
+ * look sees 0 or the last completion sees worker and signals it. */
+int dd_ucx_count_notify(dd_ucx_count *count, uint64_t worker);
+/* Free count unless requests still complete into it, or a completion still runs (DD_EAGAIN:
+ * nothing freed). */
 int dd_ucx_count_free(dd_ucx_count *count);
 /* How many requests of count are still in flight; *status: the first failure (0: none). */
 int64_t dd_ucx_count_left(const dd_ucx_count *count, int *status);
 /* The UCP completion (ucp_send_nbx_callback_t) of a counted batch: records a failure, frees
- * the request and takes it off the count. */
+ * the request and takes it off the count (the last one signals the count's notify worker). */
 void dd_ucx_counted(void *request, int8_t status, void *user_data);
 /* Start one get (write == 0: remote -> local) or put per row (local, remote, nbytes) of ops
  * (n rows) on endpoint ep, row i through remote key rkeys[i], all with the request
  * parameters param, which must name dd_ucx_counted and count: the requests left in flight
- * complete into count. Returns n when every row started; else the index of the row UCX
- * refused, *status its ucs_status_t (the rows before it started, the rest did not);
- * DD_EINVAL for bad arguments. */
-int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, const uint64_t *ops,
-                   const uint64_t *rkeys, size_t n, uint64_t param, dd_ucx_count *count,
-                   int *status);
+ * complete into count. With flush, a flush of ep follows the rows (ucp_ep_flush_nbx, into
+ * the same count: puts then count as done once they reached the peer's memory). Returns n
+ * when every row started; else the index of the row UCX refused, *status its ucs_status_t
+ * (the rows before it started, the rest did not); a refused flush returns n with its
+ * status. DD_EINVAL for bad arguments. */
+int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, int flush,
+                   const uint64_t *ops, const uint64_t *rkeys, size_t n, uint64_t param,
+                   dd_ucx_count *count, int *status);
 /* Progress worker until a round finds nothing to do (1; 0 when the first one did not) or
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
+
+/* A thread of its own that progresses a worker (UCS_THREAD_MODE_MULTI) until stopped: it
+ * progresses until idle, arms the worker and sleeps on its event fd efd; ucp_worker_signal
+ * wakes it. Wake-ups that find nothing to do again and again (a tcp endpoint can keep the
+ * fd readable) stretch its sleep from 50 us to 1 ms. */
+typedef struct dd_ucx_lane dd_ucx_lane;
+/* Start the thread for worker (its event fd efd); NULL when no thread can be made (errno). */
+dd_ucx_lane *dd_ucx_lane_start(const dd_ucx_calls *c, uint64_t worker, int efd);
+/* Stop the thread, wait for it and free the lane (the worker stays). */
+int dd_ucx_lane_stop(dd_ucx_lane *lane);
 
 /* cdef-end */
 

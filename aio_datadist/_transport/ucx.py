@@ -595,16 +595,25 @@ class Requests:
     raises the failure of the first that failed.
     """
 
-    __slots__ = ("_count", "_left", "_status", "what")
+    __slots__ = ("_count", "_left", "_status", "what", "worker")
 
-    def __init__(self, count: _api.UcxCount | None, what: str) -> None:
+    def __init__(self, count: _api.UcxCount | None, what: str, worker: UcxWorker) -> None:
         self.what = what
+        #: The worker whose progress completes the requests.
+        self.worker = worker
         self._count = count
         self._left, self._status = (0, 0) if count is None else count.left()
 
     def __len__(self) -> int:
         """How many requests are still in flight (as of the last :meth:`done`)."""
         return self._left
+
+    def notify(self, worker: UcxWorker) -> None:
+        """Have the last completion signal ``worker`` (:meth:`UcxWorker.signal`) when another
+        one progresses the requests: a thread asleep on ``worker``'s event fd then wakes. Call
+        :meth:`done` after: either it sees them all done or the signal comes."""
+        if self._count is not None and worker is not self.worker:
+            self._count.notify(_ucx.word(worker.handle))
 
     def done(self) -> bool:
         """Whether every request finished (successfully or not)."""
@@ -983,14 +992,17 @@ def rma(
     *,
     write: bool,
     local_memory: str = "host",
+    flush: bool = False,
 ) -> tuple[Requests, LLMException | None]:
     """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
     with ``write``), the remote side through ``keys[key_of[i]]``: one check of the whole
     batch, then one native call that starts every op (:class:`Requests` counts them).
 
-    ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`).
-    Returns the requests still in flight, and the failure of the op UCX refused to start,
-    if one was: the ops before it were started (wait for them), the ones after it were not.
+    ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`). With
+    ``flush`` a flush of the endpoint follows the ops in the same batch (puts are then done
+    once they reached the peer's memory).
+    Returns the requests still in flight, and the failure of what UCX refused to start, if
+    anything: the ops before it were started (wait for them), the ones after it were not.
 
     Raises:
         LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside its
@@ -1004,7 +1016,7 @@ def rma(
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
     if not len(ops):
-        return Requests(None, what), None
+        return Requests(None, what, worker), None
     op_list, key_list = ops.tolist(), key_of.tolist()
     used = {j: keys[j] for j in set(key_list)}
     if any(k.endpoint is not ep for k in used.values()):
@@ -1038,11 +1050,11 @@ def rma(
         param.memory_type = MEMORY_TYPES[local_memory]
     table = np.ascontiguousarray(ops, np.uint64)
     with worker.lock:
-        refused, status = worker._calls.rma(
-            ep.word, table, rkeys, _ucx.word(param), count, write=write
+        _, status = worker._calls.rma(
+            ep.word, table, rkeys, _ucx.word(param), count, write=write, flush=flush
         )
-    failure = _error(what, status) if refused < len(ops) else None
-    return Requests(count, what), failure
+    failure = _error(what, status) if status else None
+    return Requests(count, what, worker), failure
 
 
 #: A counted batch's requests complete through the native count (``dd_ucx_counted``).
