@@ -376,6 +376,14 @@ VARIANTS = {
         {"transport": "tcp", "face": "blocking", "ucx": True},
         {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
     ),
+    "aio-ucx-tcp-1lane-async": (
+        {"transport": "tcp", "face": "async", "ucx": True, "ucx_lanes": 1},
+        {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
+    ),
+    "aio-ucx-tcp-1lane-blocking": (
+        {"transport": "tcp", "face": "blocking", "ucx": True, "ucx_lanes": 1},
+        {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"},
+    ),
 }
 
 

@@ -142,13 +142,6 @@ class UcxLinks:
         try:
             for index in range(1, lanes):
                 self.lanes.append(UcxLane(self.context, index, name=name))
-        except BaseException:
-            self._close_lanes()
-            self.progress.close()
-            self.worker.close()
-            self.context.close()
-            raise
-        try:
             self.board = UcxBoard(
                 self.context, caches, self.worker.address(), self.host, log, cuda=cuda
             )
