@@ -256,7 +256,8 @@ def test_a_batch_of_gets_and_puts_through_two_keys_moves_exact_bytes(pair: Pair)
         ],
         dtype=np.uint64,
     )
-    requests, failure = ucx.rma(pair.ep, ops, keys, key_of, write=False)
+    remote_keys = [ucx.RemoteKeys(pair.ep, keys)]
+    (requests,), failure = ucx.rma(ops, remote_keys, write=False)
     assert failure is None
     assert pair.requester.wait_until(requests.done, _deadline())
     assert len(requests) == 0
@@ -266,18 +267,27 @@ def test_a_batch_of_gets_and_puts_through_two_keys_moves_exact_bytes(pair: Pair)
     for s, d, k in zip(src, dst, key_of, strict=True):
         assert np.array_equal(got[d], views[k][s])
     local[:] = rng.integers(0, 256, local.nbytes, dtype=np.uint8)  # now push it back
-    requests, failure = ucx.rma(pair.ep, ops, keys, key_of, write=True)
+    (requests,), failure = ucx.rma(ops, remote_keys, write=True)
     assert failure is None
     flush = pair.ep.flush_request()
     assert pair.requester.wait_until(lambda: requests.done() and flush.done(), _deadline())
     for s, d, k in zip(src, dst, key_of, strict=True):
         assert np.array_equal(views[k][s], got[d])
-    empty, failure = ucx.rma(pair.ep, ops[:0], keys, key_of[:0], write=False)
+    (empty,), failure = ucx.rma(ops[:0], remote_keys, write=False)
     assert failure is None and empty.done() and len(empty) == 0
+    outside = ops.copy()
+    outside[7, 1] = regs[1].addr + regs[1].nbytes - block + 1  # one byte past its key
+    with pytest.raises(LLMException, match="outside the peer's registrations") as info:
+        ucx.rma(outside, remote_keys, write=False)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
+    outside[7, 1], outside[3, 2] = ops[7, 1], 0  # an empty op
+    with pytest.raises(LLMException, match="op 3 is empty") as info:
+        ucx.rma(outside, remote_keys, write=False)
+    assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     for key in keys:
         key.close()
     with pytest.raises(LLMException, match="remote key is closed") as info:
-        ucx.rma(pair.ep, ops, keys, key_of, write=False)
+        ucx.rma(ops, remote_keys, write=False)
     assert info.value.status_code == LLMStatusCode.LLM_PARAM_INVALID
     for reg in regs:
         reg.close()
@@ -304,19 +314,23 @@ def test_a_batch_a_lane_thread_progresses_wakes_the_worker_it_names(pair: Pair) 
         ],
         dtype=np.uint64,
     )
-    key_of = np.zeros(blocks, np.intp)
+    keys = [ucx.RemoteKeys(ep, [rkey])]
 
-    def run(write: bool) -> None:
+    def run(write: bool, *, posted: bool = False) -> None:
+        time.sleep(0.01)  # the lane's thread, done looking for more work (100 us), sleeps
         while not pair.requester.arm():  # events pending: take them first
             pair.requester.drain()
-        requests, failure = ucx.rma(ep, ops, [rkey], key_of, write=write, flush=write)
+        lanes = [thread] if posted else []
+        (requests,), failure = ucx.rma(ops, keys, write=write, flush=write, lanes=lanes)
         assert failure is None
         requests.notify(pair.requester)
-        assert not requests.done()
-        lane.signal()
+        if not posted:  # not posted to the lane's thread: nothing moves until it is woken
+            assert not requests.done()
+            lane.signal()
         poller = select.poll()
         poller.register(pair.requester.event_fd(), select.POLLIN)
-        assert poller.poll(10_000), "the last completion did not signal the named worker"
+        if not requests.done():  # (posted: the lane may have finished before the notify)
+            assert poller.poll(10_000), "the last completion did not signal the named worker"
         assert requests.done()
         requests.result()
 
@@ -326,6 +340,9 @@ def test_a_batch_a_lane_thread_progresses_wakes_the_worker_it_names(pair: Pair) 
         local[:] = rng.integers(0, 256, local.nbytes, dtype=np.uint8)
         run(write=True)  # the flush is in the batch: done means in the target's memory
         assert np.array_equal(remote.reshape(blocks, block)[order], local.reshape(blocks, block))
+        local[:] = 0
+        run(write=False, posted=True)  # a part posted to the sleeping thread wakes it
+        assert np.array_equal(local.reshape(blocks, block), remote.reshape(blocks, block)[order])
     finally:
         thread.stop()
         thread.stop()  # once is enough; again does nothing
@@ -347,8 +364,12 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
     with pytest.raises(ParamInvalidError):
         calls.drain(0, 0)  # no worker
     count = calls.count()
+    part = api.UcxPart(0, np.zeros(1, np.uint64), 0, count, None)  # no endpoint
+    ops, keys = np.array([[4096, 4096, 16]], np.uint64), np.array([[0, 1 << 20]], np.uint64)
     with pytest.raises(ParamInvalidError):
-        calls.rma(0, np.zeros((1, 3), np.uint64), np.zeros(1, np.uint64), 0, count, write=False)
+        calls.transfer(ops, keys, [part], write=False)
+    with pytest.raises(ParamInvalidError):
+        calls.transfer(ops, keys, [], write=False)
     assert count.left() == (0, 0)  # nothing started, nothing counted
     with pytest.raises(OSError):
         calls.lane(0, -1)  # no worker
@@ -398,7 +419,7 @@ def test_a_batch_cut_off_by_a_forced_close_completes_failed(
             [[local.ctypes.data + i * piece, reg.addr + i * piece, piece] for i in range(n)],
             dtype=np.uint64,
         )
-        requests, failure = ucx.rma(ep, ops, [rkey], np.zeros(n, np.intp), write=False)
+        (requests,), failure = ucx.rma(ops[::-1].copy(), [ucx.RemoteKeys(ep, [rkey])], write=False)
         assert failure is None
         a.drain()
         assert not requests.done() and len(requests) > 0  # b never serves them

@@ -55,11 +55,13 @@ from aio_datadist._engine.routes import (
     with_communicator,
     with_peer_memory,
 )
-from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES, UcxLane, split
+from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES
 from aio_datadist._engine.ucxroute import UcxRoute
 from aio_datadist._engine.ucxtable import KeySpans, UcxKey, decode_table, encode_table
 from aio_datadist._native import ucx as native
 from aio_datadist._native import wire
+from aio_datadist._native._ffi import ffi
+from aio_datadist._native.api import UcxCalls
 from aio_datadist._transport import WireError, ucx
 from aio_datadist._transport.base import RequestKind
 from tests.conftest import Face, make_options, pool_cfg
@@ -563,9 +565,9 @@ async def test_accesses_outside_the_peers_caches_are_refused_before_ucx_sees_the
     started: list[int] = []
     rma = ucx.rma
 
-    def counted(ep: Any, ops: Any, *args: Any, **kwargs: Any) -> Any:
+    def counted(ops: Any, *args: Any, **kwargs: Any) -> Any:
         started.append(len(ops))
-        return rma(ep, ops, *args, **kwargs)
+        return rma(ops, *args, **kwargs)
 
     monkeypatch.setattr("aio_datadist._engine.ucxremote.rma", counted)
     pair = await make_pair()
@@ -590,7 +592,7 @@ async def test_accesses_outside_the_peers_caches_are_refused_before_ucx_sees_the
     assert info.value.status_code == S.LLM_PARAM_INVALID
     assert started == []  # none of them reached UCX
     await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 2], [3, 4])
-    assert started == [TENSORS]  # one get per tensor: the two blocks were one piece
+    assert started == [2 * TENSORS]  # two blocks of each tensor, in one batch
     await dcm.deallocate_blocks_cache(dst)
     await pcm.deallocate_blocks_cache(src)
 
@@ -803,54 +805,6 @@ def test_registering_memory_ucx_cannot_reach_is_refused() -> None:
 
 
 # -- lanes --------------------------------------------------------------------------------------
-@st.composite
-def _ops_and_parts(draw: Any) -> tuple[np.ndarray[Any, Any], int]:
-    sizes = draw(st.lists(st.integers(1, 3 << 20), min_size=1, max_size=12))
-    local = draw(st.integers(1, 1 << 40))
-    remote = draw(st.integers(1, 1 << 40))
-    rows = []
-    for i, n in enumerate(sizes):
-        rows.append((local + i * (4 << 20), remote + (len(sizes) - i) * (4 << 20), n))
-    return np.array(rows, np.uint64), draw(st.integers(1, 8))
-
-
-@given(_ops_and_parts())
-@settings(max_examples=300, deadline=None)
-def test_split_cuts_a_transfer_into_runs_of_the_same_bytes(case: Any) -> None:
-    ops, parts = case
-    key_of = np.arange(len(ops), dtype=np.intp)
-    runs = split(ops, key_of, parts)
-    assert 1 <= len(runs) <= parts
-    total = int(ops[:, 2].sum())
-
-    def bytes_of(rows: np.ndarray[Any, Any], keys: np.ndarray[Any, Any]) -> list[tuple[int, ...]]:
-        # every row as (key, local, remote, n), neighbours that continue each other merged
-        out: list[tuple[int, ...]] = []
-        for (here, there, n), k in zip(rows.tolist(), keys.tolist(), strict=True):
-            assert n > 0
-            if out and out[-1][0] == k and out[-1][1] + out[-1][3] == here:
-                key, start, far, size = out[-1]
-                assert far + size == there
-                out[-1] = (key, start, far, size + n)
-            else:
-                out.append((k, here, there, n))
-        return out
-
-    joined_rows = np.concatenate([r for r, _ in runs])
-    joined_keys = np.concatenate([k for _, k in runs])
-    assert bytes_of(joined_rows, joined_keys) == bytes_of(ops, key_of)
-    if total >= 2 * 4096 and parts > 1:
-        sizes = [int(r[:, 2].sum()) for r, _ in runs]
-        assert max(sizes) - min(sizes) <= 2 * 4096 + total % parts, sizes  # about equal
-
-
-def test_split_keeps_small_transfers_whole() -> None:
-    ops = np.array([[4096, 8192, 4096]], np.uint64)
-    key_of = np.zeros(1, np.intp)
-    assert split(ops, key_of, 4)[0][0] is ops
-    assert split(np.array([[4096, 8192, 1 << 20]], np.uint64), key_of, 1)[0][0].shape == (1, 3)
-
-
 def _thread_names() -> list[str]:
     """The names of this process's threads, native ones included."""
     names = []
@@ -878,14 +832,14 @@ async def test_large_transfers_are_cut_across_the_lanes(
     decoder: str,
     lanes: int,
 ) -> None:
-    woken: list[UcxLane] = []
-    wake = UcxLane.wake
+    parts: list[int] = []  # how many parts each transfer was started in
+    rma = ucx.rma
 
-    def counted(self: UcxLane) -> None:
-        woken.append(self)
-        wake(self)
+    def counted(ops: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        parts.append(len(keys))
+        return rma(ops, keys, *args, **kwargs)
 
-    monkeypatch.setattr(UcxLane, "wake", counted)
+    monkeypatch.setattr("aio_datadist._engine.ucxremote.rma", counted)
     pair = await make_pair(transport=transport, decoder=decoder, lanes=lanes)
     dd = pair.decoder.dd if isinstance(pair.decoder, Face) else pair.decoder
     ours = dd._engine.ucx_links()
@@ -910,19 +864,19 @@ async def test_large_transfers_are_cut_across_the_lanes(
     got = [v.view(np.uint8) for v in dst.as_numpy()]
     for t in range(TENSORS):
         assert np.array_equal(got[t], want[t][order]), t
-    assert {id(lane) for lane in woken} == {id(lane) for lane in ours.lanes}
+    assert parts == [lanes]  # (each lane's thread moved its part: the bytes are all there)
     # a push of new bytes the other way, then one block (below the lanes' size) each way
-    woken.clear()
+    parts.clear()
     sent = _fill(dst, 3)
     await call(dcm.push_blocks, BlocksCacheKey(1, 0), dst, list(range(BLOCKS)), order)
     back = [v.view(np.uint8) for v in src.as_numpy()]
     for t in range(TENSORS):
         assert np.array_equal(back[t][order], sent[t]), t
-    assert {id(lane) for lane in woken} == {id(lane) for lane in ours.lanes}
-    woken.clear()
+    assert parts == [lanes]
+    parts.clear()
     await call(dcm.pull_blocks, BlocksCacheKey(1, 0), dst, [0], [1])
     await call(dcm.push_blocks, BlocksCacheKey(1, 0), dst, [2], [3])
-    assert woken == []
+    assert parts == [1, 1]
     assert routes_of(dd, 1)[0] == "ucx"
     await call(dcm.deallocate_blocks_cache, dst)
     await pcm.deallocate_blocks_cache(src)
@@ -937,8 +891,15 @@ async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
     # route closes (its requests cancelled, nothing left in flight) and the link carries the
     # next transfer.
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    monkeypatch.setattr(UcxLane, "wake", lambda self: None)
-    monkeypatch.setattr(UcxLane, "_start", lambda self: None)
+
+    class Idle:  # a lane "thread" that never runs: its parts are never progressed
+        def _handle(self) -> Any:
+            return ffi.NULL
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(UcxCalls, "lane", lambda self, worker, efd: Idle())
     pair = await make_pair(transport="tcp", lanes=2)
     pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
     src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))

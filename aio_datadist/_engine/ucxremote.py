@@ -33,9 +33,9 @@ import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
-from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES, UcxLane, split
-from aio_datadist._engine.ucxtable import KeySpans, UcxTable
-from aio_datadist._transport.ucx import Endpoint, RemoteKey, Requests, UcxWorker, rma
+from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES, UcxLane
+from aio_datadist._engine.ucxtable import UcxTable
+from aio_datadist._transport.ucx import Endpoint, RemoteKey, RemoteKeys, Requests, UcxWorker, rma
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("CLOSE_S", "Snapshot", "UcxRemote")
@@ -51,8 +51,7 @@ class Snapshot:
     seq: int
     regions: RemoteRegions
     #: The table's remote keys as unpacked on each lane's endpoint (the engine's worker first).
-    keys: tuple[tuple[RemoteKey, ...], ...]
-    spans: KeySpans
+    keys: tuple[RemoteKeys, ...]
 
 
 class UcxRemote:
@@ -76,6 +75,8 @@ class UcxRemote:
     ) -> None:
         self._worker = worker
         self._lanes = tuple(lanes)
+        #: The thread progressing each lane's worker (None for the engine's own worker).
+        self._threads = (None, *(lane.thread for lane in self._lanes))
         self._host = host
         self._cross_memory = cross_memory
         self._ack = ack
@@ -84,8 +85,7 @@ class UcxRemote:
         #: One endpoint per lane, the engine's worker's first (empty before the first table).
         self._eps: tuple[Endpoint, ...] = ()
         self._table: UcxTable | None = None
-        self._keys: tuple[tuple[RemoteKey, ...], ...] = ()
-        self._spans = KeySpans(())
+        self._keys: tuple[RemoteKeys, ...] = ()
         self._inflight: dict[int, int] = {}
         self._retired: list[tuple[int, RemoteKey]] = []
         self._applied = 0
@@ -145,7 +145,7 @@ class UcxRemote:
                     self.reason = f"the peer's UCX table cannot be used: {exc}"
                     failed = exc
                 else:
-                    self._table, self._spans = table, KeySpans(table.keys)
+                    self._table = table
                     self._applied = table.seq
                     due = self._settle()
         if failed is not None:
@@ -175,7 +175,7 @@ class UcxRemote:
         olds: list[dict[tuple[int, int, str, bytes], RemoteKey]] = [
             {
                 (key.addr, key.nbytes, key.memory, key.rkey): rkey
-                for key, rkey in zip(applied, lane_keys, strict=True)
+                for key, rkey in zip(applied, lane_keys.keys, strict=True)
             }
             for lane_keys in self._keys
         ]
@@ -191,14 +191,14 @@ class UcxRemote:
                         same if same is not None else RemoteKey(ep, key.rkey, key.addr, key.nbytes)
                     )
         except LLMException:
-            reused = {id(k) for lane_keys in self._keys for k in lane_keys}
+            reused = {id(k) for lane_keys in self._keys for k in lane_keys.keys}
             for row in made:
                 for made_key in row:
                     if id(made_key) not in reused:
                         made_key.close()
             raise
         self._retired += [(table.seq, rkey) for old in olds for rkey in old.values()]
-        self._keys = tuple(tuple(row) for row in made)
+        self._keys = tuple(RemoteKeys(ep, row) for ep, row in zip(self._eps, made, strict=True))
 
     # -- transfers --------------------------------------------------------------------------
     def begin(self) -> Snapshot | None:
@@ -208,13 +208,12 @@ class UcxRemote:
             if table is None or not self.usable:
                 return None
             self._inflight[table.seq] = self._inflight.get(table.seq, 0) + 1
-            return Snapshot(table.seq, table.regions, self._keys, self._spans)
+            return Snapshot(table.seq, table.regions, self._keys)
 
     def issue(
         self,
         snap: Snapshot,
         ops: npt.NDArray[np.uint64],
-        key_of: npt.NDArray[np.intp],
         *,
         write: bool,
         local_memory: str,
@@ -234,35 +233,17 @@ class UcxRemote:
                     f"the UCX route to the peer closed: {self.reason}",
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
-            parts = [(ops, key_of)]
+            keys = snap.keys[:1]
             if len(eps) > 1 and local_memory == "host" and int(ops[:, 2].sum()) >= LANE_MIN_BYTES:
-                parts = split(ops, key_of, len(eps))
-            started: list[Requests] = []
-            failure: LLMException | None = None
-            # the lanes' parts first: their threads wake while this one starts its own
-            for lane in (*range(1, len(parts)), 0):
-                part, part_keys = parts[lane]
-                try:
-                    requests, failure = rma(
-                        eps[lane],
-                        part,
-                        snap.keys[lane],
-                        part_keys,
-                        write=write,
-                        local_memory=local_memory,
-                        flush=write,
-                    )
-                except LLMException as exc:
-                    if not started:
-                        raise
-                    failure = exc  # the parts started before it still complete
-                    break
-                started.append(requests)
-                if lane:
-                    self._lanes[lane - 1].wake()
-                if failure is not None:
-                    break
-        return started, failure
+                keys = snap.keys
+            return rma(
+                ops,
+                keys,
+                write=write,
+                local_memory=local_memory,
+                flush=write,
+                lanes=self._threads,
+            )
 
     def end(self, snap: Snapshot) -> None:
         """A transfer started with ``snap`` is over (its requests complete)."""
@@ -323,7 +304,7 @@ class UcxRemote:
             except LLMException as exc:
                 self._log.info("ucx.endpoint_close_failed", reason=str(exc))
         for lane_keys in keys:
-            for rkey in lane_keys:
+            for rkey in lane_keys.keys:
                 rkey.close()
         for _, rkey in retired:
             rkey.close()

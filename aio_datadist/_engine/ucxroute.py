@@ -36,7 +36,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 
 import numpy as np
-import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.onesided import ONE_SIDED_TARGETS, paired, resolve
@@ -441,23 +440,6 @@ def _thread_waker() -> _Waker:
     return waker
 
 
-def _coalesce(
-    ops: npt.NDArray[np.uint64], key_of: npt.NDArray[np.intp]
-) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
-    """Merge neighbouring ops ``(local, remote, nbytes)`` that continue each other on both
-    sides through one key (whole blocks in a row, say) into one."""
-    if len(ops) < 2:
-        return ops, key_of
-    ends = ops[:-1, 0] + ops[:-1, 2], ops[:-1, 1] + ops[:-1, 2]
-    joins = (ops[1:, 0] == ends[0]) & (ops[1:, 1] == ends[1]) & (key_of[1:] == key_of[:-1])
-    if not bool(joins.any()):
-        return ops, key_of
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = ops[starts].copy()
-    merged[:, 2] = np.add.reduceat(ops[:, 2], starts)
-    return merged, key_of[starts]
-
-
 class UcxRoute(Carrier):
     """Transfers with one peer moved by UCP RMA through its published table."""
 
@@ -540,9 +522,5 @@ class UcxRoute(Carrier):
         ops = paired(transfer.kind, local, rows)
         if push:  # (remote, local, n) -> (local, remote, n)
             ops = ops[:, [1, 0, 2]]
-        key_of = snap.spans.index(ops[:, 1], ops[:, 2])
-        if key_of is None:
-            return None
-        ops, key_of = _coalesce(np.ascontiguousarray(ops), key_of)
-        requests, failure = self.remote.issue(snap, ops, key_of, write=push, local_memory=memory)
+        requests, failure = self.remote.issue(snap, ops, write=push, local_memory=memory)
         return Batch(self.remote, snap, entries, requests, failure, deadline_ns)

@@ -15,7 +15,6 @@ inside one registration.
 
 from __future__ import annotations
 
-import bisect
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import numpy.typing as npt
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions, encode_entries
 from aio_datadist._native import wire
+from aio_datadist._native.api import ucx_find
 from aio_datadist._transport._wire import BodyReader, BodyWriter, WireError
 
 __all__ = ("KeySpans", "UcxKey", "UcxTable", "decode_table", "encode_table", "host_identity")
@@ -33,8 +33,6 @@ __all__ = ("KeySpans", "UcxKey", "UcxTable", "decode_table", "encode_table", "ho
 _MEMORY_BY_VALUE = {value: name.lower() for name, value in wire.UCX_MEMORY.items()}
 _MEMORY_VALUE = {name: value for value, name in _MEMORY_BY_VALUE.items()}
 _ADDR_LIMIT = 1 << 64
-#: Up to this many spans a lookup runs in plain Python.
-_SMALL = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,49 +151,17 @@ def decode_table(data: bytes | bytearray | memoryview) -> UcxTable:
 
 class KeySpans:
     """The registrations of a table (sorted by address), as lookups of the one that holds
-    a span."""
-
-    #: How many earlier registrations a lookup tries when the nearest one does not hold a
-    #: span (registrations may overlap, as two registrations of one buffer do).
-    BACKTRACK = 16
+    a span (registrations may overlap, as two registrations of one buffer do: the nearest
+    one starting at or below a span is tried first, then up to 16 before it)."""
 
     def __init__(self, keys: Sequence[UcxKey]) -> None:
         self.keys = keys
-        self._starts = np.fromiter((k.addr for k in keys), np.uint64, len(keys))
-        self._ends = np.fromiter((k.end for k in keys), np.uint64, len(keys))
-        self._start_list = [k.addr for k in keys]
+        self._bounds = np.array([(k.addr, k.end) for k in keys], dtype=np.uint64).reshape(-1, 2)
 
     def index(
         self, addrs: npt.NDArray[np.uint64], lens: npt.NDArray[np.uint64]
     ) -> npt.NDArray[np.intp] | None:
         """For each span ``[addrs[i], +lens[i])``, the index of a registration that holds it
         whole; None when one is held by none."""
-        if not len(self.keys):
-            return None if len(addrs) else np.empty(0, dtype=np.intp)
-        if len(addrs) <= _SMALL:
-            return self._index_small(addrs.tolist(), lens.tolist())
-        found = np.searchsorted(self._starts, addrs, side="right").astype(np.intp) - 1
-        held = (found >= 0) & (addrs + lens >= addrs)
-        held &= addrs + lens <= self._ends[np.maximum(found, 0)]
-        for i in np.flatnonzero(~held).tolist():
-            at, end = int(found[i]), int(addrs[i]) + int(lens[i])
-            for back in range(at - 1, max(-1, at - 1 - self.BACKTRACK), -1):
-                if end <= int(self._ends[back]):
-                    found[i] = back
-                    break
-            else:
-                return None
-        return found
-
-    def _index_small(self, addrs: list[int], lens: list[int]) -> npt.NDArray[np.intp] | None:
-        """:meth:`index` of a few spans, without numpy."""
-        keys, found = self.keys, []
-        for addr, n in zip(addrs, lens, strict=True):
-            at = bisect.bisect_right(self._start_list, addr) - 1
-            for j in range(at, max(-1, at - 1 - self.BACKTRACK), -1):
-                if addr + n <= keys[j].end:
-                    found.append(j)
-                    break
-            else:
-                return None
-        return np.array(found, dtype=np.intp)
+        spans = np.stack([np.asarray(addrs, np.uint64), np.asarray(lens, np.uint64)], axis=1)
+        return ucx_find(self._bounds, spans)

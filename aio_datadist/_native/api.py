@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -45,6 +45,8 @@ __all__ = (
     "UCX_COUNTED",
     "UcxCalls",
     "UcxCount",
+    "UcxLaneThread",
+    "UcxPart",
     "copy",
     "copy_batch",
     "copy_threads",
@@ -64,6 +66,7 @@ __all__ = (
     "sock_take_answer",
     "sock_tune",
     "sock_wait_readable",
+    "ucx_find",
     "block_rows",
     "blocks_access_rows",
     "vm_copy_blocks",
@@ -852,11 +855,57 @@ class UcxLaneThread:
             raise OSError(code, f"ucx lane thread: {os.strerror(code)}")
         self._lane = lane
 
+    def _handle(self) -> Any:
+        """The native lane (raises once stopped)."""
+        if self._lane is None:
+            _check(lib.DD_EINVAL, "ucx lane: stopped")
+        return self._lane
+
     def stop(self) -> None:
         """Stop the thread and wait for it (once; later calls do nothing)."""
         lane, self._lane = self._lane, None
         if lane is not None:
             lib.dd_ucx_lane_stop(lane)
+
+
+class UcxPart(NamedTuple):
+    """One part of a :meth:`UcxCalls.transfer` (``dd_ucx_part``): handles as ints."""
+
+    #: The endpoint (``ucp_ep_h``), on the worker that moves the part.
+    ep: int
+    #: The remote keys unpacked on ``ep``, one per key row of the transfer.
+    rkeys: npt.NDArray[np.uint64]
+    #: Request parameters naming :data:`UCX_COUNTED` and ``counter``'s address.
+    param: int
+    #: What the part's requests complete into.
+    counter: UcxCount
+    #: The lane thread progressing ``ep``'s worker, woken once the part started (None: the
+    #: caller's worker).
+    lane: UcxLaneThread | None
+
+
+def ucx_find(
+    keys: npt.NDArray[np.uint64], spans: npt.NDArray[np.uint64]
+) -> npt.NDArray[np.intp] | None:
+    """For each span row ``(address, length)`` of ``spans``, the index of the row of ``keys``
+    (``(address, end)``, sorted by address) that holds it whole (``dd_ucx_find``: the nearest
+    starting at or below it, or one of the 16 before); None when a span is held by none."""
+    keys = np.ascontiguousarray(keys, np.uint64)
+    spans = np.ascontiguousarray(spans, np.uint64)
+    if keys.ndim != 2 or keys.shape[1] != 2 or spans.ndim != 2 or spans.shape[1] != 2:
+        _check(lib.DD_EINVAL, "ucx find: keys and spans must be (n, 2)")
+    found = np.empty(len(spans), np.int32)
+    held = lib.dd_ucx_find(
+        ffi.from_buffer("uint64_t[]", keys),
+        len(keys),
+        ffi.from_buffer("uint64_t[]", spans),
+        2,
+        len(spans),
+        ffi.from_buffer("int32_t[]", found),
+    )
+    if held < 0:
+        _check(int(held), "ucx find")
+    return found.astype(np.intp) if held == len(spans) else None
 
 
 class UcxCalls:
@@ -883,43 +932,62 @@ class UcxCalls:
         """A completion count for one batch started with :meth:`rma`."""
         return UcxCount(self._c)
 
-    def rma(
+    def transfer(
         self,
-        ep: int,
         ops: npt.NDArray[np.uint64],
-        rkeys: npt.NDArray[np.uint64],
-        param: int,
-        count: UcxCount,
+        keys: npt.NDArray[np.uint64],
+        parts: Sequence[UcxPart],
         *,
         write: bool,
         flush: bool = False,
-    ) -> tuple[int, int]:
+    ) -> tuple[int, list[tuple[bool, int]]]:
         """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``,
-        row ``i`` through the remote key ``rkeys[i]``, on endpoint ``ep`` with the request
-        parameters ``param`` (handles as ints), which must name :data:`UCX_COUNTED` and
-        ``count``'s address: the requests left in flight complete into ``count``. With
-        ``flush``, a flush of ``ep`` follows the rows into the same count.
+        each through the key row of ``keys`` (rows ``(address, end)``, sorted by address)
+        that holds its remote span, the bytes cut into one run of about equal size per part
+        of ``parts`` (``dd_ucx_transfer``). With ``flush``, a flush of each part's endpoint
+        follows its run into the same count.
 
-        Returns ``(refused, status)``: the index of the row UCX refused (``len(ops)`` when
-        none; the rows after it did not start) and the ``ucs_status_t`` of what UCX refused,
-        a row or the flush (0 when nothing).
+        Returns ``(held, parts)``: ``held`` is ``len(ops)`` when the runs started, else the
+        index of the first op no key row holds (nothing started); ``parts`` is, per part,
+        whether it started and the ``ucs_status_t`` of what UCX refused in it (0: nothing;
+        the parts after a refusal did not start).
+
+        Raises:
+            ParamInvalidError: bad arguments, or an op that is empty, has no local address or
+                wraps (nothing started).
         """
-        status = ffi.new("int *")
-        at = lib.dd_ucx_rma(
+        if not 0 < len(parts) <= lib.DD_UCX_MAX_PARTS:
+            _check(lib.DD_EINVAL, f"ucx transfer: {len(parts)} parts")
+        ops = np.ascontiguousarray(ops, np.uint64)
+        keys = np.ascontiguousarray(keys, np.uint64)
+        if ops.ndim != 2 or ops.shape[1] != 3 or keys.ndim != 2 or keys.shape[1] != 2:
+            _check(lib.DD_EINVAL, "ucx transfer: ops must be (n, 3) and keys (k, 2)")
+        native = ffi.new("dd_ucx_part[]", len(parts))
+        for slot, part in zip(native, parts, strict=True):
+            if len(part.rkeys) != len(keys):
+                _check(lib.DD_EINVAL, "ucx transfer: a part's remote keys do not match the keys")
+            slot.ep = part.ep
+            slot.rkeys = ffi.from_buffer("uint64_t[]", part.rkeys)
+            slot.param = part.param
+            slot.count = part.counter._count
+            slot.lane = ffi.NULL if part.lane is None else part.lane._handle()
+        bad = ffi.new("int64_t *")
+        held = lib.dd_ucx_transfer(
             self._c,
-            ep,
             1 if write else 0,
             1 if flush else 0,
             ffi.from_buffer("uint64_t[]", ops),
-            ffi.from_buffer("uint64_t[]", rkeys),
             len(ops),
-            param,
-            count._count,
-            status,
+            ffi.from_buffer("uint64_t[]", keys),
+            len(keys),
+            native,
+            len(parts),
+            bad,
         )
-        if at < 0:
-            _check(int(at), "ucx rma batch")
-        return int(at), int(status[0])
+        if held < 0:
+            where = f": op {bad[0]} is empty, has no local address or wraps" if bad[0] >= 0 else ""
+            _check(int(held), f"ucx transfer{where}")
+        return int(held), [(bool(slot.started), int(slot.status)) for slot in native]
 
     def lane(self, worker: int, efd: int) -> UcxLaneThread:
         """Start a native thread that progresses ``worker`` (a handle as an int; its event fd

@@ -304,26 +304,54 @@ int64_t dd_ucx_count_left(const dd_ucx_count *count, int *status);
 /* The UCP completion (ucp_send_nbx_callback_t) of a counted batch: records a failure, frees
  * the request and takes it off the count (the last one signals the count's notify worker). */
 void dd_ucx_counted(void *request, int8_t status, void *user_data);
-/* Start one get (write == 0: remote -> local) or put per row (local, remote, nbytes) of ops
- * (n rows) on endpoint ep, row i through remote key rkeys[i], all with the request
- * parameters param, which must name dd_ucx_counted and count: the requests left in flight
- * complete into count. With flush, a flush of ep follows the rows (ucp_ep_flush_nbx, into
- * the same count: puts then count as done once they reached the peer's memory). Returns n
- * when every row started; else the index of the row UCX refused, *status its ucs_status_t
- * (the rows before it started, the rest did not); a refused flush returns n with its
- * status. DD_EINVAL for bad arguments. */
-int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, int flush,
-                   const uint64_t *ops, const uint64_t *rkeys, size_t n, uint64_t param,
-                   dd_ucx_count *count, int *status);
+/* For each span i (rows of `stride` words from spans: address, length), the row of keys
+ * (rows of 2 words: address, end; sorted by address) that holds it whole: the nearest row
+ * starting at or below it, or one of the 16 before that (rows may overlap). Returns n with
+ * found[i] set for every span, else the index of the first span no row holds; DD_EINVAL for
+ * bad arguments. */
+int64_t dd_ucx_find(const uint64_t *keys, size_t nkeys, const uint64_t *spans, size_t stride,
+                    size_t n, int32_t *found);
+
+enum { DD_UCX_MAX_PARTS = 8 }; /* the most parts one transfer is cut into */
+
+typedef struct dd_ucx_lane dd_ucx_lane;
+
+/* One part of a transfer (dd_ucx_transfer): the bytes one worker moves. */
+typedef struct {
+    uint64_t ep;            /* the endpoint, on the part's worker */
+    const uint64_t *rkeys;  /* the remote keys unpacked on ep, one per row of the keys */
+    uint64_t param;         /* request parameters naming dd_ucx_counted and count */
+    dd_ucx_count *count;    /* what the part's requests complete into */
+    dd_ucx_lane *lane;      /* the thread progressing ep's worker, woken once the part
+                             * started (NULL: the caller progresses it) */
+    int started;            /* out: 1 when the part's requests were started */
+    int status;             /* out: the ucs_status_t UCX refused a request with (0: none) */
+} dd_ucx_part;
+
+/* Start a transfer: one get (write == 0: remote -> local) or put per op (local, remote,
+ * nbytes) of ops (n rows), the remote side through the key row of keys (nkeys rows of
+ * address, end, sorted by address) that holds it (as dd_ucx_find). First every op is
+ * checked and its key found; then the bytes, in op order, are cut into up to nparts runs of
+ * about equal bytes (at multiples of 4 KiB; one run below 8 KiB) and run r is started on
+ * parts[r], its neighbouring pieces that continue each other on both sides through one key
+ * merged into one request, the lanes' runs first (each lane woken once its run started).
+ * With flush, a flush of each part's endpoint follows its run (puts are then done once they
+ * reached the peer's memory). A part's requests left in flight complete into its count.
+ * Returns n when the runs were started (a part's status says what UCX refused: its earlier
+ * requests started, the parts after it did not); the index of the first op no key row
+ * holds (nothing started); DD_EINVAL for bad arguments, or with *bad >= 0 the index of an
+ * op that is empty, has no local address or wraps (nothing started); DD_ENOMEM. */
+int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint64_t *ops,
+                        size_t n, const uint64_t *keys, size_t nkeys, dd_ucx_part *parts,
+                        size_t nparts, int64_t *bad);
 /* Progress worker until a round finds nothing to do (1; 0 when the first one did not) or
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
 
 /* A thread of its own that progresses a worker (UCS_THREAD_MODE_MULTI) until stopped: it
  * progresses until idle, arms the worker and sleeps on its event fd efd; ucp_worker_signal
- * wakes it. Wake-ups that find nothing to do again and again (a tcp endpoint can keep the
+ * (as dd_ucx_transfer does for a part started on the worker) wakes it. Wake-ups that find nothing to do again and again (a tcp endpoint can keep the
  * fd readable) stretch its sleep from 50 us to 1 ms. */
-typedef struct dd_ucx_lane dd_ucx_lane;
 /* Start the thread for worker (its event fd efd); NULL when no thread can be made (errno). */
 dd_ucx_lane *dd_ucx_lane_start(const dd_ucx_calls *c, uint64_t worker, int efd);
 /* Stop the thread, wait for it and free the lane (the worker stays). */

@@ -1,15 +1,18 @@
 /* ucx_batch.c: batches of UCP RMA requests, started in one call, their completions counted.
  *
  * The UCX route issues one ucp_get_nbx/ucp_put_nbx per contiguous piece of a transfer; done
- * from Python, that costs a call through cffi and an object per request. These functions
- * start a batch in one call, and count its requests' completions.
+ * from Python, that costs a call through cffi and an object per request, and checking each
+ * op against the peer's registrations and cutting the transfer for the lanes cost numpy
+ * calls by the dozen. dd_ucx_transfer does all of it in one call: finds each op's remote key
+ * (which also bounds-checks it), cuts the bytes into one run per part, merges neighbours and
+ * starts every part, the lanes' first.
  *
  * Nothing here is linked against UCX (the package builds without it): the caller passes the
- * addresses of the four UCP functions it loaded (dd_ucx_calls), and handles (endpoint, remote
+ * addresses of the UCP functions it loaded (dd_ucx_calls), and handles (endpoint, remote
  * keys, worker, request parameters, requests) travel as uint64_t words. The prototypes below
  * are those of ucp/api/ucp.h with every pointer a word; ucs_status_t is one signed byte.
  *
- * A batch (dd_ucx_rma) is not checked request by request: each request's completion takes it
+ * A part's batch is not checked request by request: each request's completion takes it
  * off the batch's count, so whether the batch is done is one load. A batch that another
  * thread progresses (on a lane's worker) names a worker to signal when its count reaches 0,
  * so that whoever waits for it, asleep on that worker's event fd, wakes.
@@ -103,42 +106,200 @@ void dd_ucx_counted(void *request, int8_t status, void *user_data)
     __atomic_fetch_sub(&count->busy, 1, __ATOMIC_SEQ_CST);
 }
 
-int64_t dd_ucx_rma(const dd_ucx_calls *c, uint64_t ep, int write, int flush,
-                   const uint64_t *ops, const uint64_t *rkeys, size_t n, uint64_t param,
-                   dd_ucx_count *count, int *status)
+/* How many earlier registrations a lookup tries when the nearest one below a span does not
+ * hold it (registrations may overlap, as two registrations of one buffer do). */
+#define FIND_BACKTRACK 16
+/* Parts are cut at multiples of this many bytes of the transfer (pages of the usual size). */
+#define CUT_ALIGN 4096ull
+/* Up to this many ops the keys they go through are noted on the stack. */
+#define STACK_OPS 512
+
+/* The key row of keys (rows of 2 words: addr, end; sorted by addr) that holds [addr, +len)
+ * whole, or -1. */
+static int64_t find_key(const uint64_t *keys, size_t nkeys, uint64_t addr, uint64_t len)
 {
-    if (!calls_ok(c) || !ep || (n && (ops == NULL || rkeys == NULL)) || count == NULL ||
-        status == NULL)
+    uint64_t end;
+    if (__builtin_add_overflow(addr, len, &end))
+        return -1;
+    size_t lo = 0, hi = nkeys; /* the first row starting above addr */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (keys[2 * mid] <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (size_t k = lo, tried = 0; k > 0 && tried <= FIND_BACKTRACK; k--, tried++) {
+        if (end <= keys[2 * (k - 1) + 1])
+            return (int64_t)(k - 1);
+    }
+    return -1;
+}
+
+int64_t dd_ucx_find(const uint64_t *keys, size_t nkeys, const uint64_t *spans, size_t stride,
+                    size_t n, int32_t *found)
+{
+    if ((n && (spans == NULL || found == NULL || stride < 2)) || (nkeys && keys == NULL) ||
+        nkeys > INT32_MAX)
         return DD_EINVAL;
-    rma_fn rma = (rma_fn)(uintptr_t)(write ? c->put_nbx : c->get_nbx);
-    /* Count every request first (the rows, and the flush), so that the count cannot read 0
-     * while they are still being started (a completion may run in another thread
-     * meanwhile); then take off the ones that left no request behind. */
-    size_t planned = n + (flush ? 1 : 0);
-    __atomic_fetch_add(&count->pending, (int64_t)planned, __ATOMIC_RELAXED);
-    size_t started = 0, i = 0;
-    int64_t result = (int64_t)n;
-    *status = 0;
-    for (; i < n; i++) {
+    for (size_t i = 0; i < n; i++) {
+        int64_t k = find_key(keys, nkeys, spans[stride * i], spans[stride * i + 1]);
+        if (k < 0)
+            return (int64_t)i;
+        found[i] = (int32_t)k;
+    }
+    return (int64_t)n;
+}
+
+/* Wake the lane's thread for a part started on its worker. */
+static void lane_post(dd_ucx_lane *lane);
+
+/* Start the requests of one part: the bytes [from, to) of the transfer, op by op from op
+ * `first` (`skip` bytes into it), neighbours that continue each other on both sides
+ * through one key merged. 0 or the ucs_status_t UCX refused a request with. */
+static int part_start(const dd_ucx_calls *c, rma_fn rma, int flush, const uint64_t *ops,
+                      size_t n, const int32_t *which, size_t first, uint64_t skip,
+                      uint64_t bytes, dd_ucx_part *part)
+{
+    /* Count every request it may start first (an op each, and the flush), so that the count
+     * cannot read 0 while they are still being started (a completion may run in another
+     * thread meanwhile); then take off the ones that left no request behind. */
+    size_t planned = flush ? 1 : 0;
+    {
+        uint64_t left = bytes + skip;
+        for (size_t i = first; i < n && left; i++, planned++)
+            left -= ops[3 * i + 2] < left ? ops[3 * i + 2] : left;
+    }
+    __atomic_fetch_add(&part->count->pending, (int64_t)planned, __ATOMIC_RELAXED);
+    part->started = 1;
+    size_t started = 0;
+    int status = 0;
+    uint64_t local = 0, remote = 0, len = 0; /* the piece being merged */
+    int32_t key = -1;
+    for (size_t i = first; i < n && (bytes || len); i++) {
         const uint64_t *op = ops + 3 * i;
-        uint64_t ptr = rma(ep, op[0], (size_t)op[2], op[1], rkeys[i], param);
-        if (ptr == 0)
-            continue; /* done at once: no completion will run */
-        if (ptr >= UCS_ERR_WORDS) {
-            *status = (int)(int64_t)ptr;
-            result = (int64_t)i;
-            break;
+        uint64_t take = op[2] - skip;
+        if (take > bytes)
+            take = bytes;
+        uint64_t l = op[0] + skip, r = op[1] + skip;
+        skip = 0;
+        bytes -= take;
+        if (len && which[i] == key && local + len == l && remote + len == r) {
+            len += take; /* no overflow: both sides' ends were checked */
+        } else {
+            if (len) {
+                uint64_t ptr = rma(part->ep, local, (size_t)len, remote, part->rkeys[key],
+                                   part->param);
+                if (ptr >= UCS_ERR_WORDS) {
+                    status = (int)(int64_t)ptr;
+                    break;
+                }
+                started += ptr != 0; /* 0: done at once, no completion will run */
+            }
+            local = l, remote = r, len = take, key = which[i];
         }
-        started++;
+        if (!bytes && len) {
+            uint64_t ptr = rma(part->ep, local, (size_t)len, remote, part->rkeys[key],
+                               part->param);
+            len = 0;
+            if (ptr >= UCS_ERR_WORDS) {
+                status = (int)(int64_t)ptr;
+                break;
+            }
+            started += ptr != 0;
+        }
     }
-    if (flush && result == (int64_t)n) {
-        uint64_t ptr = ((flush_fn)(uintptr_t)c->ep_flush_nbx)(ep, param);
+    if (flush && !status) {
+        uint64_t ptr = ((flush_fn)(uintptr_t)c->ep_flush_nbx)(part->ep, part->param);
         if (ptr >= UCS_ERR_WORDS)
-            *status = (int)(int64_t)ptr;
-        else if (ptr != 0)
-            started++;
+            status = (int)(int64_t)ptr;
+        else
+            started += ptr != 0;
     }
-    __atomic_fetch_sub(&count->pending, (int64_t)(planned - started), __ATOMIC_RELEASE);
+    __atomic_fetch_sub(&part->count->pending, (int64_t)(planned - started), __ATOMIC_RELEASE);
+    part->status = status;
+    if (part->lane != NULL)
+        lane_post(part->lane);
+    return status;
+}
+
+int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint64_t *ops,
+                        size_t n, const uint64_t *keys, size_t nkeys, dd_ucx_part *parts,
+                        size_t nparts, int64_t *bad)
+{
+    if (bad != NULL)
+        *bad = -1;
+    if (!calls_ok(c) || (n && ops == NULL) || (nkeys && keys == NULL) || parts == NULL ||
+        nparts == 0 || bad == NULL || nkeys > INT32_MAX)
+        return DD_EINVAL;
+    for (size_t p = 0; p < nparts; p++) {
+        parts[p].status = 0;
+        parts[p].started = 0;
+        if (!parts[p].ep || !parts[p].param || parts[p].count == NULL ||
+            (nkeys && parts[p].rkeys == NULL))
+            return DD_EINVAL;
+    }
+    /* Every op checked, and its key found, before anything starts. */
+    int32_t stack_which[STACK_OPS];
+    int32_t *which = n <= STACK_OPS ? stack_which : malloc(n * sizeof *which);
+    if (which == NULL)
+        return DD_ENOMEM;
+    uint64_t total = 0;
+    int64_t result = (int64_t)n;
+    for (size_t i = 0; i < n; i++) {
+        const uint64_t *op = ops + 3 * i;
+        uint64_t end;
+        if (!op[2] || !op[0] || __builtin_add_overflow(op[0], op[2], &end) ||
+            __builtin_add_overflow(total, op[2], &total)) {
+            *bad = (int64_t)i;
+            result = DD_EINVAL;
+            goto out;
+        }
+        int64_t k = find_key(keys, nkeys, op[1], op[2]);
+        if (k < 0) {
+            result = (int64_t)i;
+            goto out;
+        }
+        which[i] = (int32_t)k;
+    }
+    /* The parts: runs of about equal bytes, cut at multiples of CUT_ALIGN. */
+    size_t runs = 0;
+    uint64_t cut_at[DD_UCX_MAX_PARTS + 1];
+    size_t first_op[DD_UCX_MAX_PARTS + 1];
+    uint64_t skip_of[DD_UCX_MAX_PARTS + 1];
+    if (nparts > DD_UCX_MAX_PARTS)
+        nparts = DD_UCX_MAX_PARTS;
+    cut_at[runs++] = 0;
+    if (total >= 2 * CUT_ALIGN) {
+        for (size_t k = 1; k < nparts; k++) {
+            uint64_t cut = (uint64_t)((unsigned __int128)total * k / nparts) / CUT_ALIGN * CUT_ALIGN;
+            if (cut > cut_at[runs - 1] && cut < total)
+                cut_at[runs++] = cut;
+        }
+    }
+    cut_at[runs] = total;
+    {
+        /* where each run starts: its first op and the bytes of that op before it */
+        size_t i = 0;
+        uint64_t at = 0; /* bytes of the transfer before op i */
+        for (size_t r = 0; r < runs; r++) {
+            while (i < n && at + ops[3 * i + 2] <= cut_at[r])
+                at += ops[3 * i + 2], i++;
+            first_op[r] = i;
+            skip_of[r] = cut_at[r] - at;
+        }
+    }
+    rma_fn rma = (rma_fn)(uintptr_t)(write ? c->put_nbx : c->get_nbx);
+    /* the lanes' parts first: their threads wake while this one starts its own */
+    for (size_t k = 1; k <= runs; k++) {
+        size_t r = k % runs;
+        if (part_start(c, rma, flush, ops, n, which, first_op[r], skip_of[r],
+                       cut_at[r + 1] - cut_at[r], &parts[r]))
+            break; /* refused: the parts not started yet never start */
+    }
+out:
+    if (which != stack_which)
+        free(which);
     return result;
 }
 
@@ -166,6 +327,12 @@ struct dd_ucx_lane {
     int stop;
     pthread_t thread;
 };
+
+/* Wake the lane's thread for a part started on its worker. */
+static void lane_post(dd_ucx_lane *lane)
+{
+    ((signal_fn)(uintptr_t)lane->c.worker_signal)(lane->worker);
+}
 
 /* Sleep before the next wait after idle wake-ups in a row that found nothing to do. */
 static void idle_pause(int idle)

@@ -956,105 +956,110 @@ def put(ep: Endpoint, local_addr: int, nbytes: int, remote_addr: int, rkey: Remo
     return _rma("ucp_put_nbx", ep, local_addr, nbytes, remote_addr, rkey)
 
 
-#: Up to this many ops a batch is checked op by op in Python (numpy costs more below it).
-_SMALL_BATCH = 32
+class RemoteKeys:
+    """The remote keys of one endpoint through which a transfer's ops reach the peer: sorted
+    by address, with the rows the native layer looks each op's key up in."""
 
+    __slots__ = ("bounds", "endpoint", "keys", "spans", "words")
 
-def _outside(
-    ops: npt.NDArray[np.uint64],
-    op_list: list[list[int]],
-    keys: Sequence[RemoteKey],
-    key_of: npt.NDArray[np.intp],
-    key_list: list[int],
-) -> int | None:
-    """The index of the first op that is empty or not inside its key's registration."""
-    if len(op_list) <= _SMALL_BATCH:
-        for i, ((local, remote, n), j) in enumerate(zip(op_list, key_list, strict=True)):
-            k = keys[j]
-            if not n or not local or remote < k.addr or remote + n > k.addr + k.nbytes:
-                return i
-            if local + n > 1 << 64:
-                return i
-        return None
-    base = np.fromiter((k.addr for k in keys), np.uint64, len(keys))[key_of]
-    end = base + np.fromiter((k.nbytes for k in keys), np.uint64, len(keys))[key_of]
-    here, there, size = ops[:, 0], ops[:, 1], ops[:, 2]
-    bad = (size == 0) | (here == 0) | (there < base) | (there + size > end)
-    bad |= (there + size < there) | (here + size < here)
-    return int(np.flatnonzero(bad)[0]) if bool(bad.any()) else None
+    def __init__(self, endpoint: Endpoint, keys: Sequence[RemoteKey]) -> None:
+        """Raises:
+        LLMException: ``LLM_PARAM_INVALID`` for a key unpacked on another endpoint."""
+        if any(k.endpoint is not endpoint for k in keys):
+            raise LLMException(
+                "UCX rma: a remote key was unpacked on another endpoint",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        self.endpoint = endpoint
+        self.keys = tuple(sorted(keys, key=lambda k: k.addr))
+        #: ``(address, nbytes)`` of each key, in order.
+        self.spans = tuple((k.addr, k.nbytes) for k in self.keys)
+        #: Rows ``(address, end)`` of the keys, for the native lookup.
+        self.bounds = np.array([(a, a + n) for a, n in self.spans], dtype=np.uint64).reshape(-1, 2)
+        self.words = np.array([k._word for k in self.keys], dtype=np.uint64)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def check_open(self) -> None:
+        """Raises ``LLM_PARAM_INVALID`` once one of the keys closed."""
+        for key in self.keys:
+            key.handle  # noqa: B018 - raises when closed
 
 
 def rma(
-    ep: Endpoint,
     ops: npt.NDArray[np.uint64],
-    keys: Sequence[RemoteKey],
-    key_of: npt.NDArray[np.intp],
+    parts: Sequence[RemoteKeys],
     *,
     write: bool,
     local_memory: str = "host",
     flush: bool = False,
-) -> tuple[Requests, LLMException | None]:
+    lanes: Sequence[_api.UcxLaneThread | None] = (),
+) -> tuple[list[Requests], LLMException | None]:
     """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
-    with ``write``), the remote side through ``keys[key_of[i]]``: one check of the whole
-    batch, then one native call that starts every op (:class:`Requests` counts them).
+    with ``write``), the remote side through the key of the part's :class:`RemoteKeys` that
+    holds it: one native call checks every op, cuts the bytes into one run per part (about
+    equal, at 4 KiB multiples; one run below 8 KiB) and starts each run on its part's
+    endpoint, neighbouring ops that continue each other merged. ``lanes[i]`` is the thread
+    that progresses part ``i``'s worker (woken once its run started; the lanes' runs start
+    first); a part without one is progressed by the caller.
 
     ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`). With
-    ``flush`` a flush of the endpoint follows the ops in the same batch (puts are then done
-    once they reached the peer's memory).
-    Returns the requests still in flight, and the failure of what UCX refused to start, if
-    anything: the ops before it were started (wait for them), the ones after it were not.
+    ``flush`` a flush of each part's endpoint follows its run in the same batch (puts are
+    then done once they reached the peer's memory). Every part's keys must name the same
+    registrations.
+
+    Returns the requests of each part started, and the failure of what UCX refused to
+    start, if anything: the requests before it were started (wait for them), the rest not.
 
     Raises:
-        LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside its
-            key's registration, a key of another endpoint or a closed one.
+        LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside
+            every key's registration, parts whose keys differ, or a closed key.
     """
     what = "ucp_put_nbx" if write else "ucp_get_nbx"
-    worker = ep.worker
-    if len(ops) != len(key_of):
-        raise LLMException(
-            f"UCX rma: {len(ops)} ops but {len(key_of)} keys",
-            status_code=LLMStatusCode.LLM_PARAM_INVALID,
-        )
+    first = parts[0]
     if not len(ops):
-        return Requests(None, what, worker), None
-    op_list, key_list = ops.tolist(), key_of.tolist()
-    used = {j: keys[j] for j in set(key_list)}
-    if any(k.endpoint is not ep for k in used.values()):
-        raise LLMException(
-            f"{what}: a remote key was unpacked on another endpoint",
-            status_code=LLMStatusCode.LLM_PARAM_INVALID,
-        )
-    bad = _outside(ops, op_list, keys, key_of, key_list)
-    if bad is not None:
-        (local, remote, nbytes), k = op_list[bad], keys[key_list[bad]]
+        return [Requests(None, what, first.endpoint.worker)], None
+    native: list[_api.UcxPart] = []
+    params = []  # read by UCX during the call only
+    for i, keys in enumerate(parts):
+        keys.check_open()
+        if keys.spans != first.spans:
+            raise LLMException(
+                f"{what}: the parts' remote keys name different registrations",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        count = keys.endpoint.worker._calls.count()
+        param = ffi.new("ucp_request_param_t *")
+        param.op_attr_mask = _COUNTED_FIELDS
+        param.cb.send = _COUNTED
+        param.user_data = ffi.cast("void *", count.address)
+        if local_memory != "host":
+            param.op_attr_mask |= _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+            param.memory_type = MEMORY_TYPES[local_memory]
+        params.append(param)
+        lane = lanes[i] if i < len(lanes) else None
+        native.append(_api.UcxPart(keys.endpoint.word, keys.words, _ucx.word(param), count, lane))
+    calls = first.endpoint.worker._calls
+    with contextlib.ExitStack() as locks:
+        for keys in parts:  # (no-ops for workers in UCS_THREAD_MODE_MULTI)
+            locks.enter_context(keys.endpoint.worker.lock)
+        held, started = calls.transfer(ops, first.bounds, native, write=write, flush=flush)
+    if held < len(ops):
+        local, remote, nbytes = (int(v) for v in ops[held])
         raise LLMException(
             f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the peer's "
-            f"registration [0x{k.addr:x}, +{k.nbytes})",
+            f"registrations",
             status_code=LLMStatusCode.LLM_PARAM_INVALID,
         )
-    if len(used) == 1:
-        (key,) = used.values()
-        rkeys = np.full(len(ops), key.word, np.uint64)
-    else:
-        handles = np.zeros(len(keys), np.uint64)
-        for j, k in used.items():
-            handles[j] = k.word
-        rkeys = handles[key_of]
-    count = worker._calls.count()
-    param = ffi.new("ucp_request_param_t *")  # read by UCX during the call only
-    param.op_attr_mask = _COUNTED_FIELDS
-    param.cb.send = _COUNTED
-    param.user_data = ffi.cast("void *", count.address)
-    if local_memory != "host":
-        param.op_attr_mask |= _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
-        param.memory_type = MEMORY_TYPES[local_memory]
-    table = np.ascontiguousarray(ops, np.uint64)
-    with worker.lock:
-        _, status = worker._calls.rma(
-            ep.word, table, rkeys, _ucx.word(param), count, write=write, flush=flush
-        )
-    failure = _error(what, status) if status else None
-    return Requests(count, what, worker), failure
+    requests: list[Requests] = []
+    failure: LLMException | None = None
+    for keys, part, (began, status) in zip(parts, native, started, strict=True):
+        if began:
+            requests.append(Requests(part.counter, what, keys.endpoint.worker))
+        if status and failure is None:
+            failure = _error(what, status)
+    return requests, failure
 
 
 #: A counted batch's requests complete through the native count (``dd_ucx_counted``).

@@ -1,0 +1,190 @@
+"""The native start of a UCX transfer (``dd_ucx_transfer``), against UCP calls of our own.
+
+The native layer calls UCX only through the function addresses it is handed, so these tests
+hand it Python functions that note every get, put and flush (each done at once, or refused
+when a test says so) and check what a transfer starts: each op's key found, the bytes cut
+into runs of about equal size, one per part, neighbours merged, the lanes' parts first, a
+flush after each part, and nothing at all for an op that is bad or that no key holds. No
+UCX is needed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aio_datadist._native import api
+from aio_datadist._native._ffi import ffi
+from aio_datadist.status import ParamInvalidError
+
+RMA = "uint64_t(*)(uint64_t, uint64_t, size_t, uint64_t, uint64_t, uint64_t)"
+#: The status word UCX returns for a refused request (UCS_ERR_NO_RESOURCE).
+REFUSED = (1 << 64) - 2
+EPS = [0x1000 * (p + 1) for p in range(api.lib.DD_UCX_MAX_PARTS)]
+
+
+class FakeUcp:
+    """UCP calls that note what they are asked to do."""
+
+    def __init__(self, refuse_at: int = -1) -> None:
+        self.calls: list[tuple[str, int, int, int, int, int]] = []
+        self.refuse_at = refuse_at
+
+        def rma(kind: str) -> Any:
+            def call(ep: int, buffer: int, n: int, remote: int, rkey: int, param: int) -> int:
+                self.calls.append((kind, ep, buffer, remote, n, rkey))
+                return REFUSED if len(self.calls) - 1 == self.refuse_at else 0
+
+            return ffi.callback(RMA, call)
+
+        def flush(ep: int, param: int) -> int:
+            self.calls.append(("flush", ep, 0, 0, 0, 0))
+            return 0
+
+        self._keep = [
+            rma("get"),
+            rma("put"),
+            ffi.callback("uint64_t(*)(uint64_t, uint64_t)", flush),
+            ffi.callback("void(*)(uint64_t)", lambda request: None),
+            ffi.callback("unsigned(*)(uint64_t)", lambda worker: 0),
+            ffi.callback("int8_t(*)(uint64_t)", lambda worker: 0),
+        ]
+        get, put, fl, free, progress, signal = (int(ffi.cast("uintptr_t", f)) for f in self._keep)
+        self.ucp = api.UcxCalls(
+            {
+                "ucp_get_nbx": get,
+                "ucp_put_nbx": put,
+                "ucp_request_free": free,
+                "ucp_worker_progress": progress,
+                "ucp_worker_signal": signal,
+                "ucp_ep_flush_nbx": fl,
+                "ucp_worker_arm": signal,
+            }
+        )
+
+    def transfer(
+        self, ops: Any, keys: Any, parts: int, *, write: bool = False, flush: bool = False
+    ) -> tuple[int, list[tuple[bool, int]]]:
+        rkeys = [np.arange(len(keys), dtype=np.uint64) + 100 * (p + 1) for p in range(parts)]
+        native = [api.UcxPart(EPS[p], rkeys[p], 1, self.ucp.count(), None) for p in range(parts)]
+        return self.ucp.transfer(ops, keys, native, write=write, flush=flush)
+
+
+@st.composite
+def _transfers(draw: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any], int]:
+    """Ops over a few registrations (some continuing each other), and a number of parts."""
+    nkeys = draw(st.integers(1, 4))
+    keys = np.array([(k << 32, (k << 32) + (64 << 20)) for k in range(1, nkeys + 1)], np.uint64)
+    rows = []
+    local = 1 << 40
+    for _ in range(draw(st.integers(1, 24))):
+        n = draw(st.integers(1, 3 << 20))
+        k = draw(st.integers(0, nkeys - 1))
+        go_on = rows and draw(st.booleans())  # continue the last op on both sides?
+        if go_on and rows[-1][1] + rows[-1][2] + n <= int(keys[k][1]):
+            last = rows[-1]
+            rows.append((last[0] + last[2], last[1] + last[2], n))
+            continue
+        start = int(keys[k][0]) + draw(st.integers(0, (60 << 20) - n))
+        rows.append((local, start, n))
+        local += n + 4096
+    return np.array(rows, np.uint64), keys, draw(st.integers(1, api.lib.DD_UCX_MAX_PARTS))
+
+
+def _merged(rows: list[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """(key, local, remote, n) rows, neighbours that continue each other through one key
+    merged."""
+    out: list[tuple[int, int, int, int]] = []
+    for key, here, there, n in rows:
+        if out and out[-1][0] == key and out[-1][1] + out[-1][3] == here:
+            k, start, far, size = out[-1]
+            if far + size == there:
+                out[-1] = (k, start, far, size + n)
+                continue
+        out.append((key, here, there, n))
+    return out
+
+
+@given(_transfers(), st.booleans())
+@settings(max_examples=300, deadline=None)
+def test_a_transfer_is_cut_into_parts_of_the_same_bytes(case: Any, write: bool) -> None:
+    ops, keys, parts = case
+    fake = FakeUcp()
+    held, started = fake.transfer(ops, keys, parts, write=write, flush=True)
+    assert held == len(ops)
+    total = int(ops[:, 2].sum())
+    kind = "put" if write else "get"
+    by_part: dict[int, list[tuple[int, int, int, int]]] = {}
+    order: list[int] = []  # the parts in the order they were started
+    for what, ep, here, there, n, rkey in fake.calls:
+        part = EPS.index(ep)
+        if what == "flush":
+            assert order[-1] == part  # each part's flush follows its run
+            continue
+        assert what == kind
+        if not order or order[-1] != part:
+            order.append(part)
+        key = int(rkey) - 100 * (part + 1)  # the part's own key for the row that holds it
+        assert int(keys[key][0]) <= there and there + n <= int(keys[key][1])
+        by_part.setdefault(part, []).append((key, here, there, n))
+    runs = len(order)
+    assert 1 <= runs <= parts
+    assert order == [*range(1, runs), 0]  # the lanes' parts first, the caller's last
+    assert [s for s, _ in started] == [True] * runs + [False] * (parts - runs)
+    assert sum(1 for c in fake.calls if c[0] == "flush") == runs
+    for part in range(runs):  # merged as far as they go
+        assert _merged(by_part[part]) == by_part[part]
+    key_of = api.ucx_find(keys, ops[:, 1:])
+    assert key_of is not None
+    want = _merged([(int(k), *map(int, op)) for k, op in zip(key_of, ops, strict=True)])
+    assert _merged([row for p in range(runs) for row in by_part[p]]) == want
+    if total >= 2 * 4096:
+        sizes = [sum(n for *_, n in by_part[p]) for p in range(runs)]
+        assert all(size % 4096 == 0 for size in sizes[:-1])  # cut at 4 KiB multiples
+        assert max(sizes) - min(sizes) <= 2 * 4096, sizes  # about equal
+    else:
+        assert runs == 1
+
+
+def test_nothing_starts_for_a_bad_op_or_one_no_key_holds() -> None:
+    keys = np.array([(1 << 32, (1 << 32) + (1 << 20))], np.uint64)
+    good = [1 << 40, 1 << 32, 4096]
+    fake = FakeUcp()
+    for bad, index in (
+        ([1 << 40, 1 << 32, 0], 1),  # empty
+        ([0, 1 << 32, 4096], 1),  # no local address
+        ([(1 << 64) - 4096, 1 << 32, 8192], 1),  # wraps
+    ):
+        with pytest.raises(ParamInvalidError, match=f"op {index} is empty"):
+            fake.transfer(np.array([good, bad], np.uint64), keys, 2)
+    outside = [1 << 40, (1 << 32) + (1 << 20) - 4095, 4096]  # one byte past the key
+    held, started = fake.transfer(np.array([good, good, outside], np.uint64), keys, 2)
+    assert held == 2 and started == [(False, 0), (False, 0)]
+    assert fake.calls == []
+
+
+def test_a_refusal_stops_the_parts_not_yet_started() -> None:
+    keys = np.array([(1 << 32, (1 << 32) + (64 << 20))], np.uint64)
+    ops = np.array(
+        [[(1 << 40) + i * (2 << 20), (1 << 32) + i * (4 << 20), 1 << 20] for i in range(8)],
+        np.uint64,
+    )
+    fake = FakeUcp(refuse_at=1)  # the second request of the first part started (part 1)
+    held, started = fake.transfer(ops, keys, 2, flush=True)
+    assert held == len(ops)
+    assert started == [(False, 0), (True, -2)]  # part 1 refused, part 0 never started
+    assert [c[0] for c in fake.calls] == ["get", "get"]  # no flush after a refusal
+
+
+def test_find_tries_the_registrations_below_a_span() -> None:
+    keys = np.array([(0x1000, 0x9000), (0x2000, 0x3000), (0x4000, 0x5000)], np.uint64)
+    spans = np.array([(0x2000, 0x800), (0x4800, 0x1000), (0x1000, 0x8000)], np.uint64)
+    found = api.ucx_find(keys, spans)
+    assert found is not None and found.tolist() == [1, 0, 0]
+    assert api.ucx_find(keys, np.array([(0x8000, 0x1001)], np.uint64)) is None
+    assert api.ucx_find(keys[:0], np.array([(0x1000, 1)], np.uint64)) is None
+    assert api.ucx_find(keys, np.zeros((0, 2), np.uint64)).tolist() == []  # type: ignore[union-attr]
