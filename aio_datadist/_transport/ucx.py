@@ -963,8 +963,11 @@ class RemoteKeys:
     __slots__ = ("bounds", "endpoint", "keys", "spans", "words")
 
     def __init__(self, endpoint: Endpoint, keys: Sequence[RemoteKey]) -> None:
-        """Raises:
-        LLMException: ``LLM_PARAM_INVALID`` for a key unpacked on another endpoint."""
+        """Bundle ``keys``, all unpacked on ``endpoint``.
+
+        Raises:
+            LLMException: ``LLM_PARAM_INVALID`` for a key unpacked on another endpoint.
+        """
         if any(k.endpoint is not endpoint for k in keys):
             raise LLMException(
                 "UCX rma: a remote key was unpacked on another endpoint",
