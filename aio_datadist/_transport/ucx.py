@@ -981,9 +981,6 @@ class RemoteKeys:
         self.bounds = np.array([(a, a + n) for a, n in self.spans], dtype=np.uint64).reshape(-1, 2)
         self.words = np.array([k._word for k in self.keys], dtype=np.uint64)
 
-    def __len__(self) -> int:
-        return len(self.keys)
-
     def check_open(self) -> None:
         """Raises ``LLM_PARAM_INVALID`` once one of the keys closed."""
         for key in self.keys:
