@@ -10,6 +10,7 @@ handling, so those endpoints are made with ``peer_errors=False``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import resource
@@ -316,23 +317,36 @@ def test_a_batch_a_lane_thread_progresses_wakes_the_worker_it_names(pair: Pair) 
     )
     keys = [ucx.RemoteKeys(ep, [rkey])]
 
-    def run(write: bool, *, posted: bool = False) -> None:
-        time.sleep(0.01)  # the lane's thread, done looking for more work (100 us), sleeps
+    def run(write: bool, *, posted: bool = False, own_fd: bool = False) -> None:
+        time.sleep(0.01)  # the lane's thread, done with the last part, sleeps
         while not pair.requester.arm():  # events pending: take them first
             pair.requester.drain()
+        open_fds = len(os.listdir("/proc/self/fd"))
         lanes = [thread] if posted else []
         (requests,), failure = ucx.rma(ops, keys, write=write, flush=write, lanes=lanes)
         assert failure is None
-        requests.notify(pair.requester)
+        waiter = os.eventfd(0, os.EFD_NONBLOCK) if own_fd else -1
+        if own_fd:  # the one waiting thread's eventfd, not the worker, is written
+            requests.notify_fd(pair.requester, waiter)
+        else:
+            requests.notify(pair.requester)
         if not posted:  # not posted to the lane's thread: nothing moves until it is woken
             assert not requests.done()
             lane.signal()
         poller = select.poll()
-        poller.register(pair.requester.event_fd(), select.POLLIN)
+        poller.register(waiter if own_fd else pair.requester.event_fd(), select.POLLIN)
         if not requests.done():  # (posted: the lane may have finished before the notify)
-            assert poller.poll(10_000), "the last completion did not signal the named worker"
+            assert poller.poll(10_000), "the last completion did not signal the named waiter"
         assert requests.done()
         requests.result()
+        if own_fd:
+            quiet = select.poll()
+            quiet.register(pair.requester.event_fd(), select.POLLIN)
+            assert not quiet.poll(0), "the worker was signalled as well"
+            os.close(waiter)
+            del requests
+            gc.collect()
+            assert len(os.listdir("/proc/self/fd")) == open_fds  # the count's copy closed
 
     try:
         run(write=False)
@@ -342,6 +356,9 @@ def test_a_batch_a_lane_thread_progresses_wakes_the_worker_it_names(pair: Pair) 
         assert np.array_equal(remote.reshape(blocks, block)[order], local.reshape(blocks, block))
         local[:] = 0
         run(write=False, posted=True)  # a part posted to the sleeping thread wakes it
+        assert np.array_equal(local.reshape(blocks, block), remote.reshape(blocks, block)[order])
+        local[:] = 0
+        run(write=False, own_fd=True)
         assert np.array_equal(local.reshape(blocks, block), remote.reshape(blocks, block)[order])
     finally:
         thread.stop()

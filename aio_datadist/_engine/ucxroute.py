@@ -122,11 +122,15 @@ class Batch:
         finally:
             self._lock.release()
 
-    def notify(self, worker: UcxWorker) -> None:
+    def notify(self, worker: UcxWorker, fd: int = -1) -> None:
         """Have the requests other workers progress (the lanes' parts) signal ``worker`` when
-        they complete: whoever waits for the batch sleeps on its event fd."""
+        they complete: whoever waits for the batch sleeps on its event fd. With ``fd`` (the
+        eventfd of the one thread that waits), write to it instead."""
         for requests in self.requests:
-            requests.notify(worker)
+            if fd < 0:
+                requests.notify(worker)
+            else:
+                requests.notify_fd(worker, fd)
 
     def expire(self) -> None:
         """The deadline passed: the batch fails with ``LLM_TIMEOUT`` once its requests are
@@ -174,6 +178,7 @@ class UcxProgress:
         self._earliest = 0
         self._wake = False  # the progress thread must look at the deadlines again
         self._active = 0  # waiters progressing the worker now (the progress thread waits)
+        self._back = False  # the progress thread stepped back for them (asleep on its waker)
         #: Wakes the progress thread (its sleep on the worker's event fd may miss events
         #: another thread progressed).
         self._waker = _Waker()
@@ -189,16 +194,26 @@ class UcxProgress:
         progresses next if it still runs. Its future either way."""
         if self._progress_once(batch):
             return batch.future
-        # Only now, with a wait ahead, do the lanes' parts signal this worker: a part that
-        # completed while this thread moved its own wakes no one (the progress thread sleeps
-        # on the same event fd).
-        batch.notify(self.worker)
+        # Only now, with a wait ahead, do the lanes' parts signal: a part that completed while
+        # this thread moved its own wakes no one. A thread that waits here is woken through
+        # its own eventfd, so that the progress thread, asleep on the worker's event fd,
+        # sleeps on; a batch left to others signals the worker.
+        waker = None
+        if wait:
+            with contextlib.suppress(OSError):  # (no descriptor for it: the worker's signal)
+                waker = _thread_waker()
+        fd = -1 if waker is None else waker.fd
+        batch.notify(self.worker, fd)
         if wait:
             with self._foreground(), contextlib.suppress(LLMException):  # (closed: finalize)
-                if not self.worker.wait_until(batch.poll, batch.deadline_ns):
+                if not self.worker.wait_until(batch.poll, batch.deadline_ns, wake_fd=fd):
                     self._expire(batch)
-                    self.worker.wait_until(batch.poll, time.monotonic_ns() + _CANCEL_NS)
+                    self.worker.wait_until(batch.poll, time.monotonic_ns() + _CANCEL_NS, wake_fd=fd)
+            if waker is not None:
+                waker.clear()
         if not batch.future.done():
+            if fd >= 0:
+                batch.notify(self.worker)  # handed on: whoever progresses next hears of it
             self._add(batch)
         return batch.future
 
@@ -222,11 +237,13 @@ class UcxProgress:
             self._leave()
 
     def _leave(self, _: object = None) -> None:
-        """A waiter stopped progressing: the last one gives the worker back to the thread."""
+        """A waiter stopped progressing: the last one gives the worker back to the thread,
+        which it wakes if the thread stepped back (one still watching the worker needs no
+        wake-up)."""
         with self._lock:
             self._active -= 1
-            last = not self._active
-        if last:
+            wake = not self._active and self._back
+        if wake:
             self._signal()
 
     def _add(self, batch: Batch) -> None:
@@ -357,7 +374,7 @@ class UcxProgress:
             with self._lock:
                 deadline = self._earliest or None
                 self._wake = False
-                stepped_back = self._active > 0
+                stepped_back = self._back = self._active > 0
             try:
                 if stepped_back:  # a waiter progresses: only the deadlines are this thread's
                     self._waker.sleep(deadline)
