@@ -397,11 +397,12 @@ class AsyncCacheManager(_LoopBound):
             self._service.release(plan)
 
     async def _allocate(self, reservation: Reservation) -> Cache:
-        """Zero a reservation's memory (off the loop when large), then make its cache."""
-        if reservation.zero_bytes:
+        """Commit and zero a reservation's memory (off the loop when large), then make its
+        cache."""
+        if reservation.prepare_bytes:
             try:
                 await run_native(
-                    lambda: self._service.clear(reservation), nbytes=reservation.zero_bytes
+                    lambda: self._service.prepare(reservation), nbytes=reservation.prepare_bytes
                 )
             except BaseException:
                 self._service.abandon(reservation)
@@ -417,9 +418,10 @@ class AsyncCacheManager(_LoopBound):
         trailing rows may go unnamed. Keys are checked before any memory is taken; a refused call
         binds no key and keeps no memory. With ``zero_on_alloc`` the memory is zeroed first.
 
-        Validation and the pool allocation run inline; with ``zero_on_alloc`` the memory is zeroed
-        inline when it is at most 1 MiB, else on a worker thread while the loop runs on (the
-        reservation is given back if the awaiting task is cancelled).
+        Validation and the pool allocation run inline. Host memory no cache held before is
+        committed (so no transfer takes a page fault on it), and with ``zero_on_alloc`` memory
+        is zeroed: inline when that is at most 1 MiB, else on a worker thread while the loop
+        runs on (the reservation is given back if the awaiting task is cancelled).
 
         :param cache_desc: the ``CacheDesc`` of every tensor: ``shape[0]`` is the batch size,
             ``num_tensors`` > 0.
@@ -479,8 +481,9 @@ class AsyncCacheManager(_LoopBound):
         Dimension 0 of ``cache_desc.shape`` is the number of blocks. The pool rules and zeroing are
         those of ``allocate_cache``.
 
-        Validation and the pool allocation run inline; zeroing (``zero_on_alloc``) runs inline up to
-        1 MiB, else on a worker thread, as in ``allocate_cache``.
+        Validation and the pool allocation run inline; committing fresh host memory and zeroing
+        (``zero_on_alloc``) run inline up to 1 MiB, else on a worker thread, as in
+        ``allocate_cache``.
 
         :param cache_desc: the ``CacheDesc`` of every tensor, ``num_tensors`` > 0.
         :param blocks_cache_key: a ``BlocksCacheKey`` (uint64 ids) naming the cache for a remote

@@ -84,7 +84,8 @@ class CacheManager:
         trailing rows may go unnamed. Keys are checked before any memory is taken; a refused call
         binds no key and keeps no memory. With ``zero_on_alloc`` the memory is zeroed first.
 
-        The memory is zeroed (with ``zero_on_alloc``) in the calling thread.
+        Host memory no cache held before is committed (so no transfer takes a page fault on
+        it), and with ``zero_on_alloc`` the memory is zeroed, in the calling thread.
 
         :param cache_desc: the ``CacheDesc`` of every tensor: ``shape[0]`` is the batch size,
             ``num_tensors`` > 0.
@@ -136,7 +137,8 @@ class CacheManager:
         Dimension 0 of ``cache_desc.shape`` is the number of blocks. The pool rules and zeroing are
         those of ``allocate_cache``.
 
-        The memory is zeroed (with ``zero_on_alloc``) in the calling thread.
+        Host memory no cache held before is committed (so no transfer takes a page fault on
+        it), and with ``zero_on_alloc`` the memory is zeroed, in the calling thread.
 
         :param cache_desc: the ``CacheDesc`` of every tensor, ``num_tensors`` > 0.
         :param blocks_cache_key: a ``BlocksCacheKey`` (uint64 ids) naming the cache for a remote

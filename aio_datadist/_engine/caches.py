@@ -89,9 +89,10 @@ class Reservation:
     stride: int
 
     @property
-    def zero_bytes(self) -> int:
-        """Bytes to zero before the cache is made (``aio.ZeroOnAlloc``); 0 for none."""
-        return sum(n for _, n in self.allocation.to_zero)
+    def prepare_bytes(self) -> int:
+        """Bytes to commit or zero (``aio.ZeroOnAlloc``) before the cache is made; 0 for
+        none (:meth:`CacheService.prepare`)."""
+        return self.allocation.prepare_bytes
 
 
 class CacheService:
@@ -279,8 +280,8 @@ class CacheService:
     ) -> Reservation:
         """First step of an allocate call: validate, freeze the layout, take pool memory.
 
-        The memory belongs to no cache yet: zero it (:meth:`clear`, when
-        ``reservation.zero_bytes``) with no lock held, then :meth:`commit` it, or
+        The memory belongs to no cache yet: commit and zero it (:meth:`prepare`, when
+        ``reservation.prepare_bytes``) with no lock held, then :meth:`commit` it, or
         :meth:`abandon` it.
 
         :raises TypeError: wrong argument types.
@@ -307,15 +308,20 @@ class CacheService:
             stride=stride,
         )
 
-    def clear(self, reservation: Reservation) -> None:
-        """Zero the runs of a reservation's memory that its pool names
-        (``Allocation.to_zero``), done on return.
+    def prepare(self, reservation: Reservation) -> None:
+        """Commit the fresh pages of a reservation's memory (``Allocation.to_populate``), then
+        zero the runs its pool names (``Allocation.to_zero``); done on return.
 
         Runs without the registry lock: large caches take milliseconds per GiB.
+
+        :raises LLMException: ``LLM_OUT_OF_MEMORY`` when the memory cannot be committed.
         """
+        allocation = reservation.allocation
+        for addr, n in allocation.to_populate:
+            self.runtime.populate(addr, n)
         device = reservation.pool.placement is Placement.DEVICE
         zero = self.runtime.zero_device if device else self.runtime.zero_host
-        for addr, n in reservation.allocation.to_zero:
+        for addr, n in allocation.to_zero:
             zero(addr, n)
 
     def commit(self, reservation: Reservation) -> Cache:
@@ -349,7 +355,7 @@ class CacheService:
             nbytes=r.allocation.nbytes,
             keys=len(rows),
             blocks=is_blocks,
-            zeroed=r.zero_bytes,
+            zeroed=sum(n for _, n in r.allocation.to_zero),
         )
         return cache
 
@@ -369,7 +375,7 @@ class CacheService:
     ) -> Cache:
         reservation = self.reserve(desc, keys, blocks_key, is_blocks=is_blocks, call=call)
         try:
-            self.clear(reservation)
+            self.prepare(reservation)
         except BaseException:
             self.abandon(reservation)
             raise

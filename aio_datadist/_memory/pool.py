@@ -25,6 +25,15 @@ class Allocation:
     handle: int
     #: ``(addr, nbytes)`` runs to zero before use: empty unless the pool zeroes (``zero``).
     to_zero: tuple[tuple[int, int], ...] = ()
+    #: ``(addr, nbytes)`` runs no allocation held before, to commit before use
+    #: (``DeviceRuntime.populate``): empty unless the runtime's memory is committed on first
+    #: touch (``DeviceRuntime.fresh_memory_is_lazy``).
+    to_populate: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def prepare_bytes(self) -> int:
+        """Bytes to zero or commit before the allocation is used; 0 for none."""
+        return sum(n for _, n in self.to_zero) + sum(n for _, n in self.to_populate)
 
 
 def _runs(flags: npt.NDArray[np.bool_]) -> list[tuple[int, int]]:
@@ -41,7 +50,11 @@ class MemoryPool:
     With ``zero``, each allocation names the runs that must be zeroed before anyone reads them
     (``Allocation.to_zero``): the whole allocation, or, where the runtime's fresh memory reads
     zero (``DeviceRuntime.fresh_memory_is_zero``), only the pages an earlier allocation held.
-    Pages never handed out are not touched, so they cost nothing until a cache writes them.
+    Where the runtime's memory is committed on first touch
+    (``DeviceRuntime.fresh_memory_is_lazy``), each allocation names the pages no allocation
+    held before (``Allocation.to_populate``), to commit in one call before use, so that
+    transfers never take a page fault (device memory is committed when allocated). Pages
+    never handed out cost nothing.
     """
 
     def __init__(
@@ -65,11 +78,14 @@ class MemoryPool:
         self._closed = False
         #: Allocations name the runs to zero before use (``aio.ZeroOnAlloc``).
         self.zero = zero
+        #: Allocations name their fresh pages to commit before use.
+        self.populate = runtime.fresh_memory_is_lazy
+        self._fresh_is_zero = runtime.fresh_memory_is_zero
         self._page_shift = page_shift
-        # One flag per page: handed out at least once. None: every page counts as used.
+        # One flag per page: handed out at least once. None: nothing needs to tell.
         self._used: npt.NDArray[np.bool_] | None = (
             np.zeros(self._native.capacity >> page_shift, np.bool_)
-            if zero and runtime.fresh_memory_is_zero
+            if self.populate or (zero and self._fresh_is_zero)
             else None
         )
 
@@ -90,19 +106,28 @@ class MemoryPool:
         """
         addr, handle = self._native.alloc(nbytes)
         size = self.round_up(nbytes)
-        if not self.zero:
-            return Allocation(addr, size, handle)
+        whole = ((addr, size),)
         if self._used is None:
-            return Allocation(addr, size, handle, ((addr, size),))
+            return Allocation(addr, size, handle, whole if self.zero else ())
         first = (addr - self._native.base) >> self._page_shift
         stop = first + (size >> self._page_shift)
         with self._lock:
             used = self._used[first:stop]
-            runs = _runs(used)
+            reused = _runs(used) if self.zero else []
+            fresh = _runs(~used) if self.populate else []
             used[:] = True
         shift = self._page_shift
-        to_zero = tuple((addr + (a << shift), (b - a) << shift) for a, b in runs)
-        return Allocation(addr, size, handle, to_zero)
+
+        def spans(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+            return tuple((addr + (a << shift), (b - a) << shift) for a, b in runs)
+
+        if not self.zero:
+            to_zero: tuple[tuple[int, int], ...] = ()
+        elif self._fresh_is_zero:
+            to_zero = spans(reused)
+        else:
+            to_zero = whole
+        return Allocation(addr, size, handle, to_zero, spans(fresh))
 
     def release(self, allocation: Allocation) -> None:
         """Return ``allocation`` to the pool; a pool already closed ignores it."""

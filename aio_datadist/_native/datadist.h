@@ -170,6 +170,11 @@ int dd_host_alloc_shared(uint64_t nbytes, uint64_t *addr, int *fd);
  * before 5.6). */
 int dd_host_map_peer(int pid, int fd_no, uint64_t ino, uint64_t nbytes, uint64_t *addr);
 int dd_host_free(uint64_t addr, uint64_t nbytes);
+/* Commit and map now every page of [addr, addr + nbytes) (page-aligned memory from
+ * dd_host_alloc or dd_host_alloc_shared), so that no later access faults on it:
+ * MADV_POPULATE_WRITE, or, before Linux 5.14, each page's first byte written back to
+ * itself. DD_ENOMEM when the memory cannot be had (the pages populated so far stay). */
+int dd_host_populate(uint64_t addr, uint64_t nbytes);
 uint64_t dd_host_page_size(void);
 
 /* ---- net.c: scatter-gather socket I/O ----

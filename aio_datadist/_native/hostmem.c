@@ -1,9 +1,11 @@
 /* hostmem.c: page-aligned host memory for caches and staging buffers.
  *
  * mmap gives what a KV cache wants without touching a byte here: page alignment, zeroed
- * pages, and physical memory committed only where the first write lands, so a large
- * cache costs nothing until it is used. Big mappings ask for transparent huge pages,
- * which cut TLB misses when whole caches are copied; the kernel may ignore the advice.
+ * pages, and physical memory committed only where the first write lands, so a large pool
+ * costs nothing until it is used. Pools commit the pages of a cache when they hand it out
+ * (dd_host_populate), in one call, so transfers never take page faults, as on a device.
+ * Big mappings ask for transparent huge pages, which cut TLB misses when whole caches are
+ * copied; the kernel may ignore the advice.
  *
  * Shared memory (dd_host_alloc_shared) is the same, backed by a memory file (memfd) sealed
  * at its size, so that a proven same-host peer can map it too (dd_host_map_peer): the
@@ -181,6 +183,30 @@ int dd_host_map_peer(int pid, int fd_no, uint64_t ino, uint64_t nbytes, uint64_t
     close(f);
     errno = saved;
     return rc;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+int dd_host_populate(uint64_t addr, uint64_t nbytes)
+{
+    size_t len;
+    uint64_t page = dd_host_page_size();
+    if (addr == 0 || addr % page != 0 || round_to_pages(nbytes, &len) != DD_OK ||
+        addr > UINTPTR_MAX - len)
+        return DD_EINVAL;
+    if (madvise((void *)(uintptr_t)addr, len, MADV_POPULATE_WRITE) == 0)
+        return DD_OK;
+    if (errno == ENOMEM || errno == EFAULT) /* EFAULT: an access would raise SIGBUS */
+        return DD_ENOMEM;
+    if (errno != EINVAL)
+        return DD_ESYS;
+    /* A kernel without MADV_POPULATE_WRITE: fault each page in by writing a byte back. */
+    volatile unsigned char *p = (volatile unsigned char *)(uintptr_t)addr;
+    for (size_t off = 0; off < len; off += (size_t)page)
+        p[off] = p[off];
+    return DD_OK;
 }
 
 int dd_host_free(uint64_t addr, uint64_t nbytes)

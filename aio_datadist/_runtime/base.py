@@ -117,6 +117,10 @@ class DeviceRuntime(ABC):
     #: True when memory fresh from :meth:`alloc_device` and :meth:`alloc_host` reads zero
     #: (anonymous mappings); pools then zero only memory that was handed out before.
     fresh_memory_is_zero: bool = False
+    #: True when memory from :meth:`alloc_device` and :meth:`alloc_host` is committed on
+    #: first touch (plain host mappings); pools then commit each cache's fresh pages when
+    #: they hand it out (:meth:`populate`), so no transfer takes a page fault.
+    fresh_memory_is_lazy: bool = False
     #: Allocate host memory that a same-host peer may map (:meth:`host_share`), where this
     #: runtime can; set before allocating (the engine does, from ``aio.SharedPools``).
     share_host_memory: bool = False
@@ -156,6 +160,23 @@ class DeviceRuntime(ABC):
     @abstractmethod
     def synchronize(self) -> None:
         """Wait until every copy this runtime started has completed."""
+
+    def populate(self, addr: int, nbytes: int) -> None:
+        """Commit ``nbytes`` of memory at ``addr`` (page-aligned, from :meth:`alloc_device`
+        or :meth:`alloc_host`) now; its contents do not change. Only called where
+        :attr:`fresh_memory_is_lazy`; this default commits host memory in one native call
+        with the GIL released.
+
+        :raises LLMException: ``LLM_OUT_OF_MEMORY`` when the memory cannot be had,
+            ``LLM_FAILED`` when the kernel refuses for another reason.
+        """
+        try:
+            api.host_populate(addr, nbytes)
+        except OSError as exc:
+            raise LLMException(
+                f"cannot commit {nbytes} bytes of host memory: {exc.strerror}",
+                status_code=LLMStatusCode.LLM_FAILED,
+            ) from exc
 
     def zero_host(self, addr: int, nbytes: int) -> None:
         """Set ``nbytes`` of host memory at ``addr`` (from :meth:`alloc_host`) to zero.

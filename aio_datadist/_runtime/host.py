@@ -26,8 +26,9 @@ class HostRuntime(DeviceRuntime):
 
     name = "host"
     device_memory_is_host = True
-    #: Both placements are fresh mappings, zero until written.
+    #: Both placements are fresh mappings, zero until written, committed on first touch.
     fresh_memory_is_zero = True
+    fresh_memory_is_lazy = True
 
     def __init__(self, device_id: int) -> None:
         super().__init__(device_id)
