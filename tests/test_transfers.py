@@ -41,7 +41,7 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
 )
 from aio_datadist._transport import tcp, ucx
-from aio_datadist._transport.tcp import TcpChannel
+from aio_datadist._transport.pending import Request
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
 
@@ -366,12 +366,12 @@ async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
     make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     readers: list[str] = []  # the thread that completed each request
-    complete = TcpChannel._complete
+    complete = Request.complete
     take_answer = tcp.sock_take_answer
 
-    def spy(channel: TcpChannel, req: Any) -> None:
+    def spy(req: Request) -> None:
         readers.append(threading.current_thread().name)
-        complete(channel, req)
+        complete(req)
 
     def spy_take(*args: Any, **kwargs: Any) -> bool:
         taken = take_answer(*args, **kwargs)
@@ -379,7 +379,7 @@ async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
             readers.append(threading.current_thread().name)
         return taken
 
-    monkeypatch.setattr(TcpChannel, "_complete", spy)
+    monkeypatch.setattr(Request, "complete", spy)
     monkeypatch.setattr(tcp, "sock_take_answer", spy_take)
     pair = await make_pair(same_host=False, remote_accessible=True)
     desc = CacheDesc(2, [8, 256], DataType.DT_FLOAT, Placement.DEVICE)

@@ -1725,7 +1725,7 @@ def test_answered_requests_leave_no_deadlines_behind(
         header, _ = read_frame(conn)
         conn.sendall(frame(FrameKind.PULL_DATA, header.request_id, payload_len=64) + bytes(64))
         future.result(WAIT)
-    assert len(channel._deadlines) <= 1100
+    assert len(channel._pending._deadlines) <= 1100
 
 
 @pytest.mark.parametrize("split", [0, 16], ids=["whole", "in-two"])

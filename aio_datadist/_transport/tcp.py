@@ -42,8 +42,8 @@ read) until the sender drained to half of it; TCP flow control then holds the pe
 request is dropped. :meth:`TcpChannel.stats` counts what the link holds and its pauses.
 
 Deadlines: a request carries an absolute ``monotonic_ns()`` deadline (0: none); the
-process-wide reaper (``deadlines``) fails a request nobody answered in time with
-``LLM_TIMEOUT``, through one timer per link at its earliest pending deadline. A request
+link's table of pending requests (``pending``) fails a request nobody answered in time with
+``LLM_TIMEOUT``, through one reaper timer per link at its earliest pending deadline. A request
 completes a :class:`~aio_datadist._transport.future.RequestFuture` (light enough for tens of
 thousands in flight). A payload that arrives too late fails its request with ``LLM_TIMEOUT`` and
 is drained into scratch memory, so the stream stays in sync and the link stays up. Frames
@@ -61,7 +61,6 @@ import contextlib
 import enum
 import fcntl
 import functools
-import heapq
 import itertools
 import os
 import socket
@@ -70,7 +69,7 @@ import sys
 import termios
 import threading
 from collections.abc import Callable, Generator
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 
 import numpy as np
 import structlog
@@ -115,8 +114,8 @@ from aio_datadist._transport.base import (
     Served,
     ServeLimits,
 )
-from aio_datadist._transport.deadlines import Timer, after_s, now_ns, reaper
-from aio_datadist._transport.future import RequestFuture
+from aio_datadist._transport.deadlines import after_s, now_ns
+from aio_datadist._transport.pending import PendingRequests, Request, new_future
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("IO_ERRORS", "LOOP_READ_BYTES", "SERVE_LIMITS", "STALL_TIMEOUT", "TcpChannel")
@@ -213,12 +212,6 @@ def _on_loop(loop: asyncio.AbstractEventLoop | None) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def _new_future() -> Future[None]:
-    # Running from birth and never cancelled: a cancelled one would report "done" while the
-    # transport may still write into its memory.
-    return RequestFuture()
 
 
 def _failed(future: Future[None], status: LLMStatusCode, message: str) -> Future[None]:
@@ -350,46 +343,6 @@ def _recv_view(fd: int, view: memoryview, stall_s: float) -> None:
             view = view[exc.transferred :]
 
 
-class _Request:
-    """A request of this side waiting for its answer."""
-
-    __slots__ = (
-        "busy",
-        "commit",
-        "deadline_ns",
-        "dst",
-        "future",
-        "has_outcome",
-        "kind",
-        "nbytes",
-        "outcome",
-        "rid",
-    )
-
-    def __init__(
-        self,
-        rid: int,
-        kind: RequestKind,
-        dst: Payload | None,
-        nbytes: int,
-        deadline_ns: int,
-        commit: bool = False,
-        busy: bool = False,
-    ) -> None:
-        self.rid = rid
-        self.kind = kind
-        self.dst = dst
-        self.nbytes = nbytes
-        self.deadline_ns = deadline_ns
-        self.commit = commit
-        self.future = _new_future()
-        # While busy (a push still sending its payload) the sender completes the future;
-        # whoever settles it meanwhile only records the outcome.
-        self.busy = busy
-        self.has_outcome = False
-        self.outcome: LLMException | None = None
-
-
 class _Send:
     """One frame for the sender thread: control bytes, then optional payload rows (copied
     behind them, so one call sends both), ``tail`` rows (sent as they are: a big row table is
@@ -501,13 +454,7 @@ class TcpChannel(Channel):
         self._rlock = threading.Lock()  # one reader of incoming frames at a time
         self._slock = threading.Lock()  # one frame at a time on the socket
         self._lock = threading.Lock()  # state below
-        self._pending: dict[int, _Request] = {}
-        # Deadlines of the pending requests, (deadline, rid), earliest first (entries of
-        # answered requests stay until they come up); one reaper timer for the link fires at
-        # the earliest (``_expiry_at``, 0: none).
-        self._deadlines: list[tuple[int, int]] = []
-        self._expiry_at = 0
-        self._expiry_timer: Timer | None = None
+        self._pending = PendingRequests(self._lock, self._taking, self._link_failed)
         self._commits: dict[int, _Commit] = {}
         self._callbacks: list[Callable[[Channel], None]] = []
         self._broken = False
@@ -557,7 +504,7 @@ class TcpChannel(Channel):
         self._loop_fd = -1  # a duplicate of the socket's descriptor, in the loop's selector
         # An answer the loop is receiving as its bytes arrive: the request, the rows still
         # to fill, the bytes still due, and the timer that gives up at its deadline.
-        self._loop_req: _Request | None = None
+        self._loop_req: Request | None = None
         self._loop_iov: Iov | None = None
         self._loop_left = 0
         self._loop_timer: asyncio.TimerHandle | None = None
@@ -646,14 +593,14 @@ class TcpChannel(Channel):
     ) -> Future[None]:
         problem = _iov_problem(dst, nbytes)
         if problem is not None:
-            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {problem}")
+            return _failed(new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {problem}")
         rid = next(self._ids)
         try:
             ctl = _request_ctl(RequestKind.PULL, rid, body, nbytes)
         except (WireError, struct.error) as exc:
-            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {exc}")
-        req = _Request(rid, RequestKind.PULL, dst, nbytes, deadline_ns, commit=commit)
-        if not self._register(req):
+            return _failed(new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {exc}")
+        req = Request(rid, RequestKind.PULL, dst, nbytes, deadline_ns, commit=commit)
+        if not self._pending.add(req):
             return req.future
         failure, broke = self._send_request(
             "pull",
@@ -662,7 +609,7 @@ class TcpChannel(Channel):
             lambda: sock_send_bytes(self._fd, ctl, self._send_deadline(deadline_ns)),
         )
         if failure is not None:
-            self._settle(rid, failure)
+            self._pending.settle(rid, failure)
         if broke:
             self._break(broke)
         return req.future
@@ -670,14 +617,14 @@ class TcpChannel(Channel):
     def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
         problem = _iov_problem(src, nbytes)
         if problem is not None:
-            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {problem}")
+            return _failed(new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {problem}")
         rid = next(self._ids)
         try:
             ctl = _request_ctl(RequestKind.PUSH, rid, body, nbytes)
         except (WireError, struct.error) as exc:
-            return _failed(_new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {exc}")
-        req = _Request(rid, RequestKind.PUSH, None, nbytes, deadline_ns, busy=True)
-        if not self._register(req):
+            return _failed(new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {exc}")
+        req = Request(rid, RequestKind.PUSH, None, nbytes, deadline_ns, busy=True)
+        if not self._pending.add(req):
             return req.future
 
         def sendv(iov: Iov) -> None:
@@ -708,19 +655,10 @@ class TcpChannel(Channel):
         self._sent(req, failure, broke)
         return req.future
 
-    def _sent(self, req: _Request, failure: LLMException | None, broke: str) -> None:
+    def _sent(self, req: Request, failure: LLMException | None, broke: str) -> None:
         """A busy request's frame went out (or failed): unless it failed, it now waits for
         its answer like any other."""
-        with self._lock:
-            req.busy = False
-            if failure is not None:
-                if self._pending.get(req.rid) is req:
-                    del self._pending[req.rid]
-                if not req.has_outcome:
-                    req.has_outcome, req.outcome = True, failure
-            done = req.has_outcome
-        if done:
-            self._complete(req)
+        self._pending.sent(req, failure)
         if broke:
             self._break(broke)
 
@@ -794,8 +732,8 @@ class TcpChannel(Channel):
                     sock_sendv(self._fd, _Send(ctl, local).iov, 1)
             except NetTimeout as exc:  # no room for all of it: the usual machinery goes on
                 frame = _Send(ctl, None if pull else local)
-                req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns, busy=True)
-                self._register(req)
+                req = Request(rid, kind, local if pull else None, nbytes, deadline_ns, busy=True)
+                self._pending.add(req)
                 self._rlock.release()
                 reading = False
                 self._unpark()
@@ -865,8 +803,8 @@ class TcpChannel(Channel):
             self._break(f"receive failed: {exc}")
             raise self._link_failed() from None
         # Not here yet: once the read lock goes, the answer is anyone's to read.
-        req = _Request(rid, kind, local if pull else None, nbytes, deadline_ns)
-        self._register(req)
+        req = Request(rid, kind, local if pull else None, nbytes, deadline_ns)
+        self._pending.add(req)
         return req.future
 
     def _send_request(
@@ -980,70 +918,9 @@ class TcpChannel(Channel):
             f"link to cluster {self.peer.cluster_id} at {self.remote} is closed{why}",
         )
 
-    def _register(self, req: _Request) -> bool:
-        """Add ``req`` to the pending table; False (future failed) when that cannot be."""
-        if req.deadline_ns > 0 and req.deadline_ns <= now_ns():
-            req.future.set_exception(
-                _error(LLMStatusCode.LLM_TIMEOUT, "the deadline passed before the request")
-            )
-            return False
-        deadline = req.deadline_ns
-        wake = False
-        with self._lock:
-            if self._closing or self._broken:
-                refused = True
-            else:
-                refused = False
-                self._pending[req.rid] = req
-                if deadline > 0:
-                    wake = self._add_deadline(deadline, req.rid)
-        if refused:
-            req.future.set_exception(self._link_failed())
-            return False
-        if wake:
-            self._schedule_expiry(deadline)
-        return True
-
-    def _add_deadline(self, deadline_ns: int, rid: int) -> bool:
-        """Note request ``rid``'s deadline (``_lock`` held); True when it is earlier than the
-        link's expiry timer, which must then be brought forward."""
-        heap = self._deadlines
-        if len(heap) > 2 * len(self._pending) + 1024:  # mostly answered: drop those
-            heap[:] = [(r.deadline_ns, r.rid) for r in self._pending.values() if r.deadline_ns]
-            heapq.heapify(heap)
-        else:
-            heapq.heappush(heap, (deadline_ns, rid))
-        if self._expiry_at and self._expiry_at <= deadline_ns:
-            return False
-        self._expiry_at = deadline_ns
-        return True
-
-    def _schedule_expiry(self, when_ns: int) -> None:
-        """Run :meth:`_expire_due` at ``when_ns`` (one timer per link, not per request)."""
-        timer = reaper.schedule(when_ns, self._expire_due)
-        with self._lock:
-            if when_ns != self._expiry_at or self._broken:  # superseded meanwhile
-                stale: Timer | None = timer
-            else:
-                stale, self._expiry_timer = self._expiry_timer, timer
-        if stale is not None:
-            stale.cancel()
-
-    def _expire_due(self) -> None:
-        """(Reaper thread.) Fail every request whose deadline passed with ``LLM_TIMEOUT``;
-        then wait for the next deadline."""
-        now = now_ns()
-        due: list[int] = []
-        with self._lock:
-            heap = self._deadlines
-            while heap and heap[0][0] <= now:
-                due.append(heapq.heappop(heap)[1])
-            self._expiry_at = heap[0][0] if heap else 0
-            nxt = self._expiry_at
-        for rid in due:
-            self._expire(rid)
-        if nxt:
-            self._schedule_expiry(nxt)
+    def _taking(self) -> bool:
+        """Whether the link takes new requests (``_lock`` held)."""
+        return not (self._closing or self._broken)
 
     def _acquire_send(self, deadline_ns: int) -> bool:
         if deadline_ns <= 0:
@@ -1052,43 +929,6 @@ class TcpChannel(Channel):
 
     def _send_deadline(self, deadline_ns: int) -> int:
         return deadline_ns if deadline_ns > 0 else after_s(self._stall_s)
-
-    def _expire(self, rid: int) -> None:
-        self._settle(
-            rid, _error(LLMStatusCode.LLM_TIMEOUT, f"request {rid} was not answered in time")
-        )
-
-    def _settle(
-        self, rid: int, outcome: LLMException | None, kind: RequestKind | None = None
-    ) -> bool:
-        """Complete pending request ``rid`` (of ``kind``) with ``outcome``; False if none."""
-        with self._lock:
-            req = self._pending.get(rid)
-            if req is None or (kind is not None and req.kind is not kind):
-                return False
-            del self._pending[rid]
-            if not req.has_outcome:
-                req.has_outcome, req.outcome = True, outcome
-            if req.busy:
-                return True
-        self._complete(req)
-        return True
-
-    def _claim(self, rid: int, kind: RequestKind) -> _Request | None:
-        """Take request ``rid`` out of the table to move its payload (nothing else may end it)."""
-        with self._lock:
-            req = self._pending.get(rid)
-            if req is None or req.kind is not kind or req.busy:
-                return None
-            del self._pending[rid]
-            return req
-
-    def _complete(self, req: _Request) -> None:
-        with contextlib.suppress(InvalidStateError):
-            if req.outcome is None:
-                req.future.set_result(None)
-            else:
-                req.future.set_exception(req.outcome)
 
     # -- breaking ----------------------------------------------------------------------------
     def _break(self, reason: str, *, shutdown: bool = True) -> None:
@@ -1101,13 +941,7 @@ class TcpChannel(Channel):
             self._reason = reason
             local = self._local_close
             callbacks, self._callbacks = ([] if local else self._callbacks), []
-            pending, self._pending = self._pending, {}
             self._commits.clear()
-            self._deadlines.clear()
-            self._expiry_at = 0
-            expiry, self._expiry_timer = self._expiry_timer, None
-            if expiry is not None:
-                expiry.cancel()
             # Wakes the reader and any sender; the reader closes the descriptor on its way out.
             if shutdown:
                 with contextlib.suppress(OSError):
@@ -1118,19 +952,11 @@ class TcpChannel(Channel):
             self._sender_stop = True
             self._qcond.notify()
             self._room.notify_all()  # a paused reader
+        failed = self._pending.fail_all()
         if local or self._peer_knows:
-            self._log.info("tcp.closed", reason=reason, failed_requests=len(pending))
+            self._log.info("tcp.closed", reason=reason, failed_requests=failed)
         else:
-            self._log.warning("tcp.broken", reason=reason, failed_requests=len(pending))
-        to_complete = []
-        with self._lock:
-            for req in pending.values():
-                if not req.has_outcome:
-                    req.has_outcome, req.outcome = True, self._link_failed()
-                if not req.busy:
-                    to_complete.append(req)
-        for req in to_complete:
-            self._complete(req)
+            self._log.warning("tcp.broken", reason=reason, failed_requests=failed)
         self._gone.set()
         for callback in callbacks:
             try:
@@ -1655,23 +1481,20 @@ class TcpChannel(Channel):
         """Start receiving the pull answer ``header`` announces on the loop (``_rlock``
         held); False, nothing read, when the reader thread must take it instead (no such
         request, a size that does not match, a payload for segments)."""
-        rid = header.request_id
-        with self._lock:
-            req = self._pending.get(rid)
-            if (
-                req is None
-                or req.kind is not RequestKind.PULL
-                or req.busy
-                or req.nbytes != header.payload_len
-                or not isinstance(req.dst, np.ndarray)
-            ):
-                return False
-            del self._pending[rid]
+        size = header.payload_len
+        req = self._pending.claim(
+            header.request_id,
+            RequestKind.PULL,
+            lambda r: r.nbytes == size and isinstance(r.dst, np.ndarray),
+        )
+        if req is None:
+            return False
+        assert isinstance(req.dst, np.ndarray)
         self._hdr_have = 0  # the header was taken by _loop_answer_next
         self._loop_receiving(req, req.dst, req.nbytes)
         return True
 
-    def _loop_receiving(self, req: _Request, iov: Iov, left: int) -> None:
+    def _loop_receiving(self, req: Request, iov: Iov, left: int) -> None:
         """The loop receives the rest of ``req``'s answer, ``left`` bytes into ``iov``, as
         they arrive (``_rlock`` held; the header was read)."""
         self._served = False
@@ -1694,7 +1517,7 @@ class TcpChannel(Channel):
     ) -> Future[None]:
         """An exchange on the loop took the header and ``moved`` payload bytes of pull
         ``rid``'s answer: the loop receives the rest (``_rlock`` held)."""
-        req = _Request(rid, RequestKind.PULL, local, nbytes, deadline_ns)
+        req = Request(rid, RequestKind.PULL, local, nbytes, deadline_ns)
         self._loop_receiving(req, _iov_skip(local, moved), nbytes - moved)
         self._loop_waits()
         return req.future
@@ -1746,9 +1569,9 @@ class TcpChannel(Channel):
         self._loop_done()
         self._owed += left
         req.outcome = failure
-        self._complete(req)
+        req.complete()
 
-    def _loop_expired(self, req: _Request) -> None:
+    def _loop_expired(self, req: Request) -> None:
         """The deadline of the answer the loop receives passed (on the loop): fail it and let
         the reader thread discard the rest."""
         if self._loop_req is not req:
@@ -1928,7 +1751,7 @@ class TcpChannel(Channel):
         if kind is FrameKind.PULL_DATA:
             self._on_pull_data(h)
         elif kind is FrameKind.PUSH_ACK:
-            self._settle(rid, None, RequestKind.PUSH)
+            self._pending.settle(rid, None, RequestKind.PUSH)
         elif kind is FrameKind.ERROR:
             self._on_error(h, self._read_body(h.body_len))
         elif kind is FrameKind.PULL:
@@ -1951,7 +1774,7 @@ class TcpChannel(Channel):
 
     # -- answers to our requests -------------------------------------------------------------
     def _on_pull_data(self, h: FrameHeader) -> None:
-        req = self._claim(h.request_id, RequestKind.PULL)
+        req = self._pending.claim(h.request_id, RequestKind.PULL)
         if req is None:  # abandoned (deadline) or unknown: keep the stream in sync
             self._owed = h.payload_len
             return
@@ -1960,7 +1783,7 @@ class TcpChannel(Channel):
                 LLMStatusCode.LLM_FAILED,
                 f"the peer answered {h.payload_len} bytes for a pull of {req.nbytes}",
             )
-            self._complete(req)
+            req.complete()
             self._owed = h.payload_len
             return
         assert req.dst is not None
@@ -1975,7 +1798,7 @@ class TcpChannel(Channel):
             moved, error = _move(recv, req.dst)
         except BaseException as exc:
             req.outcome = self._link_failed(f"receive failed: {exc!r}")
-            self._complete(req)
+            req.complete()
             raise
         if isinstance(error, NetTimeout):
             # dst is no longer touched: fail the request now, then drain the rest.
@@ -1987,25 +1810,25 @@ class TcpChannel(Channel):
             req.outcome = error
         elif error is not None:
             req.outcome = self._link_failed(f"receive failed: {error!r}")
-            self._complete(req)
+            req.complete()
             raise error
         if error is not None:
-            self._complete(req)
+            req.complete()
             self._owed = h.payload_len - moved
             return
         req.outcome = None
         self._landed(req)
 
-    def _landed(self, req: _Request) -> None:
+    def _landed(self, req: Request) -> None:
         """Every byte of pull ``req`` landed: complete it. A pull that asked the peer to
         commit (drop the key it named) sends PULL_DONE first, and completes once that frame
         is out: the caller's next request follows it on the link, so a pull of the same key
         meets the key dropped."""
         if not req.commit:
-            self._complete(req)
+            req.complete()
             return
         self._reader_send(
-            _Send(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: self._complete(req))
+            _Send(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: req.complete())
         )
 
     def _on_error(self, h: FrameHeader, body: bytearray) -> None:
@@ -2015,7 +1838,7 @@ class TcpChannel(Channel):
                 "tcp.peer_error", status=str(status_from_wire(h.status)), message=message
             )
             return
-        self._settle(h.request_id, _error(status_from_wire(h.status), message))
+        self._pending.settle(h.request_id, _error(status_from_wire(h.status), message))
 
     def _on_bye(self, status: int) -> None:
         finalized = status == LLMStatusCode.LLM_ENGINE_FINALIZED
