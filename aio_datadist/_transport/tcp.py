@@ -1,5 +1,7 @@
 """One end of a TCP link between engines in different processes or on different hosts
-(:class:`TcpChannel`); ``tcp_connect`` makes links (listen, connect, the handshake).
+(:class:`TcpChannel`: its requests and its readers); ``tcp_connect`` makes links (listen,
+connect, the handshake), ``tcp_send`` sends the answers and holds the link's backpressure,
+``pending`` keeps the requests awaiting answers, ``tcp_io`` moves rows through the socket.
 
 Every frame is the fixed header of ``_wire``, its control body, then its bulk payload,
 which moves with one scatter-gather native call straight from or into the memory rows of
@@ -39,7 +41,8 @@ Backpressure: the peer's work a link holds is bounded (:class:`ServeLimits`: byt
 queued frames, the peer's requests whose answers are not yet fully sent). Over a limit, whoever
 reads leaves the peer's next request on the socket (answers to this side's requests are still
 read) until the sender drained to half of it; TCP flow control then holds the peer, and no
-request is dropped. :meth:`TcpChannel.stats` counts what the link holds and its pauses.
+request is dropped (``tcp_send.Outbox``). :meth:`TcpChannel.stats` counts what the link
+holds and its pauses.
 
 Deadlines: a request carries an absolute ``monotonic_ns()`` deadline (0: none); the
 link's table of pending requests (``pending``) fails a request nobody answered in time with
@@ -56,7 +59,6 @@ touches its memory rows.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import enum
 import fcntl
@@ -72,13 +74,11 @@ from collections.abc import Callable, Generator
 from concurrent.futures import Future
 
 import numpy as np
-import structlog
 
 from aio_datadist._log import get_logger
 from aio_datadist._native.api import (
     NetTimeout,
     PeerClosed,
-    sock_recv_into,
     sock_recvv,
     sock_send_bytes,
     sock_sendv,
@@ -110,15 +110,23 @@ from aio_datadist._transport.base import (
     Payload,
     RequestHandler,
     RequestKind,
-    Segments,
     Served,
     ServeLimits,
 )
 from aio_datadist._transport.deadlines import after_s, now_ns
 from aio_datadist._transport.pending import PendingRequests, Request, new_future
+from aio_datadist._transport.tcp_io import (
+    IO_ERRORS,
+    iov_skip,
+    move_payload,
+    recv_view,
+    recvv_all,
+    sendv_all,
+)
+from aio_datadist._transport.tcp_send import Outbox, OutFrame
 from aio_datadist.status import LLMException, LLMStatusCode
 
-__all__ = ("IO_ERRORS", "LOOP_READ_BYTES", "SERVE_LIMITS", "STALL_TIMEOUT", "TcpChannel")
+__all__ = ("LOOP_READ_BYTES", "SERVE_LIMITS", "STALL_TIMEOUT", "TcpChannel")
 
 #: Seconds without a byte moving, mid-frame, after which the channel breaks.
 STALL_TIMEOUT = 30.0
@@ -143,15 +151,10 @@ _LOOP_PARK_MAX_S = 0.1
 #: How much of the peer's work each link made from now on may hold (a process may set its
 #: own limits before it links).
 SERVE_LIMITS = ServeLimits()
-#: Bytes a queued frame counts for each row of its row table (two uint64).
-_ROW_BYTES = 16
 #: An answer's payload rows are copied behind its header, so that one call (inline in the
 #: reader, when the socket takes it all) sends both, up to this many rows; a bigger table is
 #: sent as it is, by the sender thread.
 _COPY_ROWS = 1 << 16
-#: A reader paused over the limits looks again this often whether this side now awaits
-#: answers on the link (the limits then count twice), besides being woken by the sender.
-_PAUSE_TICK_S = 0.1
 
 
 class _Later(enum.Enum):
@@ -178,8 +181,6 @@ _NO_BODY = (
     FrameKind.PING,
     FrameKind.PONG,
 )
-#: The errors of socket I/O through the native layer (a link fails over any of them).
-IO_ERRORS = (NetTimeout, PeerClosed, OSError)
 #: Why a link closed, as its channel tells: the peer unlinked or finalized and said so
 #: (BYE, whose header status says which: LLM_SUCCESS or LLM_ENGINE_FINALIZED)...
 _PEER_UNLINKED = "the peer unlinked"
@@ -252,66 +253,6 @@ def _iov_problem(iov: object, nbytes: int) -> str | None:
     return None
 
 
-def _iov_skip(iov: Iov, k: int) -> Iov:
-    """The rows left after the first ``k`` bytes of ``iov`` moved."""
-    if k <= 0:
-        return iov
-    ends = np.cumsum(iov[:, 1], dtype=np.uint64)
-    i = int(np.searchsorted(ends, np.uint64(k), side="right"))
-    rest: Iov = iov[i:].copy()
-    if rest.shape[0]:
-        off = k - (int(ends[i - 1]) if i else 0)
-        rest[0, 0] += np.uint64(off)
-        rest[0, 1] -= np.uint64(off)
-    return rest
-
-
-def _until_stall(io: Callable[[int, Iov, int], None], fd: int, iov: Iov, stall_s: float) -> None:
-    """Run ``io`` over every byte of ``iov``; NetTimeout only after a stall of ``stall_s``."""
-    while True:
-        try:
-            io(fd, iov, after_s(stall_s))
-            return
-        except NetTimeout as exc:
-            if exc.transferred == 0:
-                raise
-            iov = _iov_skip(iov, exc.transferred)
-
-
-def _move(io: Callable[[Iov], None], payload: Payload) -> tuple[int, Exception | None]:
-    """Run ``io`` over the payload's rows, piece by piece for segments.
-
-    Returns the bytes moved through the socket and the failure (None on success): a
-    ``NetTimeout``/``PeerClosed``/``OSError`` of ``io``, or the ``LLMException`` of a piece
-    that could not be staged. Segments stopped by a failure are closed (the piece in hand is
-    dropped).
-    """
-    if isinstance(payload, np.ndarray):
-        try:
-            io(payload)
-        except (NetTimeout, PeerClosed) as exc:
-            return exc.transferred, exc
-        except (OSError, LLMException) as exc:
-            return 0, exc
-        return int(payload[:, 1].sum()) if payload.shape[0] else 0, None
-    moved = 0
-    pieces: Generator[Iov, None, None] = payload.segments()
-    try:
-        for piece in pieces:
-            try:
-                io(piece)
-            except (NetTimeout, PeerClosed) as exc:
-                return moved + exc.transferred, exc
-            except OSError as exc:
-                return moved, exc
-            moved += int(piece[:, 1].sum())
-    except LLMException as exc:
-        return moved, exc
-    finally:
-        pieces.close()
-    return moved, None
-
-
 class _CutFrame(Exception):
     """A frame stopped after some of it was sent: the link cannot carry on."""
 
@@ -319,89 +260,6 @@ class _CutFrame(Exception):
         super().__init__(reason)
         self.failure = failure
         self.reason = reason
-
-
-def _sendv_all(fd: int, iov: Iov, stall_s: float) -> None:
-    """Send every byte of ``iov``; NetTimeout only after ``stall_s`` seconds of no progress."""
-    _until_stall(sock_sendv, fd, iov, stall_s)
-
-
-def _recvv_all(fd: int, iov: Iov, stall_s: float) -> None:
-    """Receive exactly the bytes of ``iov``; NetTimeout only after a stall of ``stall_s``."""
-    _until_stall(sock_recvv, fd, iov, stall_s)
-
-
-def _recv_view(fd: int, view: memoryview, stall_s: float) -> None:
-    """Fill ``view``; NetTimeout only after ``stall_s`` seconds of no progress."""
-    while len(view):
-        try:
-            sock_recv_into(fd, view, after_s(stall_s))
-            return
-        except NetTimeout as exc:
-            if exc.transferred == 0:
-                raise
-            view = view[exc.transferred :]
-
-
-class _Send:
-    """One frame for the sender thread: control bytes, then optional payload rows (copied
-    behind them, so one call sends both), ``tail`` rows (sent as they are: a big row table is
-    not copied) and a ``stream``.
-
-    ``answer``: it answers one of the peer's requests. ``stream_rows``: rows of the row table
-    ``stream`` holds. What the frame holds in memory while queued is ``held`` bytes.
-    """
-
-    __slots__ = (
-        "_finished",
-        "after",
-        "answer",
-        "held",
-        "iov",
-        "keep",
-        "lock_held",
-        "stream",
-        "tail",
-    )
-
-    def __init__(
-        self,
-        ctl: bytes,
-        payload: Iov | None = None,
-        after: Callable[[bool], None] | None = None,
-        stream: Segments | None = None,
-        *,
-        tail: Iov | None = None,
-        answer: bool = False,
-        stream_rows: int = 0,
-    ) -> None:
-        self.keep = np.frombuffer(ctl, dtype=np.uint8)  # the iov points into it
-        n = 0 if payload is None else payload.shape[0]
-        iov: Iov = np.empty((n + 1, 2), dtype=np.uint64)
-        iov[0, 0] = int(self.keep.__array_interface__["data"][0])
-        iov[0, 1] = len(ctl)
-        if payload is not None:
-            iov[1:] = payload
-        self.iov = iov
-        self.tail = tail  # payload rows after ``iov`` (sender thread only)
-        self.stream = stream  # the payload after those, streamed (sender thread only)
-        self.answer = answer
-        tail_rows = 0 if tail is None else tail.shape[0]
-        self.held = len(ctl) + _ROW_BYTES * (n + 1 + tail_rows + stream_rows)
-        self.after = after
-        self.lock_held = False  # the send lock is held for this job (a partial inline send)
-        self._finished = False
-
-    def finish(self, ok: bool, log: structlog.stdlib.BoundLogger) -> None:
-        """Run ``after(ok)`` once."""
-        if self._finished:
-            return
-        self._finished = True
-        if self.after is not None:
-            try:
-                self.after(ok)
-            except Exception:
-                log.warning("tcp.callback_failed", exc_info=True)
 
 
 class _Commit:
@@ -466,24 +324,16 @@ class TcpChannel(Channel):
         self._bye_acked = False
         self._bye_wake = threading.Event()  # BYE_ACK came or the channel broke
         self._gone = threading.Event()
-        self._sendq: collections.deque[_Send] = collections.deque()
-        qlock = threading.Lock()
-        self._qcond = threading.Condition(qlock)
-        self._sender_active = False
-        self._sender_stop = False
-        self._sender_exited = False
-        # The peer's work this link holds, under the queue's lock: bytes held by queued
-        # frames, answers to the peer's requests not yet fully sent, their high-water marks,
-        # and the reader's pauses over the limits (it waits on _room; the sender wakes it).
-        self._limits = SERVE_LIMITS if limits is None else limits
-        self._room = threading.Condition(qlock)
-        self._queued_bytes = 0
-        self._queued_bytes_max = 0
-        self._answers = 0
-        self._answers_max = 0
-        self._pauses = 0
-        self._paused_ns = 0
-        self._paused_since = 0  # monotonic ns while paused, else 0
+        self._outbox = Outbox(
+            self._fd,
+            self._slock,
+            stall_timeout,
+            SERVE_LIMITS if limits is None else limits,
+            self._log,
+            broken=lambda: self._broken,
+            fail=self._break,
+            awaiting=lambda: bool(self._pending),
+        )
         self._hdr = bytearray(_HEADER_SIZE)
         # Bytes of the next frame's header already taken off the socket (by the loop, which
         # never waits for the rest: whoever reads next goes on from there).
@@ -527,7 +377,7 @@ class TcpChannel(Channel):
             target=self._read_loop, name=f"aio-dd-tcp-read-{self.remote}", daemon=True
         )
         sender = threading.Thread(
-            target=self._send_loop, name=f"aio-dd-tcp-send-{self.remote}", daemon=True
+            target=self._outbox.run, name=f"aio-dd-tcp-send-{self.remote}", daemon=True
         )
         # Known before they run: each thread tells itself apart by these.
         self._sender, self._reader = sender, reader
@@ -575,18 +425,7 @@ class TcpChannel(Channel):
         callback(self)
 
     def stats(self) -> ChannelStats:
-        with self._qcond:
-            since = self._paused_since
-            paused_ns = self._paused_ns + (now_ns() - since if since else 0)
-            return ChannelStats(
-                queued_bytes=self._queued_bytes,
-                queued_bytes_max=self._queued_bytes_max,
-                requests=self._answers,
-                requests_max=self._answers_max,
-                pauses=self._pauses,
-                paused_s=paused_ns / 1e9,
-                paused=bool(since),
-            )
+        return self._outbox.stats()
 
     def pull(
         self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
@@ -631,18 +470,18 @@ class TcpChannel(Channel):
             if deadline_ns > 0:
                 sock_sendv(self._fd, iov, deadline_ns)
             else:
-                _sendv_all(self._fd, iov, self._stall_s)
+                sendv_all(self._fd, iov, self._stall_s)
 
         if isinstance(src, np.ndarray):
-            frame = _Send(ctl, src)
+            frame = OutFrame(ctl, src)
 
             def send() -> None:
                 sendv(frame.iov)
         else:
 
             def send() -> None:
-                sendv(_Send(ctl).iov)
-                moved, error = _move(sendv, src)
+                sendv(OutFrame(ctl).iov)
+                moved, error = move_payload(sendv, src)
                 if error is None:
                     return
                 if isinstance(error, LLMException):
@@ -729,16 +568,16 @@ class TcpChannel(Channel):
                 if pull:
                     sock_send_bytes(self._fd, ctl, 1)
                 else:
-                    sock_sendv(self._fd, _Send(ctl, local).iov, 1)
+                    sock_sendv(self._fd, OutFrame(ctl, local).iov, 1)
             except NetTimeout as exc:  # no room for all of it: the usual machinery goes on
-                frame = _Send(ctl, None if pull else local)
+                frame = OutFrame(ctl, None if pull else local)
                 req = Request(rid, kind, local if pull else None, nbytes, deadline_ns, busy=True)
                 self._pending.add(req)
                 self._rlock.release()
                 reading = False
                 self._unpark()
                 sending = False  # _sending lets the send lock go
-                rest = _iov_skip(frame.iov, exc.transferred)
+                rest = iov_skip(frame.iov, exc.transferred)
                 failure, broke = self._sending(
                     call,
                     "request",
@@ -948,10 +787,7 @@ class TcpChannel(Channel):
                     self._sock.shutdown(socket.SHUT_RDWR)
         self._bye_wake.set()
         self._park.set()
-        with self._qcond:
-            self._sender_stop = True
-            self._qcond.notify()
-            self._room.notify_all()  # a paused reader
+        self._outbox.stop()
         failed = self._pending.fail_all()
         if local or self._peer_knows:
             self._log.info("tcp.closed", reason=reason, failed_requests=failed)
@@ -965,130 +801,18 @@ class TcpChannel(Channel):
                 self._log.warning("tcp.on_close_failed", exc_info=True)
 
     # -- sending answers ---------------------------------------------------------------------
-    def _reader_send(self, job: _Send) -> None:
-        """Send an answer from the reader thread without ever waiting on the socket."""
-        with self._qcond:
-            idle = not self._sendq and not self._sender_active and not self._sender_exited
-        # A streamed payload may wait on device copies, and a big row table takes long: only
-        # the sender thread sends those.
-        if idle and job.stream is None and job.tail is None and self._slock.acquire(blocking=False):
-            if self._broken:
-                self._slock.release()
-                job.finish(False, self._log)
-                return
-            try:
-                sock_sendv(self._fd, job.iov, 1)  # a deadline in the past: no waiting
-            except NetTimeout as exc:
-                # The sender thread is idle and only this thread queues work: hand it the
-                # rest of the frame together with the send lock.
-                job.iov = _iov_skip(job.iov, exc.transferred)
-                job.lock_held = True
-                self._enqueue(job)
-                return
-            except Exception as exc:  # I/O failed, or (a bug) rows the native layer refused
-                self._slock.release()
-                job.finish(False, self._log)
-                self._break(f"send failed: {exc}")
-                return
-            self._slock.release()
-            job.finish(True, self._log)
-            return
-        self._enqueue(job)
-
-    def _enqueue(self, job: _Send) -> None:
-        with self._qcond:
-            exited = self._sender_exited
-            if not exited:
-                self._sendq.append(job)
-                self._queued_bytes += job.held
-                self._queued_bytes_max = max(self._queued_bytes_max, self._queued_bytes)
-                if job.answer:
-                    self._answers += 1
-                    self._answers_max = max(self._answers_max, self._answers)
-                self._qcond.notify()
-        if exited:
-            if job.lock_held:
-                self._slock.release()
-            job.finish(False, self._log)
-
-    def _send_loop(self) -> None:
-        while True:
-            with self._qcond:
-                while not self._sendq and not self._sender_stop:
-                    self._qcond.wait()
-                if not self._sendq:
-                    self._sender_exited = True
-                    return
-                job = self._sendq.popleft()
-                self._sender_active = True
-            try:
-                self._run_job(job)
-            except Exception:  # a bug; never leave a job unfinished or the thread dead
-                self._log.warning("tcp.sender_failed", exc_info=True)
-                job.finish(False, self._log)
-                self._break("internal error in the sender")
-            finally:
-                with self._qcond:
-                    self._sender_active = False
-                    self._queued_bytes -= job.held
-                    if job.answer:
-                        self._answers -= 1
-                    if self._paused_since and not self._over_limits(0.5):
-                        self._room.notify()
-
-    def _run_job(self, job: _Send) -> None:
-        if not job.lock_held:
-            self._slock.acquire()
-        job.lock_held = False
-        ok = False
-        failure = ""
-        try:
-            if not self._broken:
-                _sendv_all(self._fd, job.iov, self._stall_s)
-                if job.tail is not None:
-                    _sendv_all(self._fd, job.tail, self._stall_s)
-                if job.stream is not None:
-                    _, error = _move(
-                        lambda iov: _sendv_all(self._fd, iov, self._stall_s), job.stream
-                    )
-                    if isinstance(error, LLMException):
-                        failure = f"a payload could not be staged mid-frame: {error}"
-                    elif error is not None:
-                        raise error
-                ok = not failure
-        except IO_ERRORS as exc:
-            failure = f"send failed: {exc}"
-        finally:
-            self._slock.release()
-        job.finish(ok, self._log)
-        if failure:
-            self._break(failure)
-
     def _reply_error(self, rid: int, status: LLMStatusCode, message: str) -> None:
         body = encode_error_text(message)
         ctl = _frame(FrameKind.ERROR, rid, status=int(status), body_len=len(body)) + body
-        self._reader_send(_Send(ctl, answer=True))
+        self._outbox.send_or_queue(OutFrame(ctl, answer=True))
 
     # -- backpressure: how much of the peer's work a link holds -------------------------------
-    def _over_limits(self, share: float = 1.0) -> bool:
-        """Whether the link holds ``share`` of its limits of the peer's work, or more (a
-        glance, or under the queue's lock). While this side awaits answers on the link the
-        limits count twice: those answers may wait behind the peer's requests, and two ends
-        that each waited for the other to read would stall."""
-        limits = self._limits
-        if self._pending:
-            share *= 2
-        return (
-            self._queued_bytes >= limits.queued_bytes * share
-            or self._answers >= limits.requests * share
-        )
-
     def _hold_back(self) -> bool | None:
         """(``_rlock`` held.) True when the reader must leave the next frame on the socket
         for now: it is one of the peer's requests and the link holds as much of the peer's
         work as it may. None when too little of its header came to tell (what came is
         taken; the reader waits for the rest as for any header)."""
-        if not self._over_limits():
+        if not self._outbox.over_limits():
             return False
         return self._peer_request_next()
 
@@ -1117,24 +841,6 @@ class TcpChannel(Channel):
                 return False
             return None
         return (bytes(self._hdr[:have]) + more)[HEADER_KIND] in _PEER_REQUESTS
-
-    def _pause(self) -> None:
-        """(Reader thread, no lock held.) Leave the peer's requests on the socket until the
-        sender drained the link to half its limits, or the link broke; meanwhile TCP flow
-        control holds the peer. Other links are not concerned."""
-        with self._qcond:
-            if not self._over_limits():  # drained meanwhile
-                return
-            start = self._paused_since = now_ns()
-            self._pauses += 1
-            try:
-                while not self._broken and not self._sender_exited and self._over_limits(0.5):
-                    self._room.wait(_PAUSE_TICK_S)
-            finally:
-                self._paused_since = 0
-                self._paused_ns += now_ns() - start
-                held_ms = (now_ns() - start) / 1e6
-        self._log.debug("tcp.reading_paused", paused_ms=round(held_ms, 3))
 
     # -- reading -----------------------------------------------------------------------------
     def _read_loop(self) -> None:
@@ -1211,7 +917,7 @@ class TcpChannel(Channel):
                             continue
                         failure = self._read_frame()
                 if held:
-                    self._pause()  # the peer's next request waits; nothing is read
+                    self._outbox.pause()  # the peer's next request waits; nothing is read
                     continue
                 if failure is not None:
                     reason = failure
@@ -1239,9 +945,7 @@ class TcpChannel(Channel):
         native = self._native
         if native is None or not self._at_frame_start():
             return self._frame_waiting()
-        with self._qcond:
-            idle = not self._sendq and not self._sender_active and not self._sender_exited
-        if not idle or not self._slock.acquire(blocking=False):
+        if not self._outbox.idle() or not self._slock.acquire(blocking=False):
             return self._readable_now()
         handed_over = False
         try:
@@ -1257,10 +961,10 @@ class TcpChannel(Channel):
             kind = FrameKind(partial.kind)
             ctl = _frame(kind, partial.request_id, payload_len=partial.nbytes)
             rows = partial.rows if len(partial.rows) else None
-            job = _Send(ctl, rows, partial.release, answer=True)
-            job.iov = _iov_skip(job.iov, partial.sent)
+            job = OutFrame(ctl, rows, partial.release, answer=True)
+            job.iov = iov_skip(job.iov, partial.sent)
             job.lock_held = handed_over = True
-            self._enqueue(job)
+            self._outbox.enqueue(job)
             return self._readable_now()
         except (PeerClosed, OSError) as exc:
             return f"send failed: {exc}"
@@ -1412,7 +1116,7 @@ class TcpChannel(Channel):
                 return None
             if not held:
                 return self._read_frame()
-        self._pause()
+        self._outbox.pause()
         return None
 
     def _at_frame_start(self) -> bool:
@@ -1518,7 +1222,7 @@ class TcpChannel(Channel):
         """An exchange on the loop took the header and ``moved`` payload bytes of pull
         ``rid``'s answer: the loop receives the rest (``_rlock`` held)."""
         req = Request(rid, RequestKind.PULL, local, nbytes, deadline_ns)
-        self._loop_receiving(req, _iov_skip(local, moved), nbytes - moved)
+        self._loop_receiving(req, iov_skip(local, moved), nbytes - moved)
         self._loop_waits()
         return req.future
 
@@ -1537,7 +1241,7 @@ class TcpChannel(Channel):
             except NetTimeout as exc:
                 self._loop_left -= exc.transferred
                 if not wait:
-                    self._loop_iov = _iov_skip(iov, exc.transferred)
+                    self._loop_iov = iov_skip(iov, exc.transferred)
                     self._loop_waits()
                     return False
                 moved = req.nbytes - self._loop_left
@@ -1619,7 +1323,7 @@ class TcpChannel(Channel):
                     return None  # the reader thread breaks the link over it
                 if not self._loop_takes(header, _HEADER_SIZE):
                     return None  # left on the socket for the reader thread
-                _recv_view(self._fd, memoryview(self._hdr), self._stall_s)  # there, whole
+                recv_view(self._fd, memoryview(self._hdr), self._stall_s)  # there, whole
                 self._hdr_have = _HEADER_SIZE
                 return header
         try:
@@ -1701,7 +1405,7 @@ class TcpChannel(Channel):
                 return None
             have = self._hdr_have
             if have < _HEADER_SIZE:
-                _recv_view(self._fd, memoryview(self._hdr)[have:], self._stall_s)
+                recv_view(self._fd, memoryview(self._hdr)[have:], self._stall_s)
             self._hdr_have = 0
             header = decode_header(self._hdr)
             self._served = header.kind not in _ANSWERS
@@ -1726,7 +1430,7 @@ class TcpChannel(Channel):
     def _read_body(self, n: int) -> bytearray:
         buf = bytearray(n)
         if n:
-            _recv_view(self._fd, memoryview(buf), self._stall_s)
+            recv_view(self._fd, memoryview(buf), self._stall_s)
         return buf
 
     def _drain(self, n: int) -> None:
@@ -1738,7 +1442,7 @@ class TcpChannel(Channel):
         view = memoryview(self._scratch)
         while n > 0:
             step = min(n, _SCRATCH)
-            _recv_view(self._fd, view[:step], self._stall_s)
+            recv_view(self._fd, view[:step], self._stall_s)
             n -= step
 
     def _dispatch(self, h: FrameHeader) -> None:
@@ -1761,7 +1465,7 @@ class TcpChannel(Channel):
         elif kind is FrameKind.PULL_DONE:
             self._on_pull_done(rid)
         elif kind is FrameKind.PING:
-            self._reader_send(_Send(_frame(FrameKind.PONG, rid), answer=True))
+            self._outbox.send_or_queue(OutFrame(_frame(FrameKind.PONG, rid), answer=True))
         elif kind is FrameKind.BYE:
             self._on_bye(h.status)
         elif kind is FrameKind.BYE_ACK:
@@ -1792,10 +1496,10 @@ class TcpChannel(Channel):
             if req.deadline_ns > 0:
                 sock_recvv(self._fd, iov, req.deadline_ns)
             else:
-                _recvv_all(self._fd, iov, self._stall_s)
+                recvv_all(self._fd, iov, self._stall_s)
 
         try:
-            moved, error = _move(recv, req.dst)
+            moved, error = move_payload(recv, req.dst)
         except BaseException as exc:
             req.outcome = self._link_failed(f"receive failed: {exc!r}")
             req.complete()
@@ -1827,8 +1531,8 @@ class TcpChannel(Channel):
         if not req.commit:
             req.complete()
             return
-        self._reader_send(
-            _Send(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: req.complete())
+        self._outbox.send_or_queue(
+            OutFrame(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: req.complete())
         )
 
     def _on_error(self, h: FrameHeader, body: bytearray) -> None:
@@ -1847,7 +1551,9 @@ class TcpChannel(Channel):
             self._peer_knows = True
             self._unlinked = not finalized
         reason = _PEER_FINALIZED if finalized else _PEER_UNLINKED
-        self._reader_send(_Send(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break(reason)))
+        self._outbox.send_or_queue(
+            OutFrame(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break(reason))
+        )
 
     # -- serving the peer's requests ---------------------------------------------------------
     def _serve(self, kind: RequestKind, rid: int, body: bytes, nbytes: int) -> Served | None:
@@ -1916,12 +1622,12 @@ class TcpChannel(Channel):
         after = functools.partial(self._pull_sent, rid, served.done, commit)
         rows = len(served.iov)
         if served.stream is not None:  # the stream holds the handler's rows
-            job = _Send(ctl, after=after, stream=served.stream, answer=True, stream_rows=rows)
+            job = OutFrame(ctl, after=after, stream=served.stream, answer=True, stream_rows=rows)
         elif rows > _COPY_ROWS:
-            job = _Send(ctl, after=after, tail=served.iov, answer=True)
+            job = OutFrame(ctl, after=after, tail=served.iov, answer=True)
         else:
-            job = _Send(ctl, served.iov, after, answer=True)
-        self._reader_send(job)
+            job = OutFrame(ctl, served.iov, after, answer=True)
+        self._outbox.send_or_queue(job)
 
     def _pull_sent(
         self, rid: int, done: Callable[[bool], None], commit: _Commit | None, ok: bool
@@ -1957,7 +1663,9 @@ class TcpChannel(Channel):
             return
         payload = served.iov if served.stream is None else served.stream
         try:
-            moved, error = _move(lambda iov: _recvv_all(self._fd, iov, self._stall_s), payload)
+            moved, error = move_payload(
+                lambda iov: recvv_all(self._fd, iov, self._stall_s), payload
+            )
         except BaseException:
             self._call_done(served.done, False)
             raise
@@ -1973,4 +1681,4 @@ class TcpChannel(Channel):
         if failure is not None:
             self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
             return
-        self._reader_send(_Send(_frame(FrameKind.PUSH_ACK, rid), answer=True))
+        self._outbox.send_or_queue(OutFrame(_frame(FrameKind.PUSH_ACK, rid), answer=True))

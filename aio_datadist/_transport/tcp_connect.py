@@ -79,7 +79,8 @@ from aio_datadist._transport.samehost import (
     prove,
     verifier,
 )
-from aio_datadist._transport.tcp import IO_ERRORS, STALL_TIMEOUT, TcpChannel
+from aio_datadist._transport.tcp import STALL_TIMEOUT, TcpChannel
+from aio_datadist._transport.tcp_io import IO_ERRORS
 from aio_datadist.status import LLMStatusCode
 
 __all__ = ("HANDSHAKE_TIMEOUT", "TcpListener", "TcpTransport")
