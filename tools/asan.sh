@@ -45,7 +45,7 @@ status=0
     tests/test_runtime_acl.py tests/test_staging.py tests/test_device_transfers.py \
     tests/test_hccl_presence.py tests/test_hccl_domains.py \
     tests/test_cross_process.py tests/test_ucx_binding.py tests/test_ucx_route.py \
-    tests/test_ucx_transfer.py \
+    tests/test_ucx_transfer.py tests/test_pool_commit.py tests/test_pending_requests.py \
     --deselect tests/test_runtime_cuda.py::test_ptx_header_is_current \
     --deselect tests/test_ucx_binding.py::test_an_access_outside_the_peers_memory_fails_the_link \
     "$@" || status=$?
