@@ -80,12 +80,15 @@ class MemoryPool:
         self.zero = zero
         #: Allocations name their fresh pages to commit before use.
         self.populate = runtime.fresh_memory_is_lazy
-        self._fresh_is_zero = runtime.fresh_memory_is_zero
+        # Zeroing names the pages handed out before where fresh memory reads zero, else
+        # every page.
+        self._zero_reused = zero and runtime.fresh_memory_is_zero
+        self._zero_whole = zero and not runtime.fresh_memory_is_zero
         self._page_shift = page_shift
         # One flag per page: handed out at least once. None: nothing needs to tell.
         self._used: npt.NDArray[np.bool_] | None = (
             np.zeros(self._native.capacity >> page_shift, np.bool_)
-            if self.populate or (zero and self._fresh_is_zero)
+            if self.populate or self._zero_reused
             else None
         )
 
@@ -106,14 +109,14 @@ class MemoryPool:
         """
         addr, handle = self._native.alloc(nbytes)
         size = self.round_up(nbytes)
-        whole = ((addr, size),)
+        whole = ((addr, size),) if self._zero_whole else ()
         if self._used is None:
-            return Allocation(addr, size, handle, whole if self.zero else ())
+            return Allocation(addr, size, handle, whole)
         first = (addr - self._native.base) >> self._page_shift
         stop = first + (size >> self._page_shift)
         with self._lock:
             used = self._used[first:stop]
-            reused = _runs(used) if self.zero else []
+            reused = _runs(used) if self._zero_reused else []
             fresh = _runs(~used) if self.populate else []
             used[:] = True
         shift = self._page_shift
@@ -121,13 +124,7 @@ class MemoryPool:
         def spans(runs: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
             return tuple((addr + (a << shift), (b - a) << shift) for a, b in runs)
 
-        if not self.zero:
-            to_zero: tuple[tuple[int, int], ...] = ()
-        elif self._fresh_is_zero:
-            to_zero = spans(reused)
-        else:
-            to_zero = whole
-        return Allocation(addr, size, handle, to_zero, spans(fresh))
+        return Allocation(addr, size, handle, whole or spans(reused), spans(fresh))
 
     def release(self, allocation: Allocation) -> None:
         """Return ``allocation`` to the pool; a pool already closed ignores it."""

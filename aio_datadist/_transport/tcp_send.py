@@ -25,10 +25,10 @@ from aio_datadist._transport.deadlines import now_ns
 from aio_datadist._transport.tcp_io import IO_ERRORS, iov_skip, move_payload, sendv_all
 from aio_datadist.status import LLMException
 
-__all__ = ("ROW_BYTES", "OutFrame", "Outbox")
+__all__ = ("OutFrame", "Outbox")
 
 #: Bytes a queued frame counts for each row of its row table (two uint64).
-ROW_BYTES = 16
+_ROW_BYTES = 16
 #: A reader paused over the limits looks again this often whether this side now awaits
 #: answers on the link (the limits then count twice), besides being woken by the sender.
 _PAUSE_TICK_S = 0.1
@@ -78,7 +78,7 @@ class OutFrame:
         self.stream = stream  # the payload after those, streamed (sender thread only)
         self.answer = answer
         tail_rows = 0 if tail is None else tail.shape[0]
-        self.held = len(ctl) + ROW_BYTES * (n + 1 + tail_rows + stream_rows)
+        self.held = len(ctl) + _ROW_BYTES * (n + 1 + tail_rows + stream_rows)
         self.after = after
         self.lock_held = False  # the send lock is held for this job (a partial inline send)
         self._finished = False
