@@ -68,6 +68,26 @@ def test_a_zeroing_pool_commits_fresh_pages_and_zeroes_used_ones() -> None:
         pool.close()
 
 
+def test_an_allocation_given_back_unused_leaves_its_fresh_pages_fresh() -> None:
+    pool = MemoryPool(HostRuntime(0), Placement.HOST, 8 * PAGE, PAGE_SHIFT, zero=True)
+    try:
+        a = pool.allocate(2 * PAGE)
+        pool.release(a)
+        b = pool.allocate(4 * PAGE)  # a's two pages (used), two fresh ones
+        assert b.to_populate == ((b.addr + 2 * PAGE, 2 * PAGE),)
+        pool.release(b, unused=True)  # committing it failed: nobody used it
+        c = pool.allocate(4 * PAGE)
+        assert c.addr == b.addr
+        assert c.to_populate == b.to_populate  # committed by this one, then
+        assert c.to_zero == ((c.addr, 2 * PAGE),)  # and the pages a held are zeroed still
+        pool.release(c)
+        d = pool.allocate(4 * PAGE)  # released after use: nothing fresh is left
+        assert d.to_populate == () and d.to_zero == ((d.addr, 4 * PAGE),)
+        pool.release(d)
+    finally:
+        pool.close()
+
+
 def test_memory_committed_when_allocated_needs_nothing() -> None:
     pool = MemoryPool(_CommittedWhenAllocated(0), Placement.DEVICE, 4 * PAGE, PAGE_SHIFT)
     try:
@@ -160,3 +180,9 @@ async def test_memory_that_cannot_be_committed_fails_the_allocation(
         await face.cm.allocate_cache(desc)
     assert exc.value.status_code == LLMStatusCode.LLM_OUT_OF_MEMORY
     assert face.pool_used()[Placement.HOST] == 0
+    # The memory the failed call took is still fresh: the next allocation commits it.
+    committed: list[int] = []
+    monkeypatch.setattr(runtime, "populate", lambda addr, nbytes: committed.append(nbytes))
+    cache = await face.cm.allocate_cache(desc)
+    assert sum(committed) == 4 * (4 << 20)
+    await face.cm.deallocate_cache(cache)

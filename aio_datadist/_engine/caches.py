@@ -361,8 +361,9 @@ class CacheService:
 
     @staticmethod
     def abandon(reservation: Reservation) -> None:
-        """Give a reservation's memory back to its pool (an allocate call that failed)."""
-        reservation.pool.release(reservation.allocation)
+        """Give a reservation's memory back to its pool (an allocate call that failed); its
+        fresh pages stay to be committed by the next allocation over them."""
+        reservation.pool.release(reservation.allocation, unused=True)
 
     def _allocate(
         self,

@@ -126,11 +126,21 @@ class MemoryPool:
 
         return Allocation(addr, size, handle, whole or spans(reused), spans(fresh))
 
-    def release(self, allocation: Allocation) -> None:
-        """Return ``allocation`` to the pool; a pool already closed ignores it."""
+    def release(self, allocation: Allocation, *, unused: bool = False) -> None:
+        """Return ``allocation`` to the pool; a pool already closed ignores it.
+
+        ``unused``: it goes back before anyone used it (an allocate call that failed, maybe
+        while committing it), so its fresh pages count as never handed out: the next
+        allocation over them commits them again.
+        """
         with self._lock:
             if self._closed:
                 return
+            if unused and self._used is not None:
+                base, shift = self._native.base, self._page_shift
+                for addr, nbytes in allocation.to_populate:
+                    first = (addr - base) >> shift
+                    self._used[first : first + (nbytes >> shift)] = False
             self._native.free(allocation.handle)
 
     def stats(self) -> PoolStats:
