@@ -252,6 +252,22 @@ def test_bytes_helpers_roundtrip(pair: tuple[socket.socket, socket.socket]) -> N
     assert struct.unpack("<QI", out[9:]) == (1 << 40, 7)
 
 
+def test_a_row_at_a_bytes_address_sends_those_bytes(
+    pair: tuple[socket.socket, socket.socket],
+) -> None:
+    a, b = pair
+    head = bytes(range(7, 7 + 48))
+    addr, keep = api.bytes_address(head)
+    payload = np.arange(4096, dtype=np.uint8)
+    iov = np.array([[addr, len(head)], [payload.ctypes.data, payload.nbytes]], dtype=np.uint64)
+    del head  # the keeper holds the bytes the first row points into
+    api.sock_sendv(a.fileno(), iov, api.deadline_after(5))
+    out = bytearray(48 + 4096)
+    api.sock_recv_into(b.fileno(), out, api.deadline_after(5))
+    assert bytes(out[:48]) == bytes(range(7, 7 + 48)) and bytes(out[48:]) == payload.tobytes()
+    assert keep is not None
+
+
 # --- deadlines ------------------------------------------------------------------------------
 
 

@@ -1224,6 +1224,13 @@ def sock_recv(fd: int, addr: int, nbytes: int, deadline_ns: int = 0) -> None:
     _net_check(rc, int(done[0]), f"sock_recv of {nbytes} bytes")
 
 
+def bytes_address(data: bytes) -> tuple[int, Any]:
+    """Where ``data``'s bytes lie, and what keeps them there: hold the second item for as
+    long as the address is used (a row of an iov, say)."""
+    buf = ffi.from_buffer(data)
+    return int(ffi.cast("uintptr_t", buf)), buf
+
+
 def sock_send_bytes(fd: int, data: bytes | bytearray | memoryview, deadline_ns: int = 0) -> None:
     """Send all of ``data`` (a small control frame, say) without copying it.
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 import structlog
 
-from aio_datadist._native.api import NetTimeout, sock_sendv
+from aio_datadist._native.api import NetTimeout, bytes_address, sock_sendv
 from aio_datadist._transport.base import ChannelStats, Iov, Segments, ServeLimits
 from aio_datadist._transport.deadlines import now_ns
 from aio_datadist._transport.tcp_io import IO_ERRORS, iov_skip, move_payload, sendv_all
@@ -66,10 +66,10 @@ class OutFrame:
         answer: bool = False,
         stream_rows: int = 0,
     ) -> None:
-        self.keep = np.frombuffer(ctl, dtype=np.uint8)  # the iov points into it
+        addr, self.keep = bytes_address(ctl)  # the iov points into ctl: kept with the frame
         n = 0 if payload is None else payload.shape[0]
         iov: Iov = np.empty((n + 1, 2), dtype=np.uint64)
-        iov[0, 0] = int(self.keep.__array_interface__["data"][0])
+        iov[0, 0] = addr
         iov[0, 1] = len(ctl)
         if payload is not None:
             iov[1:] = payload
