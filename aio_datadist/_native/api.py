@@ -1224,10 +1224,14 @@ def sock_recv(fd: int, addr: int, nbytes: int, deadline_ns: int = 0) -> None:
     _net_check(rc, int(done[0]), f"sock_recv of {nbytes} bytes")
 
 
-def bytes_address(data: bytes) -> tuple[int, Any]:
+def bytes_address(data: bytes | bytearray | memoryview) -> tuple[int, Any]:
     """Where ``data``'s bytes lie, and what keeps them there: hold the second item for as
-    long as the address is used (a row of an iov, say)."""
-    buf = ffi.from_buffer(data)
+    long as the address is used (a row of an iov, say); ``ffi.sizeof`` of it is their size.
+
+    Raises:
+        BufferError: ``data`` is not a contiguous buffer.
+    """
+    buf = ffi.from_buffer(data)  # keeps data's buffer exported until buf is dropped
     return int(ffi.cast("uintptr_t", buf)), buf
 
 
@@ -1241,12 +1245,12 @@ def sock_send_bytes(fd: int, data: bytes | bytearray | memoryview, deadline_ns: 
     _fd(fd)
     _deadline(deadline_ns)
     try:
-        buf = ffi.from_buffer(data)  # keeps data's buffer exported until buf is dropped
+        addr, buf = bytes_address(data)
     except BufferError as exc:
         raise TypeError(f"data must be a contiguous buffer: {exc}") from exc
     nbytes = ffi.sizeof(buf)
     done = ffi.new("uint64_t *")
-    rc = lib.dd_sock_send(fd, int(ffi.cast("uintptr_t", buf)), nbytes, deadline_ns, done)
+    rc = lib.dd_sock_send(fd, addr, nbytes, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_send_bytes of {nbytes} bytes")
 
 
