@@ -935,6 +935,8 @@ class AsyncCacheManager(_LoopBound):
         src_block_indices: Any = None,
         dst_block_indices: Any = None,
         dst_block_memory_size: Any = None,
+        *,
+        tensor_num_per_layer: Any = 2,
     ) -> CacheTask:
         """Push ``src_cache`` to one or more destinations layer by layer, in the background.
 
@@ -960,23 +962,28 @@ class AsyncCacheManager(_LoopBound):
         blocking ``task.synchronize()``/``get_results()`` raise ``RuntimeError`` on the loop's
         thread while the task runs.
 
-        :param src_cache: the DEVICE ``Cache`` to send (batch or blocks); ``num_tensors`` even (K
-            and V per layer).
+        :param src_cache: the DEVICE ``Cache`` to send (batch or blocks); ``num_tensors`` a
+            multiple of ``tensor_num_per_layer`` (even by default: K and V per layer).
         :param layer_synchronizer: a ``LayerSynchronizer`` saying when each layer is ready.
         :param transfer_configs: list or tuple of ``TransferConfig`` (destination by address), or of
             ``TransferWithCacheKeyConfig`` (by key) when ``enable_remote_cache_accessible`` is on;
-            layer ranges within ``[0, num_tensors // 2)``.
+            layer ranges within ``[0, num_tensors // tensor_num_per_layer)``; a ``TransferConfig``
+            names ``tensor_num_per_layer`` addresses per layer.
         :param src_block_indices: blocks of a blocks source to send (uint64), or None.
         :param dst_block_indices: destination blocks (uint64), as many as ``src_block_indices``;
             required with a blocks source.
         :param dst_block_memory_size: bytes per destination block (uint64), needed for a batch
             source with ``dst_block_indices``; None or 0 for a batch destination.
+        :param tensor_num_per_layer: keyword only, not in the reference API: how many consecutive
+            tensors make one layer (int32, >= 1; default 2, K and V). 1 suits caches that hold a
+            layer's K and V in one tensor, as vLLM's pages and MLA's latent cache do.
         :returns: a ``CacheTask`` with one result per config, in order, to ``await``.
         :raises TypeError: wrong argument types, configs of the wrong kind, not a
             ``LayerSynchronizer``.
         :raises ValueError: an int outside its range.
-        :raises LLMException: ``LLM_PARAM_INVALID`` (a HOST source, an odd ``num_tensors``, a bad
-            layer range, block list or block size), ``LLM_KV_CACHE_NOT_EXIST`` (the source cache is
+        :raises LLMException: ``LLM_PARAM_INVALID`` (a HOST source, ``num_tensors`` not a
+            multiple of ``tensor_num_per_layer``, ``tensor_num_per_layer`` < 1, a bad layer range,
+            block list or block size), ``LLM_KV_CACHE_NOT_EXIST`` (the source cache is
             unknown or released), ``LLM_FAILED`` after ``finalize``; transfer failures are the
             task's.
         :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
@@ -991,6 +998,7 @@ class AsyncCacheManager(_LoopBound):
             dst_block_indices,
             dst_block_memory_size,
             allow_async=True,
+            tensor_num_per_layer=tensor_num_per_layer,
         )
         task = CacheTask(len(job.configs), self._loop)
         cancelled = asyncio.Event()
@@ -1294,6 +1302,17 @@ class AsyncLLMDataDist(_LoopBound):
     def cluster_id(self) -> int:
         """The cluster id given at construction."""
         return self._engine.cluster_id
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """Where this endpoint listens for links, as ``(ip, port)``, or None for a client.
+
+        The port is the one bound: the system's choice when ``listen_ip_info`` named port 0.
+        Not part of the reference API.
+
+        :raises RuntimeError: before ``init`` or after ``finalize``.
+        """
+        return self._engine.link_table().listen_address
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine.initialized else "not initialized"

@@ -515,6 +515,8 @@ class CacheManager:
         src_block_indices: Any = None,
         dst_block_indices: Any = None,
         dst_block_memory_size: Any = None,
+        *,
+        tensor_num_per_layer: Any = 2,
     ) -> CacheTask:
         """Push ``src_cache`` to one or more destinations layer by layer, in the background.
 
@@ -530,23 +532,28 @@ class CacheManager:
         (``LLM_NOT_YET_LINK``, ``LLM_LINK_FAILED``, ``LLM_TIMEOUT``, ``LLM_KV_CACHE_NOT_EXIST``)
         become the failed configs' results; ``task.cancel()`` stops before the next layer.
 
-        :param src_cache: the DEVICE ``Cache`` to send (batch or blocks); ``num_tensors`` even (K
-            and V per layer).
+        :param src_cache: the DEVICE ``Cache`` to send (batch or blocks); ``num_tensors`` a
+            multiple of ``tensor_num_per_layer`` (even by default: K and V per layer).
         :param layer_synchronizer: a ``LayerSynchronizer`` saying when each layer is ready.
         :param transfer_configs: list or tuple of ``TransferConfig`` (destination by address), or of
             ``TransferWithCacheKeyConfig`` (by key) when ``enable_remote_cache_accessible`` is on;
-            layer ranges within ``[0, num_tensors // 2)``.
+            layer ranges within ``[0, num_tensors // tensor_num_per_layer)``; a ``TransferConfig``
+            names ``tensor_num_per_layer`` addresses per layer.
         :param src_block_indices: blocks of a blocks source to send (uint64), or None.
         :param dst_block_indices: destination blocks (uint64), as many as ``src_block_indices``;
             required with a blocks source.
         :param dst_block_memory_size: bytes per destination block (uint64), needed for a batch
             source with ``dst_block_indices``; None or 0 for a batch destination.
+        :param tensor_num_per_layer: keyword only, not in the reference API: how many consecutive
+            tensors make one layer (int32, >= 1; default 2, K and V). 1 suits caches that hold a
+            layer's K and V in one tensor, as vLLM's pages and MLA's latent cache do.
         :returns: a ``CacheTask`` with one result per config, in order.
         :raises TypeError: wrong argument types, configs of the wrong kind, not a
             ``LayerSynchronizer`` or an ``async def`` one.
         :raises ValueError: an int outside its range.
-        :raises LLMException: ``LLM_PARAM_INVALID`` (a HOST source, an odd ``num_tensors``, a bad
-            layer range, block list or block size), ``LLM_KV_CACHE_NOT_EXIST`` (the source cache is
+        :raises LLMException: ``LLM_PARAM_INVALID`` (a HOST source, ``num_tensors`` not a
+            multiple of ``tensor_num_per_layer``, ``tensor_num_per_layer`` < 1, a bad layer range,
+            block list or block size), ``LLM_KV_CACHE_NOT_EXIST`` (the source cache is
             unknown or released), ``LLM_FAILED`` after ``finalize``.
         """
         job = plan_layer_job(
@@ -558,6 +565,7 @@ class CacheManager:
             dst_block_indices,
             dst_block_memory_size,
             allow_async=False,
+            tensor_num_per_layer=tensor_num_per_layer,
         )
         task = CacheTask(len(job.configs))
         call = run_layers(job, task, self._links, Waiting.CALLER)
@@ -827,6 +835,17 @@ class LLMDataDist:
     def cluster_id(self) -> int:
         """The cluster id given at construction."""
         return self._engine.cluster_id
+
+    @property
+    def listen_address(self) -> tuple[str, int] | None:
+        """Where this endpoint listens for links, as ``(ip, port)``, or None for a client.
+
+        The port is the one bound: the system's choice when ``listen_ip_info`` named port 0.
+        Not part of the reference API.
+
+        :raises RuntimeError: before ``init`` or after ``finalize``.
+        """
+        return self._engine.link_table().listen_address
 
     def __repr__(self) -> str:
         state = "initialized" if self._engine.initialized else "not initialized"

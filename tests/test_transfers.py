@@ -549,6 +549,90 @@ async def test_transfer_cache_async_by_key(make_pair: PairFactory) -> None:
     await pair.decoder.cm.unregister_cache(d_cache.cache_id)
 
 
+@pytest.mark.parametrize("per_layer", [1, 3])
+async def test_transfer_cache_async_by_key_with_tensor_num_per_layer(
+    make_pair: PairFactory, per_layer: int
+) -> None:
+    """A layer of ``tensor_num_per_layer`` tensors (one: K and V joined, as vLLM's pages and
+    MLA's latent cache keep them) moves as a unit."""
+    pair = await make_pair(remote_accessible=True)
+    layers = 3
+    num = per_layer * layers
+    desc = CacheDesc(num, [5, 32], DataType.DT_FLOAT, Placement.DEVICE)
+    p_arrays = [np.zeros((5, 32), np.float32) for _ in range(num)]
+    d_arrays = pair.arrays(num, 5, 32, seed=11)
+    pair.keep.append(p_arrays)
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in p_arrays], BlocksCacheKey(1, 0)
+    )
+    d_cache = await pair.decoder.cm.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in d_arrays], BlocksCacheKey(2, 0)
+    )
+    sync = Recorder()
+    task = pair.decoder.dd.cache_manager.transfer_cache_async(
+        d_cache,
+        sync,
+        [TransferWithCacheKeyConfig(BlocksCacheKey(1, 0), range(1, 3), range(0, 2))],
+        src_block_indices=[3, 0],
+        dst_block_indices=[1, 4],
+        tensor_num_per_layer=per_layer,
+    )
+    assert await results(pair.decoder, task) == [S.LLM_SUCCESS]
+    assert sync.layers == [1, 2]
+    for src_layer, dst_layer in ((1, 0), (2, 1)):
+        for j in range(per_layer):
+            p, d = p_arrays[per_layer * dst_layer + j], d_arrays[per_layer * src_layer + j]
+            np.testing.assert_array_equal(p[[1, 4]], d[[3, 0]])
+    for j in range(per_layer):  # destination layer 2 was not written
+        assert not p_arrays[per_layer * 2 + j].any()
+    cm = pair.decoder.dd.cache_manager
+    key = [TransferWithCacheKeyConfig(BlocksCacheKey(1, 0), range(0, 1), range(0, 1))]
+    for bad in (2, 0):  # not a whole number of layers; fewer than one tensor per layer
+        with pytest.raises(LLMException) as info:
+            cm.transfer_cache_async(d_cache, Recorder(), key, [0], [0], tensor_num_per_layer=bad)
+        assert info.value.status_code == S.LLM_PARAM_INVALID
+    with pytest.raises(TypeError):
+        cm.transfer_cache_async(d_cache, Recorder(), key, [0], [0], tensor_num_per_layer="1")
+    await pair.decoder.cm.unregister_cache(d_cache.cache_id)
+
+
+async def test_transfer_cache_async_by_address_with_one_tensor_per_layer(
+    make_pair: PairFactory,
+) -> None:
+    pair = await make_pair()
+    desc = CacheDesc(3, [4, 16], DataType.DT_FLOAT, Placement.DEVICE)
+    p_arrays = [np.zeros((4, 16), np.float32) for _ in range(3)]
+    pair.keep.append(p_arrays)
+    await pair.prompt.cache_manager.register_blocks_cache(
+        desc, [int(a.ctypes.data) for a in p_arrays], BlocksCacheKey(1, 0)
+    )
+    src = pair.arrays(3, 4, 16, seed=12)
+    s_cache = await pair.decoder.cm.register_blocks_cache(desc, [int(a.ctypes.data) for a in src])
+    addrs = [int(a.ctypes.data) for a in p_arrays[1:]]  # layers 1 and 2, one address each
+    task = pair.decoder.dd.cache_manager.transfer_cache_async(
+        s_cache,
+        Recorder(),
+        [TransferConfig(1, addrs, range(1, 3))],
+        src_block_indices=[2, 0],
+        dst_block_indices=[3, 1],
+        tensor_num_per_layer=1,
+    )
+    assert await results(pair.decoder, task) == [S.LLM_SUCCESS]
+    for layer in (1, 2):
+        np.testing.assert_array_equal(p_arrays[layer][[3, 1]], src[layer][[2, 0]])
+    assert not p_arrays[0].any()
+    with pytest.raises(LLMException):  # two addresses for one layer of one tensor
+        pair.decoder.dd.cache_manager.transfer_cache_async(
+            s_cache,
+            Recorder(),
+            [TransferConfig(1, addrs, range(1, 2))],
+            [0],
+            [0],
+            tensor_num_per_layer=1,
+        )
+    await pair.decoder.cm.unregister_cache(s_cache.cache_id)
+
+
 async def test_transfer_cache_async_by_address(make_pair: PairFactory) -> None:
     pair = await make_pair()
     layers = 2
@@ -838,6 +922,30 @@ async def test_link_unlink_and_switch_role(make_pair: PairFactory) -> None:
     if presence is not None:
         assert dd.dd._engine.link_table().get(1).peer_memory is not None
     await dd.cm.deallocate_cache(cache)
+
+
+async def test_listen_address_is_the_bound_address(face_kind: str) -> None:
+    """A listener on port 0 reports the port the system chose; a client reports None."""
+    server, client = Face(face_kind, LLMRole.PROMPT, 1), Face("async", LLMRole.DECODER, 2)
+    with pytest.raises(RuntimeError):
+        _ = server.dd.listen_address
+    try:
+        await server.init(make_options(transport="tcp", listen="127.0.0.1:0"))
+        await client.init(make_options(transport="tcp"))
+        host, port = server.dd.listen_address
+        assert host == "127.0.0.1" and port > 0
+        assert client.dd.listen_address is None
+        info = LLMClusterInfo()
+        info.remote_cluster_id = 1
+        info.append_local_ip_info("127.0.0.1", 0)
+        info.append_remote_ip_info("127.0.0.1", port)
+        ret, _ = await client.dd.link_clusters([info], 5000)
+        assert ret == S.LLM_SUCCESS
+    finally:
+        await client.finalize()
+        await server.finalize()
+    with pytest.raises(RuntimeError):
+        _ = server.dd.listen_address
 
 
 async def test_peer_finalize_breaks_the_link(make_pair: PairFactory) -> None:

@@ -91,6 +91,7 @@ class LayerJob:
         dst_blocks: list[int],
         dst_block_bytes: int,
         plan: Plan,
+        per_layer: int = 2,
     ) -> None:
         self.planner = planner
         self.entry = entry
@@ -102,6 +103,8 @@ class LayerJob:
         self.dst_blocks = dst_blocks
         self.dst_block_bytes = dst_block_bytes
         self.plan = plan
+        #: Tensors per layer (``tensor_num_per_layer``): layer k is tensors [k*n, (k+1)*n).
+        self.per_layer = per_layer
         self.stopped = False
         self._lock = threading.Lock()
         self._completions: list[Completion] = []
@@ -235,11 +238,13 @@ class LayerJob:
 
     # -- requests -------------------------------------------------------------------------
     def _source(self, layer: int, row: int) -> tuple[Any, int, list[int] | None]:
-        """Local rows of ``layer`` (K and V), their segment size and the source blocks.
+        """Local rows of ``layer`` (its ``per_layer`` tensors), their segment size and the
+        source blocks.
 
         A PA source without block indices sends its first block of each tensor.
         """
-        entry, tensors, seg = self.entry, (2 * layer, 2), self.entry.row_bytes
+        n = self.per_layer
+        entry, tensors, seg = self.entry, (n * layer, n), self.entry.row_bytes
         if entry.is_blocks:
             blocks = self.src_blocks or [0]
             return local_blocks(entry, tensors, blocks, seg), seg, blocks
@@ -265,24 +270,25 @@ class LayerJob:
             dst_blocks = np.asarray(self.dst_blocks[:count], dtype=np.uint64)
         else:
             count, seg_bytes, tail, dst_blocks = 1, seg * n_src, 0, None
+        n = self.per_layer
         if isinstance(config, TransferConfig):
             cluster = config.dst_cluster_id
-            k = 2 * (layer - cfg.src.start)
-            bases = np.asarray(config.dst_addrs[k : k + 2], dtype=np.uint64)
+            k = n * (layer - cfg.src.start)
+            bases = np.asarray(config.dst_addrs[k : k + n], dtype=np.uint64)
             if dst_blocks is None:
-                remote = np.stack([bases, np.full(2, seg * n_src, dtype=np.uint64)], axis=1)
+                remote = np.stack([bases, np.full(n, seg * n_src, dtype=np.uint64)], axis=1)
             else:
                 lens = np.full(count, seg_bytes, dtype=np.uint64)
                 lens[-1] = tail
                 starts = bases[:, None] + dst_blocks[None, :] * np.uint64(chunk)
-                remote = np.stack([starts.reshape(-1), np.tile(lens, 2)], axis=1)
+                remote = np.stack([starts.reshape(-1), np.tile(lens, n)], axis=1)
             access = Access(Target.ADDRESSES, rows=np.ascontiguousarray(remote, dtype=np.uint64))
         else:
             key = config.cache_key
             cluster = key.cluster_id
             fields: dict[str, Any] = {
-                "tensor_start": 2 * dst_layer,
-                "tensor_count": 2,
+                "tensor_start": n * dst_layer,
+                "tensor_count": n,
                 "seg_bytes": seg_bytes,
                 "tail_bytes": tail if dst_blocks is not None else 0,
                 "blocks": dst_blocks if dst_blocks is not None else np.empty(0, np.uint64),
@@ -309,9 +315,19 @@ def plan_layer_job(
     dst_block_memory_size: Any,
     *,
     allow_async: bool,
+    tensor_num_per_layer: Any = 2,
 ) -> LayerJob:
-    """Validate a ``transfer_cache_async`` call (synchronously) and build its job."""
+    """Validate a ``transfer_cache_async`` call (synchronously) and build its job.
+
+    ``tensor_num_per_layer`` (aio_datadist's extension; the reference always takes 2, K and
+    V) is how many consecutive tensors make one layer: 1 for caches that keep K and V of a
+    layer in one tensor (vLLM's joined pages, MLA's latent cache).
+    """
     check_type("src_cache", src_cache, Cache)
+    check_int("tensor_num_per_layer", tensor_num_per_layer, "int32")
+    if tensor_num_per_layer < 1:
+        raise _invalid(f"tensor_num_per_layer must be >= 1, got {tensor_num_per_layer}")
+    per_layer = int(tensor_num_per_layer)
     if src_cache._layout.placement is Placement.HOST:
         raise _invalid("transfer_cache_async does not take a HOST source cache")
     src_blocks = [] if src_block_indices is None else src_block_indices
@@ -363,9 +379,13 @@ def plan_layer_job(
         if not dst_blocks and dst_bytes:
             raise _invalid("dst_block_memory_size must be None or 0 for a non-PA destination")
         num = len(entry.addrs)
-        if num % 2:
-            raise _invalid(f"transfer_cache_async needs an even num_tensors, got {num}")
-        layers = num // 2
+        if num % per_layer:
+            if per_layer == 2:
+                raise _invalid(f"transfer_cache_async needs an even num_tensors, got {num}")
+            raise _invalid(
+                f"num_tensors {num} is not a multiple of tensor_num_per_layer {per_layer}"
+            )
+        layers = num // per_layer
         configs: list[_Config] = []
         for i, config in enumerate(transfer_configs):
             src = config.src_layer_range
@@ -373,10 +393,10 @@ def plan_layer_job(
             if not 0 <= src.start < src.stop <= layers:
                 raise _invalid(f"transfer_configs[{i}] layer range {src} is outside [0, {layers})")
             if isinstance(config, TransferConfig):
-                if len(config.dst_addrs) != 2 * len(src):
+                if len(config.dst_addrs) != per_layer * len(src):
                     raise _invalid(
                         f"transfer_configs[{i}] has {len(config.dst_addrs)} dst_addrs for "
-                        f"{len(src)} layers (two per layer)"
+                        f"{len(src)} layers ({per_layer} per layer)"
                     )
                 dst_start = src.start
             else:
@@ -400,4 +420,5 @@ def plan_layer_job(
         list(dst_blocks),
         dst_bytes,
         plan,
+        per_layer,
     )
