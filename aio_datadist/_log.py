@@ -36,10 +36,16 @@ def _render(
     return (message,), kwargs
 
 
-def get_logger(name: str, **context: Any) -> structlog.stdlib.BoundLogger:
-    """Return a bound logger named ``aio_datadist.<name>`` carrying ``context`` fields."""
+def get_logger(name: str, *, under: str = _ROOT, **context: Any) -> structlog.stdlib.BoundLogger:
+    """Return a bound logger named ``<under>.<name>`` (``aio_datadist.<name>`` by default)
+    carrying ``context`` fields.
+
+    ``under`` places an integration's logger in its host's hierarchy (the vLLM connector
+    logs under ``vllm.aio_datadist``, so that vLLM's logging configuration shows its lines
+    beside vLLM's own); the library itself always logs under ``aio_datadist``.
+    """
     logger: structlog.stdlib.BoundLogger = structlog.wrap_logger(
-        logging.getLogger(f"{_ROOT}.{name}"),
+        logging.getLogger(f"{under}.{name}"),
         processors=[structlog.stdlib.filter_by_level, _render],
         wrapper_class=structlog.stdlib.BoundLogger,
         context_class=dict,

@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING, Any
 from aio_datadist._connector.config import MODE_PULL
 from aio_datadist._connector.control import ControlError
 from aio_datadist._connector.params import RemoteSource
-from aio_datadist._log import get_logger
 from aio_datadist.status import LLMException
 
 if TYPE_CHECKING:
@@ -33,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ("Consumer", "LoadError")
 
 _SHORT_S = 5.0
-_log = get_logger("connector.consumer")
 
 
 class LoadError(Exception):
@@ -94,7 +92,7 @@ class Consumer:
                 nbytes = await self._await_push(peer, source, blocks, skip, num_tokens)
         except (LoadError, ControlError, LLMException, ValueError) as exc:
             node.counters.add("load_failures")
-            _log.warning(
+            self._node.log.warning(
                 "kv.load_failed",
                 request=request_id,
                 remote=f"{source.host}:{source.port}",

@@ -215,8 +215,13 @@ class ControlServer:
     """Accepts control connections and serves their requests."""
 
     def __init__(
-        self, identity: Identity, secret: LinkSecret | None, handler: RequestHandler
+        self,
+        identity: Identity,
+        secret: LinkSecret | None,
+        handler: RequestHandler,
+        log: Any = None,
     ) -> None:
+        self._log = log if log is not None else _log
         self._identity = identity
         self._secret = secret
         self._handler = handler
@@ -288,7 +293,10 @@ class ControlServer:
         try:
             peer = await asyncio.wait_for(self._handshake(reader, writer), _HANDSHAKE_TIMEOUT_S)
         except (TimeoutError, ControlError) as exc:
-            _log.warning("control.handshake_refused", error=str(exc) or "timed out")
+            peer = writer.get_extra_info("peername")
+            self._log.warning(
+                "control.handshake_refused", peer=str(peer), error=str(exc) or "timed out"
+            )
             _close(writer)
             return
         connection = ServerConnection(peer, writer)
@@ -320,7 +328,7 @@ class ControlServer:
         except ControlRefusal as exc:
             reply = {"re": request_id, "ok": False, "error": str(exc)}
         except Exception as exc:  # a handler bug answers the request and is logged
-            _log.error("control.handler_failed", op=op, error=repr(exc), exc_info=exc)
+            self._log.error("control.handler_failed", op=op, error=repr(exc), exc_info=exc)
             reply = {"re": request_id, "ok": False, "error": f"internal error: {exc!r}"}
         with contextlib.suppress(ControlError):
             await connection.send(reply)

@@ -25,7 +25,8 @@ _log = get_logger("connector.loop")
 class LoopThread:
     """An asyncio event loop running in a daemon thread of its own."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, log: Any = None) -> None:
+        self._log = log if log is not None else _log
         self._name = name
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -90,7 +91,7 @@ class LoopThread:
             return
         exc = task.exception()
         if exc is not None:
-            _log.error(
+            self._log.error(
                 "connector.task_failed",
                 task=task.get_name(),
                 error=f"{type(exc).__name__}: {exc}",
@@ -113,7 +114,7 @@ class LoopThread:
             try:
                 self.run(self._cancel_tasks(), timeout)
             except TimeoutError:
-                _log.warning("connector.stop_slow", loop=self._name)
+                self._log.warning("connector.stop_slow", loop=self._name)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout)
         if not self._thread.is_alive():

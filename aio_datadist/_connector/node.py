@@ -41,7 +41,6 @@ from aio_datadist.types import BlocksCacheKey
 
 __all__ = ("KvNode", "Peer", "cluster_id_for")
 
-_log = get_logger("connector.node")
 _LINK_BROKEN = (LLMStatusCode.LLM_LINK_FAILED, LLMStatusCode.LLM_NOT_YET_LINK)
 
 
@@ -77,15 +76,19 @@ class KvNode:
         rank: int,
         tp_size: int,
         role: LLMRole = LLMRole.MIX,
+        log_under: str = "aio_datadist",
     ) -> None:
         self.config = config
+        #: Where the node's events go: ``aio_datadist.kv`` by default; an integration puts
+        #: them under its host's logger (``vllm.aio_datadist.kv``).
+        self.log = get_logger("kv", under=log_under)
         self.layout = layout
         self.engine_id = engine_id
         self.rank = rank
         self.tp_size = tp_size
         self.role = role
         self.cluster_id = cluster_id_for(engine_id, rank)
-        self.loop = LoopThread(f"aio_datadist-kv-{rank}")
+        self.loop = LoopThread(f"aio_datadist-kv-{rank}", self.log)
         self.outcomes = Outcomes()
         self.counters = Counters()
         self.producer = Producer(self)
@@ -168,11 +171,11 @@ class KvNode:
             data=dd.listen_address,
             layout=self.layout.describe(),
         )
-        self._server = ControlServer(self._identity, self._secret, self.producer)
+        self._server = ControlServer(self._identity, self._secret, self.producer, self.log)
         self.control_address = await self._server.start(
             config.host, config.rank_port(config.port, self.rank)
         )
-        _log.info(
+        self.log.info(
             "kv.node_started",
             engine=self.engine_id,
             rank=self.rank,
@@ -254,7 +257,7 @@ class KvNode:
             if reason is None and them.data is None:
                 reason = "the peer does not listen for transfer links"
             if reason is not None:
-                _log.error("kv.peer_refused", peer=f"{address[0]}:{address[1]}", reason=reason)
+                self.log.error("kv.peer_refused", peer=f"{address[0]}:{address[1]}", reason=reason)
                 raise ControlError(f"refused {address[0]}:{address[1]}: {reason}")
             assert them.data is not None
             info = LLMClusterInfo()
@@ -282,7 +285,9 @@ class KvNode:
     async def drop(self, peer: Peer, reason: str) -> None:
         """Forget ``peer`` and drop the transfer link to it (so that nothing more moves on
         it); the next load reconnects."""
-        _log.warning("kv.peer_dropped", peer=f"{peer.address[0]}:{peer.address[1]}", reason=reason)
+        self.log.warning(
+            "kv.peer_dropped", peer=f"{peer.address[0]}:{peer.address[1]}", reason=reason
+        )
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
         await peer.client.close()

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 from aio_datadist._connector.control import ControlError, ControlRefusal, ServerConnection
 from aio_datadist._connector.gate import GateSynchronizer, LayerGate
-from aio_datadist._log import get_logger
 from aio_datadist.status import LLMException
 from aio_datadist.types import BlocksCacheKey, TransferWithCacheKeyConfig
 
@@ -40,7 +39,6 @@ __all__ = ("PushChunk", "Producer")
 #: (the answer with the parameters can reach the decode before the engine's next step).
 OFFER_WAIT_S = 30.0
 _CANCEL_WAIT_S = 30.0
-_log = get_logger("connector.producer")
 
 
 @dataclass(frozen=True)
@@ -118,9 +116,23 @@ class Producer:
         self._gates: dict[int, tuple[LayerGate, list[PushChunk]]] = {}
 
     # -- offers (pull and push) -----------------------------------------------------------
-    def offer(self, request_id: str, blocks: tuple[int, ...], num_tokens: int) -> None:
+    def offer(
+        self,
+        request_id: str,
+        blocks: tuple[int, ...],
+        num_tokens: int,
+        transfer_id: str | None = None,
+    ) -> None:
         """The engine finished ``request_id`` and holds ``blocks`` for a remote decode until
-        it is released, pushed, or ``abort_timeout`` passes."""
+        it is released, pushed (``transfer_id`` names a push), or ``abort_timeout`` passes."""
+        if transfer_id is not None and request_id not in self._pushes:
+            # A push none of whose steps was planned here: every block is ready.
+            late = _Push(request_id, transfer_id, num_tokens, blocks=blocks, ready=num_tokens)
+            self._pushes[request_id] = late
+            self._by_transfer[transfer_id] = late
+            waiting = self._expected.pop(transfer_id, None)
+            if waiting is not None:
+                self._attach(late, waiting)
         offer = _Offer(request_id, blocks, num_tokens)
         offer.timer = asyncio.get_running_loop().call_later(
             self._node.config.abort_timeout_s, self._expire, request_id
@@ -142,7 +154,7 @@ class Producer:
         offer = self._offers.get(request_id)
         if offer is None:
             return
-        _log.warning(
+        self._node.log.warning(
             "kv.offer_expired",
             request=request_id,
             acquired=offer.acquired,
@@ -415,7 +427,7 @@ class Producer:
             counters.push(time.monotonic() - push.started, push.nbytes)
         elif expectation is not None:
             counters.add("push_failures")
-            _log.warning(
+            self._node.log.warning(
                 "kv.push_failed",
                 request=push.request_id,
                 transfer=push.transfer_id,
