@@ -47,6 +47,8 @@ def _empty() -> dict[str, Any]:
 class AioKVConnectorStats(KVConnectorStats):
     """What the workers' nodes did in one interval (serializable: ints, lists, dicts)."""
 
+    data: dict[str, Any]
+
     def __post_init__(self) -> None:
         if not self.data:
             self.reset()

@@ -54,6 +54,7 @@ class SchedulerSide:
         self._ranks: list[tuple[str, int]] = []
         self._meta = AioConnectorMetadata()
         self._pushes: dict[str, _PushRequest] = {}
+        self._warned_pull = False
 
     # -- start ------------------------------------------------------------------------------
     def set_handshakes(self, handshakes: dict[int, Any]) -> None:
@@ -89,12 +90,14 @@ class SchedulerSide:
                 self._pushes[request.request_id] = _PushRequest(
                     transfer_id, request.num_prompt_tokens
                 )
-            elif not isinstance(transfer_id, str):
+            elif not isinstance(transfer_id, str) and not self._warned_pull:
+                self._warned_pull = True  # once: the proxy does not speak push
                 _log.warning(
                     "kv.push_without_transfer_id",
                     request=request.request_id,
-                    note="a push request needs transfer_id in kv_transfer_params; "
-                    "it is served as a pull",
+                    note="push mode needs a transfer_id in each request's kv_transfer_params "
+                    "(as examples/vllm/proxy.py --mode push sends); requests without one "
+                    "are served as pulls",
                 )
             return
         if not params.get("do_remote_prefill"):
