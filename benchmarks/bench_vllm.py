@@ -133,7 +133,8 @@ def run_pair(kind: str, model: str, args: argparse.Namespace, logs: Path) -> dic
                     }
                 )
             rows[n] = samples
-            print(json.dumps({"kind": kind, "tokens": n, **summary(samples)}), flush=True)
+            print(json.dumps({"kind": kind, "tokens": n, **summary(samples),
+                              "d_times": [round(s["d_time"], 3) for s in samples]}), flush=True)  # fmt: skip
     finally:
         d.stop(), p.stop()
     return rows

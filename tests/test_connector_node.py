@@ -89,7 +89,10 @@ def wait_for(predicate: Callable[[], Any], timeout: float = 10.0) -> None:
 
 
 @pytest.fixture
-def nodes() -> Iterator[Callable[..., Node]]:
+def nodes(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Node]]:
+    # A node picks the runtime its KV's memory needs (AIO_DATADIST_RUNTIME); other tests
+    # find the variable as it was.
+    monkeypatch.delenv("AIO_DATADIST_RUNTIME", raising=False)
     made: list[Node] = []
 
     def make(name: str, **kwargs: Any) -> Node:
@@ -349,3 +352,33 @@ async def test_a_load_does_not_need_the_callers_loop(nodes: Callable[..., Node])
     while "d1" not in d.collect().finished_recving:
         assert time.monotonic() < deadline
         await asyncio.sleep(0.005)
+
+
+def test_a_decode_asking_for_an_ended_push_is_refused_at_once(nodes: Callable[..., Node]) -> None:
+    p, d = nodes("p", abort_timeout=0.3), nodes("d", load_timeout=30)
+    step(p, 1, [PushChunk("r1", "t1", (1,), 30, 30)])
+    p.on_loop(p.node.producer.offer, "r1", (1,), 30, "t1")
+    wait_for(lambda: "r1" in p.collect().finished_sending)  # nobody came: freed
+    started = time.monotonic()
+    source = p.source("r1", [], 30, mode="push", transfer_id="t1")
+    d.on_loop(d.node.consumer.load, "d1", source, [3], 0, 30)
+    wait_for(lambda: "d1" in d.collect().finished_recving)
+    assert d.seen.failed_blocks == {3}
+    assert time.monotonic() - started < 10  # refused, not waited out (load_timeout is 30 s)
+
+
+def test_an_unexpected_error_in_a_load_is_reported_not_lost(
+    nodes: Callable[..., Node], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    p, d = nodes("p"), nodes("d")
+
+    async def broken(*args: Any) -> int:
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(d.node.consumer, "_pull", broken)
+    p.on_loop(p.node.producer.offer, "r1", (1,), 10)
+    with caplog.at_level("WARNING", logger="aio_datadist.kv"):
+        d.on_loop(d.node.consumer.load, "d1", p.source("r1", [1], 10), [2], 0, 10)
+        wait_for(lambda: "d1" in d.collect().finished_recving)
+    assert d.seen.failed_blocks == {2}
+    assert any("kv.load_failed request=d1" in r.getMessage() for r in caplog.records)

@@ -90,15 +90,17 @@ class Consumer:
                 nbytes = await self._pull(peer, source, blocks, skip, num_tokens)
             else:
                 nbytes = await self._await_push(peer, source, blocks, skip, num_tokens)
-        except (LoadError, ControlError, LLMException, ValueError) as exc:
+        except Exception as exc:  # every failure ends the load, reported, never lost
+            expected = isinstance(exc, (LoadError, ControlError, LLMException, ValueError))
             node.counters.add("load_failures")
-            self._node.log.warning(
+            node.log.warning(
                 "kv.load_failed",
                 request=request_id,
                 remote=f"{source.host}:{source.port}",
                 mode=source.mode,
                 blocks=len(blocks),
                 error=f"{type(exc).__name__}: {exc}",
+                exc_info=None if expected else exc,
             )
             node.outcomes.failed(request_id, blocks)
             return

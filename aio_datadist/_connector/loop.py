@@ -29,6 +29,7 @@ class LoopThread:
         self._log = log if log is not None else _log
         self._name = name
         self._loop = asyncio.new_event_loop()
+        self._loop.set_exception_handler(self._unhandled)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._started = False
@@ -43,6 +44,18 @@ class LoopThread:
         if not self._started:
             self._started = True
             self._thread.start()
+
+    def _unhandled(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        """An error no task owned (a callback handed over with :meth:`call`): logged on the
+        node's logger, with its traceback."""
+        exc = context.get("exception")
+        self._log.error(
+            "connector.callback_failed",
+            loop=self._name,
+            message=context.get("message", ""),
+            error=f"{type(exc).__name__}: {exc}" if exc is not None else None,
+            exc_info=exc,
+        )
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)

@@ -20,6 +20,7 @@ a released offer. A decode that gives up ``cancel``-s, and the node stops before
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,8 @@ __all__ = ("PushChunk", "Producer")
 #: (the answer with the parameters can reach the decode before the engine's next step).
 OFFER_WAIT_S = 30.0
 _CANCEL_WAIT_S = 30.0
+#: How many ended transfers the node remembers (a late ``expect`` of one is refused at once).
+_ENDED_KEPT = 4096
 
 
 @dataclass(frozen=True)
@@ -114,6 +117,8 @@ class Producer:
         self._by_transfer: dict[str, _Push] = {}
         self._expected: dict[str, _Expectation] = {}  # expectations of unknown transfers
         self._gates: dict[int, tuple[LayerGate, list[PushChunk]]] = {}
+        #: Why recent transfers ended, so that a decode asking late is refused at once.
+        self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
 
     # -- offers (pull and push) -----------------------------------------------------------
     def offer(
@@ -253,6 +258,9 @@ class Producer:
         except (KeyError, TypeError, ValueError) as exc:
             raise ControlRefusal(f"malformed expect ({exc!r})") from None
         push = self._by_transfer.get(transfer_id)
+        ended = self._ended.get(transfer_id)
+        if push is None and ended is not None:
+            raise ControlRefusal(f"transfer {transfer_id} has ended: {ended}")
         if push is None:
             # The prefill has not started this request yet: keep it until it does.
             if transfer_id in self._expected:
@@ -453,6 +461,9 @@ class Producer:
         if push.offered or push.forgotten:
             self._pushes.pop(push.request_id, None)
             self._by_transfer.pop(push.transfer_id, None)
+            self._ended[push.transfer_id] = push.error or "pushed"
+            while len(self._ended) > _ENDED_KEPT:
+                self._ended.popitem(last=False)
         if push.offered:
             self._free(push.request_id)
 
