@@ -205,6 +205,15 @@ def test_another_tensor_parallel_size_is_refused(nodes: Callable[..., Node]) -> 
     assert d.seen.failed_recving == {"d1"}
 
 
+def expect_push(p: Node, d: Node, blocks: list[int], tokens: int, wait: bool = True) -> None:
+    """D loads request "d1" by push (transfer "t1" of P's request "r1") into ``blocks``; with
+    ``wait``, until P holds the expectation."""
+    source = p.source("r1", [], tokens, mode="push", transfer_id="t1")
+    d.on_loop(d.node.consumer.load, "d1", source, blocks, 0, tokens)
+    if wait:
+        wait_for(lambda: "t1" in p.node.producer._expected)
+
+
 def step(p: Node, number: int, chunks: list[PushChunk], layers_first: bool = True) -> None:
     """Run one "forward" on P: plan, mark each layer as it is written, end."""
     gate = LayerGate(LAYERS)
@@ -240,15 +249,7 @@ def test_a_push_lands_layer_by_layer_across_steps(
 def test_a_push_waits_at_the_gate_for_each_layer(nodes: Callable[..., Node]) -> None:
     p, d = nodes("p"), nodes("d")
     p.fill(5)
-    d.on_loop(
-        d.node.consumer.load,
-        "d1",
-        p.source("r1", [], 30, mode="push", transfer_id="t1"),
-        [3],
-        0,
-        30,
-    )
-    wait_for(lambda: "t1" in p.node.producer._expected)
+    expect_push(p, d, [3], 30)
     gate = LayerGate(LAYERS)
     p.on_loop(p.node.producer.plan_step, 1, gate, [PushChunk("r1", "t1", (2,), 30, 30)])
     p.on_loop(gate.mark, 0)
@@ -271,14 +272,7 @@ def test_a_push_the_prefill_never_makes_times_out_and_is_cancelled(
     nodes: Callable[..., Node],
 ) -> None:
     p, d = nodes("p"), nodes("d", load_timeout=0.3)
-    d.on_loop(
-        d.node.consumer.load,
-        "d1",
-        p.source("r1", [], 30, mode="push", transfer_id="t1"),
-        [3],
-        0,
-        30,
-    )
+    expect_push(p, d, [3], 30, wait=False)
     wait_for(lambda: "d1" in d.collect().finished_recving)
     assert d.seen.failed_blocks == {3}
     wait_for(lambda: "t1" not in p.node.producer._expected)  # the decode cancelled it
@@ -286,15 +280,7 @@ def test_a_push_the_prefill_never_makes_times_out_and_is_cancelled(
 
 def test_a_push_fails_when_the_prefill_goes_away(nodes: Callable[..., Node]) -> None:
     p, d = nodes("p"), nodes("d")
-    d.on_loop(
-        d.node.consumer.load,
-        "d1",
-        p.source("r1", [], 30, mode="push", transfer_id="t1"),
-        [3],
-        0,
-        30,
-    )
-    wait_for(lambda: "t1" in p.node.producer._expected)
+    expect_push(p, d, [3], 30)
     p.close()
     wait_for(lambda: "d1" in d.collect().finished_recving)
     assert d.seen.failed_recving == {"d1"}
@@ -302,15 +288,7 @@ def test_a_push_fails_when_the_prefill_goes_away(nodes: Callable[..., Node]) -> 
 
 def test_a_push_of_another_prompt_length_fails_on_both_sides(nodes: Callable[..., Node]) -> None:
     p, d = nodes("p"), nodes("d")
-    d.on_loop(
-        d.node.consumer.load,
-        "d1",
-        p.source("r1", [], 50, mode="push", transfer_id="t1"),
-        [3, 4],
-        0,
-        50,
-    )
-    wait_for(lambda: "t1" in p.node.producer._expected)
+    expect_push(p, d, [3, 4], 50)
     step(p, 1, [PushChunk("r1", "t1", (1,), 30, 30)])
     wait_for(lambda: "d1" in d.collect().finished_recving)
     assert d.seen.failed_recving == {"d1"}
@@ -320,15 +298,7 @@ def test_a_push_of_another_prompt_length_fails_on_both_sides(nodes: Callable[...
 
 def test_an_aborted_prefill_fails_the_push(nodes: Callable[..., Node]) -> None:
     p, d = nodes("p"), nodes("d")
-    d.on_loop(
-        d.node.consumer.load,
-        "d1",
-        p.source("r1", [], 70, mode="push", transfer_id="t1"),
-        [3, 4, 5],
-        0,
-        70,
-    )
-    wait_for(lambda: "t1" in p.node.producer._expected)
+    expect_push(p, d, [3, 4, 5], 70)
     step(p, 1, [PushChunk("r1", "t1", (1, 2), 70, 40)])
     p.on_loop(p.node.producer.forget, "r1")
     wait_for(lambda: "d1" in d.collect().finished_recving)
