@@ -10,6 +10,7 @@ torch). The project is not installed there: instances run it from the source tre
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -66,8 +67,10 @@ def _build() -> str | None:
     return None
 
 
+@functools.cache
 def vllm_python() -> tuple[str | None, str]:
-    """(a Python with vLLM, or None; how it was found, or why there is none)."""
+    """(a Python with vLLM, or None; how it was found, or why there is none); worked out once
+    per test session."""
     chosen = os.environ.get(ENV_VAR)
     if chosen:
         problem = _works(chosen)

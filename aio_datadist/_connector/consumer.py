@@ -44,6 +44,8 @@ class Consumer:
     def __init__(self, node: KvNode) -> None:
         self._node = node
         self._waiters: dict[str, tuple[asyncio.Future[dict[str, Any]], Peer]] = {}
+        #: Loads started and not yet ended.
+        self.in_flight = 0
 
     def load(
         self,
@@ -55,7 +57,14 @@ class Consumer:
     ) -> None:
         """Load ``request_id``'s KV into ``blocks`` (its block indices ``skip`` onwards; the
         first ``skip`` blocks are here already); ``num_tokens`` is the prompt's length."""
-        self._node.loop.spawn(self._load(request_id, source, blocks, skip, num_tokens), "load")
+        self.in_flight += 1
+        task = self._node.loop.spawn(
+            self._load(request_id, source, blocks, skip, num_tokens), "load"
+        )
+        task.add_done_callback(self._ended)
+
+    def _ended(self, _: object) -> None:
+        self.in_flight -= 1
 
     def abandon(self, source: RemoteSource) -> None:
         """This side dropped a request before loading it: let P free its blocks now."""

@@ -205,6 +205,11 @@ class KvNode:
             await self._dd.finalize()
             self._dd = None
 
+    def busy(self) -> bool:
+        """Whether a load, a push or a held request is in flight (read from any thread;
+        a snapshot)."""
+        return self.consumer.in_flight > 0 or self.producer.holding
+
     def stats(self) -> DataDistStats | None:
         """The engine's ``stats()`` (any thread); None before ``start`` or after ``close``."""
         dd = self._dd

@@ -31,18 +31,20 @@ class Outcomes:
     """Outcomes waiting to be collected."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._taken = Taken()
 
     def sent(self, request_id: str) -> None:
         """A request's blocks are free to go."""
         with self._lock:
             self._taken.finished_sending.add(request_id)
+            self._lock.notify_all()
 
     def received(self, request_id: str) -> None:
         """A request's KV arrived."""
         with self._lock:
             self._taken.finished_recving.add(request_id)
+            self._lock.notify_all()
 
     def failed(self, request_id: str, blocks: list[int]) -> None:
         """A request's load failed; ``blocks`` hold nothing usable."""
@@ -50,12 +52,20 @@ class Outcomes:
             self._taken.finished_recving.add(request_id)
             self._taken.failed_recving.add(request_id)
             self._taken.failed_blocks.update(blocks)
+            self._lock.notify_all()
 
-    def take(self) -> Taken:
-        """Everything recorded since the last call."""
+    def take(self, wait_s: float = 0.0) -> Taken:
+        """Everything recorded since the last call; with ``wait_s``, first wait up to that
+        long for something to be recorded when nothing is."""
         with self._lock:
+            if wait_s > 0 and not self._pending():
+                self._lock.wait(wait_s)
             taken, self._taken = self._taken, Taken()
         return taken
+
+    def _pending(self) -> bool:
+        taken = self._taken
+        return bool(taken.finished_sending or taken.finished_recving)
 
 
 #: Counter names and what they count.

@@ -38,7 +38,7 @@ __all__ = ("PushChunk", "Producer")
 
 #: How long an ``acquire`` waits for the engine to offer a request it has not offered yet
 #: (the answer with the parameters can reach the decode before the engine's next step).
-OFFER_WAIT_S = 30.0
+OFFER_WAIT_S = 10.0
 _CANCEL_WAIT_S = 30.0
 #: How many ended transfers the node remembers (a late ``expect`` of one is refused at once).
 _ENDED_KEPT = 4096
@@ -117,8 +117,14 @@ class Producer:
         self._by_transfer: dict[str, _Push] = {}
         self._expected: dict[str, _Expectation] = {}  # expectations of unknown transfers
         self._gates: dict[int, tuple[LayerGate, list[PushChunk]]] = {}
-        #: Why recent transfers ended, so that a decode asking late is refused at once.
+        #: Why recent requests and transfers ended, so that a decode asking late is refused
+        #: at once (request ids and transfer ids do not collide: P makes one, D the other).
         self._ended: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    @property
+    def holding(self) -> bool:
+        """Whether requests are held for decodes or pushes run (a snapshot, any thread)."""
+        return bool(self._offers or self._pushes)
 
     # -- offers (pull and push) -----------------------------------------------------------
     def offer(
@@ -170,16 +176,23 @@ class Producer:
         if push is not None and not push.done:
             self._finish(push, "the decode did not take the KV before the abort timeout")
             return  # freed once the pushes in flight settled
-        self._free(request_id)
+        self._free(request_id, "freed at the abort timeout")
 
-    def _free(self, request_id: str) -> None:
-        """The decode is done with ``request_id``: its blocks may go."""
+    def _free(self, request_id: str, why: str = "released") -> None:
+        """The decode is done with ``request_id`` (or did not come): its blocks may go."""
         offer = self._offers.pop(request_id, None)
         if offer is None:
             return
         if offer.timer is not None:
             offer.timer.cancel()
+        self._remember(request_id, why)
         self._node.outcomes.sent(request_id)
+
+    def _remember(self, key: str, why: str) -> None:
+        """Keep why ``key`` (a request or a transfer) ended, for a decode that asks late."""
+        self._ended[key] = why
+        while len(self._ended) > _ENDED_KEPT:
+            self._ended.popitem(last=False)
 
     def forget(self, request_id: str) -> None:
         """The engine dropped ``request_id`` (aborted) and holds nothing for it; a decode
@@ -222,6 +235,9 @@ class Producer:
 
     async def _acquire(self, request_id: str) -> dict[str, Any]:
         offer = self._offers.get(request_id)
+        ended = self._ended.get(request_id)
+        if offer is None and ended is not None:
+            raise ControlRefusal(f"request {request_id} is not held here any more: {ended}")
         if offer is None:
             event = self._offered.setdefault(request_id, asyncio.Event())
             with contextlib.suppress(asyncio.TimeoutError):
@@ -461,9 +477,7 @@ class Producer:
         if push.offered or push.forgotten:
             self._pushes.pop(push.request_id, None)
             self._by_transfer.pop(push.transfer_id, None)
-            self._ended[push.transfer_id] = push.error or "pushed"
-            while len(self._ended) > _ENDED_KEPT:
-                self._ended.popitem(last=False)
+            self._remember(push.transfer_id, push.error or "pushed")
         if push.offered:
             self._free(push.request_id)
 

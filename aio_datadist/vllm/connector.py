@@ -142,13 +142,17 @@ class AioDataDistConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(requests whose blocks may go, requests whose load ended)."""
-        return self._worker().transfer_results()
+        return self._worker().transfer_results(self._bound())
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """As ``get_finished``; failed loads report their blocks through
         ``get_block_ids_with_load_errors``."""
-        sending, recving = self._worker().transfer_results()
+        sending, recving = self._worker().transfer_results(self._bound())
         return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving)
+
+    def _bound(self) -> AioConnectorMetadata | None:
+        meta = self._connector_metadata
+        return meta if isinstance(meta, AioConnectorMetadata) else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Local blocks of loads that failed (vLLM recomputes or fails their requests, as

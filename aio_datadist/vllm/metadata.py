@@ -46,6 +46,8 @@ class AioConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     #: Decode side: requests dropped before their load (``kv_transfer_params`` of each).
     abandon: list[dict[str, Any]] = field(default_factory=list)
+    #: The step computes nothing (vLLM steps on to collect transfers).
+    idle: bool = False
 
 
 @dataclass

@@ -125,6 +125,7 @@ class SchedulerSide:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> AioConnectorMetadata:
         """This step's work for the workers (and a fresh slate for the next)."""
         meta, self._meta = self._meta, AioConnectorMetadata()
+        meta.idle = scheduler_output.total_num_scheduled_tokens == 0
         if self._pushes:
             self._push_chunks(scheduler_output, meta)
         return meta

@@ -27,6 +27,8 @@ __all__ = ("WorkerSide",)
 #: vLLM's ``kv_role`` to the engine's role (a label in CacheManager mode).
 _ROLES = {"kv_producer": LLMRole.PROMPT, "kv_consumer": LLMRole.DECODER}
 LOG_UNDER = "vllm.aio_datadist"
+#: Longest wait for a transfer to end on a step that computes nothing (seconds).
+IDLE_WAIT_S = 0.005
 
 
 class WorkerSide:
@@ -178,12 +180,20 @@ class WorkerSide:
         self.node.loop.call(self.node.producer.end_step, self._step, True)
 
     # -- results ----------------------------------------------------------------------------
-    def transfer_results(self) -> tuple[set[str], set[str]]:
+    def transfer_results(self, meta: AioConnectorMetadata | None) -> tuple[set[str], set[str]]:
         """(requests whose blocks may go, requests whose load ended) since the last call; the
-        failed loads' blocks wait for :meth:`load_errors`."""
+        failed loads' blocks wait for :meth:`load_errors`.
+
+        On a step that computes nothing while transfers are in flight (vLLM steps on only to
+        collect them), this waits up to ``IDLE_WAIT_S`` for one to end: vLLM's loop would
+        otherwise spin a core until then, and with P and D on one host that core may be the
+        one P computes on.
+        """
         if self._node is None:
             return set(), set()
-        taken = self._node.outcomes.take()
+        idle = meta is not None and meta.idle and not meta.loads and not meta.push_chunks
+        wait = IDLE_WAIT_S if idle and self._node.busy() else 0.0
+        taken = self._node.outcomes.take(wait)
         self._failed_blocks |= taken.failed_blocks
         return taken.finished_sending, taken.finished_recving
 
