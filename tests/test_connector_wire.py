@@ -187,9 +187,7 @@ async def test_a_handshake_with_another_secret_is_refused(
         await server.close()
 
 
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=60, deadline=None)
 @given(st.binary(max_size=600), st.booleans())
 def test_garbage_on_the_control_port_is_dropped_and_serving_goes_on(
     junk: bytes, framed: bool
