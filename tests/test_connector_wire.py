@@ -115,7 +115,7 @@ KEYS = st.sampled_from(
 )  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(st.dictionaries(KEYS | st.text(max_size=6), JSON, max_size=12))
 def test_any_params_read_or_are_refused_with_value_error(params: dict[str, Any]) -> None:
     try:
