@@ -352,3 +352,29 @@ def test_an_unexpected_error_in_a_load_is_reported_not_lost(
         wait_for(lambda: "d1" in d.collect().finished_recving)
     assert d.seen.failed_blocks == {2}
     assert any("kv.load_failed request=d1" in r.getMessage() for r in caplog.records)
+
+
+def test_an_expectation_arriving_mid_step_joins_the_running_step(
+    nodes: Callable[..., Node],
+) -> None:
+    """D asks while P's step runs: the layers written so far go at once, the rest as the
+    step's gate opens them (not after the step)."""
+    p, d = nodes("p"), nodes("d")
+    p.fill(7)
+    gate = LayerGate(LAYERS)
+    p.on_loop(p.node.producer.plan_step, 1, gate, [PushChunk("r1", "t1", (2,), 30, 30)])
+    p.on_loop(gate.mark, 0)
+    expect_push(p, d, [5], 30, wait=False)
+
+    def landed(layer: int) -> bool:
+        return bool(np.array_equal(d.arrays[layer][5], p.arrays[layer][2]))
+
+    wait_for(lambda: landed(0))  # layer 0 went while the step still runs
+    assert not landed(1)
+    p.on_loop(gate.mark, 1)
+    wait_for(lambda: landed(1))
+    p.on_loop(gate.mark, 2)
+    p.on_loop(p.node.producer.end_step, 1, True)
+    wait_for(lambda: "d1" in d.collect().finished_recving)
+    assert not d.seen.failed_recving and landed(2)
+    assert p.node.counters.take()["pushes"] == 1

@@ -308,6 +308,17 @@ class Producer:
             )
             return
         self._push_ready(push)
+        self._join_running_step(push)
+
+    def _join_running_step(self, push: _Push) -> None:
+        """The expectation arrived while a step computing this request runs: push its part
+        now, each layer as that step's gate opens it (layers already written go at once), so
+        that the rest of the step still overlaps the transfer."""
+        for gate, chunks in self._gates.values():
+            for chunk in chunks:
+                if chunk.request_id == push.request_id and chunk.end_token > push.pushed:
+                    self._start(push, push.pushed, chunk.end_token, gate)
+                    push.pushed = chunk.end_token
 
     async def _cancel(self, transfer_id: str) -> None:
         self._drop_expectation(transfer_id)
@@ -331,13 +342,13 @@ class Producer:
                 push = _Push(chunk.request_id, chunk.transfer_id, chunk.num_tokens)
                 self._pushes[chunk.request_id] = push
                 self._by_transfer[chunk.transfer_id] = push
-                waiting = self._expected.pop(chunk.transfer_id, None)
-                if waiting is not None:
-                    self._attach(push, waiting)
             push.blocks = chunk.block_ids
-            if push.expectation is not None and not push.done:
+            waiting = self._expected.pop(chunk.transfer_id, None)
+            if waiting is not None and push.expectation is None:
+                self._attach(push, waiting)  # pushes this step's part too
+            elif push.expectation is not None and not push.done and chunk.end_token > push.pushed:
                 self._start(push, push.pushed, chunk.end_token, gate)
-                push.pushed = max(push.pushed, chunk.end_token)
+                push.pushed = chunk.end_token
 
     def end_step(self, step: int, ok: bool) -> None:
         """The step ended (``ok``: its forward ran, so its layers are all written)."""
