@@ -133,8 +133,9 @@ def run_pair(kind: str, model: str, args: argparse.Namespace, logs: Path) -> dic
                     }
                 )
             rows[n] = samples
-            print(json.dumps({"kind": kind, "tokens": n, **summary(samples),
-                              "d_times": [round(s["d_time"], 3) for s in samples]}), flush=True)  # fmt: skip
+            d_times = [round(s["d_time"], 3) for s in samples]
+            line = {"kind": kind, "tokens": n, **summary(samples), "d_times": d_times}
+            print(json.dumps(line), flush=True)
     finally:
         d.stop(), p.stop()
     return rows

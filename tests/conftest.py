@@ -16,6 +16,7 @@ import pytest
 
 import aio_datadist as llm_datadist
 from aio_datadist import LLMConfig, LLMDataDist, LLMRole, Placement
+from tests import vllm_env
 
 MiB = 1 << 20
 POOL_BYTES = 64 * MiB
@@ -27,6 +28,17 @@ def pytest_configure(config: pytest.Config) -> None:
     memory is host memory there) wherever an accelerator exists; tests of an accelerator
     runtime select it themselves. Peer processes inherit the choice."""
     os.environ["AIO_DATADIST_RUNTIME"] = "host"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Tests in real vLLM need a Python with vLLM, which can take minutes to make: start
+    finding or making it now, beside the rest of the suite."""
+    if any(item.get_closest_marker("vllm") for item in session.items):
+        vllm_env.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    vllm_env.stop()
 
 
 def pool_cfg(memory_size: int = POOL_BYTES, page_shift: int | None = PAGE_SHIFT) -> str:
@@ -216,6 +228,17 @@ async def loop_lag() -> AsyncIterator[list[float]]:
     yield lags
     stop.set()
     await task
+
+
+async def fresh_ticks(lags: list[float]) -> int:
+    """Wait for ``loop_lag``'s ticker to record a tick; return the index from which its ticks
+    measure only what follows this call. A tick spans whatever held the loop before it, so
+    work the test itself did on the loop (making a pattern, say) is charged to the ticks
+    before that index, not to the transfer that follows."""
+    seen = len(lags)
+    while len(lags) == seen:
+        await asyncio.sleep(0.001)
+    return len(lags)
 
 
 async def push_blocks(face: Face, *args: Any, **kwargs: Any) -> None:

@@ -17,7 +17,7 @@ from aio_datadist import (
     Memtype,
     Placement,
 )
-from tests.conftest import POOL_BYTES, Face, make_options, pool_cfg
+from tests.conftest import POOL_BYTES, Face, fresh_ticks, make_options, pool_cfg
 
 PAGE = 1 << 16
 PLACEHOLDER = 2**64 - 1
@@ -356,13 +356,15 @@ async def test_large_copy_keeps_the_loop_responsive(face: Face, loop_lag: list[f
     desc = CacheDesc(2, [1, 8 << 20], DataType.DT_UINT8)  # 16 MiB per copy
     src, dst = await face.cm.allocate_cache(desc), await face.cm.allocate_cache(desc)
     expect = fill(src, 3)
+    since = await fresh_ticks(loop_lag)  # filling held the loop; only the copies count
     for _ in range(4):
         await face.cm.copy_cache(dst, src)
+    copying = loop_lag[since:]
     assert all(same(d, e) for d, e in zip(dst.as_numpy(), expect, strict=True))
     await face.cm.deallocate_cache(src)
     await face.cm.deallocate_cache(dst)
     if face.kind == "async":
-        assert loop_lag and max(loop_lag) < 0.5  # generous: the real figure is a benchmark
+        assert copying and max(copying) < 0.5  # generous: the real figure is a benchmark
 
 
 # -- copy_blocks -------------------------------------------------------------------------

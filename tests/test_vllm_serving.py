@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "vllm"
 from cluster import Instance, ProxyProcess, complete, connector, metric, post, stream
 from make_model import WORDS
 
-pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow]
+pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow, pytest.mark.vllm]
 
 BLOCK = 32
 #: Prompt lengths in tokens: multiples of the block size and not.

