@@ -22,7 +22,7 @@ from aio_datadist._connector.gate import LayerGate
 from aio_datadist._connector.node import KvNode
 from aio_datadist._connector.params import RemoteSource, producer_params
 from aio_datadist._connector.producer import PushChunk
-from aio_datadist.vllm.tensors import kv_layout
+from aio_datadist._connector.tensors import kv_layout
 
 BLOCKS, BLOCK_SIZE, LAYERS = 12, 16, 3
 
@@ -106,9 +106,9 @@ def refused() -> None:
     raw = torch.zeros(BLOCKS, LAYERS, 2, BLOCK_SIZE, 64, dtype=torch.bfloat16)  # blocks outermost
     tensors = {f"layer{i}": raw[:, i] for i in range(LAYERS)}
     try:
-        kv_layout(tensors, num_blocks=BLOCKS, block_size=BLOCK_SIZE)
+        kv_layout(tensors, num_blocks=BLOCKS, block_size=BLOCK_SIZE, hint="ask for LBHNC")
     except ValueError as exc:
-        assert "LBHNC" in str(exc), exc
+        assert "one after another; ask for LBHNC" in str(exc), exc
     else:
         raise AssertionError("a block-outermost layout was accepted")
 

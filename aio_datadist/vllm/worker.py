@@ -14,9 +14,9 @@ from aio_datadist._connector.config import ConnectorConfig
 from aio_datadist._connector.gate import LayerGate
 from aio_datadist._connector.node import KvNode
 from aio_datadist._connector.params import RemoteSource
+from aio_datadist._connector.tensors import kv_layout
 from aio_datadist.enums import LLMRole
 from aio_datadist.vllm.metadata import AioConnectorMetadata, AioHandshake
-from aio_datadist.vllm.tensors import kv_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -27,6 +27,8 @@ __all__ = ("WorkerSide",)
 #: vLLM's ``kv_role`` to the engine's role (a label in CacheManager mode).
 _ROLES = {"kv_producer": LLMRole.PROMPT, "kv_consumer": LLMRole.DECODER}
 LOG_UNDER = "vllm.aio_datadist"
+#: How to ask vLLM for KV tensors this connector registers.
+LAYOUT_HINT = "run vLLM with a layer-outermost KV cache layout (VLLM_KV_CACHE_LAYOUT=LBHNC)"
 #: Longest wait for a transfer to end on a step that computes nothing (seconds).
 IDLE_WAIT_S = 0.005
 
@@ -76,6 +78,7 @@ class WorkerSide:
             kv_caches,
             num_blocks=int(self._kv_cache_config.num_blocks),
             block_size=int(self._vllm_config.cache_config.block_size),
+            hint=LAYOUT_HINT,
         )
         self._on_device = layout.device != "cpu"
         node = KvNode(

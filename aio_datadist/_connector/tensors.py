@@ -1,8 +1,8 @@
-"""vLLM's KV cache tensors as a :class:`~aio_datadist._connector.layout.KvLayout`.
+"""A serving engine's torch KV cache tensors as a :class:`~.layout.KvLayout`.
 
-``register_kv_caches`` hands the connector one tensor per attention layer, viewing memory
-the worker allocated. Each is registered in place, never copied. The layouts vLLM's backends
-use, with ``B`` the number of blocks:
+An engine hands the connector one tensor per attention layer, viewing memory its worker
+allocated. Each is registered in place, never copied. The layouts attention backends use
+(vLLM's among them), with ``B`` the number of blocks:
 
 * K and V joined, or one latent vector (MLA): ``[B, ...]``, blocks outermost and dense: one
   region per layer;
@@ -10,7 +10,7 @@ use, with ``B`` the number of blocks:
 * a pair ``(K, V)`` of ``[B, ...]`` tensors: two regions per layer.
 
 A layer whose blocks are not laid out one after another (a block-outermost layout, where a
-block holds every layer) is refused with the layout to ask for instead.
+block holds every layer) is refused, with the caller's hint on the layout to ask for instead.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ def _dense(tensor: Any) -> bool:
     return bool(tensor.is_contiguous())
 
 
-def _regions(name: str, value: Any, num_blocks: int) -> list[tuple[int, int, Any]]:
+def _regions(name: str, value: Any, num_blocks: int, hint: str) -> list[tuple[int, int, Any]]:
     """(address, block bytes, a tensor) of each region of one layer's cache."""
     if isinstance(value, (tuple, list)):
-        return [r for part in value for r in _regions(name, part, num_blocks)]
+        return [r for part in value for r in _regions(name, part, num_blocks, hint)]
     shape = tuple(value.shape)
     size = value.element_size()
     parts: list[Any]
@@ -48,8 +48,7 @@ def _regions(name: str, value: Any, num_blocks: int) -> list[tuple[int, int, Any
         if not _dense(part):
             raise ValueError(
                 f"KV cache of {name}: shape {tuple(part.shape)} with strides {part.stride()} "
-                "does not hold each layer's blocks one after another; run vLLM with a "
-                "layer-outermost KV cache layout (VLLM_KV_CACHE_LAYOUT=LBHNC)"
+                "does not hold each layer's blocks one after another" + (hint and f"; {hint}")
             )
         nbytes = part.numel() * size
         if nbytes % num_blocks:
@@ -59,10 +58,12 @@ def _regions(name: str, value: Any, num_blocks: int) -> list[tuple[int, int, Any
 
 
 def kv_layout(
-    kv_caches: Mapping[str, Any], *, num_blocks: int, block_size: int
+    kv_caches: Mapping[str, Any], *, num_blocks: int, block_size: int, hint: str = ""
 ) -> tuple[KvLayout, dict[str, int]]:
-    """The layout of ``kv_caches`` (vLLM's layer name to tensor, in layer order), and each
-    layer name's index in it (layers that share one cache share an index).
+    """The layout of ``kv_caches`` (the engine's layer name to tensor, in layer order), and
+    each layer name's index in it (layers that share one cache share an index). ``hint`` ends
+    the message that refuses a layout whose blocks are not one after another per layer: how
+    to ask the engine for one that is.
 
     :raises ValueError: no layers, a layout this connector cannot register (the message says
         which layer and why), or layers that differ in block size, region count, element
@@ -76,7 +77,7 @@ def kv_layout(
     shape: tuple[int, int] | None = None
     kinds: set[tuple[str, str, int]] = set()
     for name, value in kv_caches.items():
-        regions = _regions(name, value, num_blocks)
+        regions = _regions(name, value, num_blocks, hint)
         key = tuple(addr for addr, _, _ in regions)
         if key in seen:
             index[name] = seen[key]
