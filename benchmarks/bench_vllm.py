@@ -8,7 +8,8 @@ distinct prompt (no prefix cache hits), greedy, ``--max-tokens`` tokens, streame
   with P's, so it includes P's prefill);
 * **TTFT**: the client's first token, from the moment it sent the request (P + D);
 * **KV wait**: D's first-token time less one decode step (its inter-token latency): what D
-  spent getting the KV, as a share of D time.
+  spent getting the KV, as a share of D time;
+* **ITL**: D's median inter-token latency (printed with each row's JSON line).
 
 The single instance's row is its whole request (TTFT and total). Run it with the Python that
 has vLLM (and ``pip install --no-deps nixl nixl-cu12`` for NixlConnector)::
@@ -130,6 +131,7 @@ def run_pair(kind: str, model: str, args: argparse.Namespace, logs: Path) -> dic
                         "d_time": end - sent,
                         "ttft": first - start,
                         "wait": max(first - sent - step, 0.0) / (end - sent),
+                        "itl": step,
                     }
                 )
             rows[n] = samples
@@ -155,8 +157,13 @@ def run_single(model: str, args: argparse.Namespace, logs: Path) -> dict[int, An
             samples = []
             for rep in range(args.repeat):
                 start = time.monotonic()
-                first, end, _, _ = streamed(single.url, prompt(n, rep), args.max_tokens, None)
-                samples.append({"d_time": end - start, "ttft": first - start, "wait": 0.0})
+                first, end, arrivals, _ = streamed(
+                    single.url, prompt(n, rep), args.max_tokens, None
+                )
+                samples.append(
+                    {"d_time": end - start, "ttft": first - start, "wait": 0.0,
+                     "itl": itl(arrivals)}
+                )  # fmt: skip
             rows[n] = samples
             print(json.dumps({"kind": "single", "tokens": n, **summary(samples)}), flush=True)
     finally:
@@ -166,7 +173,7 @@ def run_single(model: str, args: argparse.Namespace, logs: Path) -> dict[int, An
 
 def summary(samples: list[dict[str, float]]) -> dict[str, float]:
     return {key: round(statistics.median(s[key] for s in samples), 4)
-            for key in ("d_time", "ttft", "wait")}  # fmt: skip
+            for key in ("d_time", "ttft", "wait", "itl")}  # fmt: skip
 
 
 def main() -> None:
