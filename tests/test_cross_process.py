@@ -37,7 +37,14 @@ from aio_datadist import (
     Placement,
 )
 from aio_datadist._transport import ucx
-from tests.conftest import Face, fresh_ticks, make_options, pool_cfg, push_blocks
+from tests.conftest import (
+    Face,
+    fresh_ticks,
+    leaked_pool_memory,
+    make_options,
+    pool_cfg,
+    push_blocks,
+)
 from tests.peer_prompt import ROW_BYTES, TENSORS, pattern
 
 S = LLMStatusCode
@@ -223,7 +230,7 @@ async def decoder(
 
     yield factory
     for face in faces:
-        leaked = {str(k): v for k, v in face.pool_used().items() if v}
+        leaked = await leaked_pool_memory(face)
         await face.finalize()
         assert not leaked, f"pool memory leaked: {leaked}"
 
@@ -368,10 +375,7 @@ async def test_peer_killed_mid_transfer(decoder: Any, peer_factory: Any) -> None
     # The memory returns once no request of the failed call holds it. The broken link fails
     # its pending requests one after another, and the call may raise at the first of them
     # before the teardown reaches the others (no byte of theirs moves after the break).
-    deadline = time.monotonic() + 5
-    while face.pool_used()[Placement.DEVICE]:
-        assert time.monotonic() < deadline, f"pool memory held: {face.pool_used()}"
-        await asyncio.sleep(0.01)
+    assert not await leaked_pool_memory(face)
 
 
 async def test_a_killed_peer_reads_as_a_failed_link_until_unlinked(
