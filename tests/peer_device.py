@@ -5,7 +5,8 @@ Usage: python tests/peer_device.py PORT BLOCKS BLOCK_BYTES
 Under the runtime ``AIO_DATADIST_RUNTIME`` names, it allocates a ``Placement.DEVICE`` blocks
 cache of 4 tensors x BLOCKS blocks of BLOCK_BYTES from its pool under
 ``BlocksCacheKey(1, 0)``, writes :func:`tests.peer_prompt.pattern` into it through the
-runtime, prints ``ready`` and serves until stdin closes. With ``AIO_TEST_UCX=1`` it enables
+runtime, prints ``ready`` and the port it listens on (PORT 0: one the system picks) and
+serves until stdin closes. With ``AIO_TEST_UCX=1`` it enables
 the UCX route (``LLMConfig.ucx``).
 """
 
@@ -51,7 +52,7 @@ def main() -> None:
         data = np.ascontiguousarray(pattern(t, blocks, block_bytes))
         ops = np.array([[addr, data.ctypes.data, data.nbytes]], dtype=np.uint64)
         runtime.copy_batch(ops, CopyKind.HOST_TO_DEVICE)
-    print("ready", flush=True)
+    print("ready", dd.listen_address[1], flush=True)  # the bound port (asked: 0)
     sys.stdin.read()
     dd.finalize()
 

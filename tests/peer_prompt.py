@@ -5,7 +5,8 @@ Usage: python tests/peer_prompt.py PORT BLOCKS BLOCK_BYTES [CLUSTER_ID]
 As cluster CLUSTER_ID (default 1) it registers a blocks cache of 4 tensors x BLOCKS blocks
 of BLOCK_BYTES under ``BlocksCacheKey(CLUSTER_ID, 0)`` (tensor ``t`` filled by
 :func:`pattern`), allocates a batch cache (id 2) with ``CacheKey(CLUSTER_ID, req_id=1)``
-bound to row 0, prints ``ready`` and serves until stdin closes. Remote caches are
+bound to row 0, prints ``ready`` and the port it listens on (PORT 0: one the system
+picks) and serves until stdin closes. Remote caches are
 accessible, so peers may also push into it.
 
 With ``AIO_TEST_THREAD_BUDGET=N`` in the environment it then runs as user ``nobody`` (when
@@ -100,7 +101,7 @@ def main() -> None:
     budget = os.environ.get("AIO_TEST_THREAD_BUDGET")
     if budget is not None:
         limit_threads(int(budget))
-    print("ready", flush=True)
+    print("ready", dd.listen_address[1], flush=True)  # the bound port (asked: 0)
     sys.stdin.read()
     dd.finalize()
 

@@ -73,7 +73,9 @@ class Peer:
     ) -> None:
         self.blocks, self.block_bytes = blocks, block_bytes
         self.cluster_id = cluster_id
-        self.port = free_port() if port is None else port
+        # Port 0 unless given: the peer reports the port it bound (a port picked free here
+        # may be taken by another process before the peer binds it).
+        self.port = 0 if port is None else port
         root = str(Path(__file__).resolve().parents[1])
         env = dict(
             os.environ,
@@ -95,7 +97,11 @@ class Peer:
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
-        assert line.strip() == b"ready", line
+        ready, _, bound = line.decode(errors="replace").partition(" ")
+        if ready != "ready":
+            self.close()  # the peer failed to start (its traceback is on stderr)
+            raise AssertionError(f"the peer did not start: {line!r}")
+        self.port = int(bound)
 
     def info(self) -> LLMClusterInfo:
         info = LLMClusterInfo()

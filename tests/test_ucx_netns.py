@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -40,12 +39,6 @@ def pair() -> Iterator[VethPair]:
         yield made
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env(pair: VethPair, route: str, ns: str) -> dict[str, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), AIO_DATADIST_RUNTIME="host")
     if route == "ucx":
@@ -55,17 +48,19 @@ def _env(pair: VethPair, route: str, ns: str) -> dict[str, str]:
 
 def _run(pair: VethPair, route: str) -> dict[str, object]:
     """The prompt in namespace ``a``, the decoder in ``b``: the decoder's report."""
-    port = _free_port()
     env = _env(pair, route, pair.a)
     env["AIO_TEST_LISTEN_IP"] = pair.ip_a
-    prompt = subprocess.Popen(
-        pair.command(pair.a, [sys.executable, str(PEER), str(port), str(BLOCKS), str(BLOCK_BYTES)]),
+    prompt = subprocess.Popen(  # port 0: the prompt reports the one it bound
+        pair.command(pair.a, [sys.executable, str(PEER), "0", str(BLOCKS), str(BLOCK_BYTES)]),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=env,
     )
     try:
-        assert prompt.stdout is not None and prompt.stdout.readline().strip() == b"ready"
+        assert prompt.stdout is not None
+        ready, _, port = prompt.stdout.readline().decode().partition(" ")
+        assert ready == "ready", "the prompt did not start"
+        port = port.strip()
         done = subprocess.run(
             pair.command(
                 pair.b,
