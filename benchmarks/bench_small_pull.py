@@ -117,7 +117,7 @@ def main() -> None:
         stdout=subprocess.PIPE,
         env=env,
     )
-    assert peer.stdout is not None and peer.stdout.readline().strip() == b"ready"
+    assert peer.stdout is not None and peer.stdout.readline().split()[:1] == [b"ready"]
     info = LLMClusterInfo()
     info.remote_cluster_id = 1
     info.append_local_ip_info("127.0.0.1", 0)

@@ -22,6 +22,7 @@ import os
 import resource
 import sys
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 
@@ -37,6 +38,21 @@ from aio_datadist import (
 )
 
 TENSORS = 4
+
+
+def read_ready(stdout: IO[bytes]) -> int:
+    """The port a peer (this script or ``tests/peer_device.py``) reports once it serves; lines
+    before it are skipped (UCX may print warnings to stdout).
+
+    :raises RuntimeError: the peer exited first.
+    """
+    for line in stdout:
+        word, _, port = line.decode(errors="replace").partition(" ")
+        if word.strip() == "ready":
+            return int(port)
+    raise RuntimeError("the peer exited before it served")
+
+
 ROW_BYTES = 4096
 
 

@@ -45,7 +45,7 @@ from tests.conftest import (
     pool_cfg,
     push_blocks,
 )
-from tests.peer_prompt import ROW_BYTES, TENSORS, pattern
+from tests.peer_prompt import ROW_BYTES, TENSORS, pattern, read_ready
 
 S = LLMStatusCode
 PEER = Path(__file__).with_name("peer_prompt.py")
@@ -96,12 +96,11 @@ class Peer:
             env=env,
         )
         assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        ready, _, bound = line.decode(errors="replace").partition(" ")
-        if ready != "ready":
+        try:
+            self.port = read_ready(self.proc.stdout)
+        except RuntimeError:
             self.close()  # the peer failed to start (its traceback is on stderr)
-            raise AssertionError(f"the peer did not start: {line!r}")
-        self.port = int(bound)
+            raise
 
     def info(self) -> LLMClusterInfo:
         info = LLMClusterInfo()

@@ -18,6 +18,7 @@ import pytest
 
 from aio_datadist._transport import ucx
 from tests.netns import VethPair, why_not
+from tests.peer_prompt import read_ready
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER = ROOT / "tests" / "peer_prompt.py"
@@ -58,9 +59,7 @@ def _run(pair: VethPair, route: str) -> dict[str, object]:
     )
     try:
         assert prompt.stdout is not None
-        ready, _, port = prompt.stdout.readline().decode().partition(" ")
-        assert ready == "ready", "the prompt did not start"
-        port = port.strip()
+        port = read_ready(prompt.stdout)
         done = subprocess.run(
             pair.command(
                 pair.b,

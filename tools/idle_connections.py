@@ -38,7 +38,7 @@ def main() -> int:
     assert proc.stdout is not None and proc.stdin is not None
     conns: list[socket.socket] = []
     try:
-        if proc.stdout.readline().strip() != b"ready":
+        if proc.stdout.readline().split()[:1] != [b"ready"]:
             print("the server did not start", file=sys.stderr)
             return 1
         tasks = Path(f"/proc/{proc.pid}/task")

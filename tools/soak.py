@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -58,7 +57,7 @@ from aio_datadist import (  # noqa: E402
     Placement,
 )
 from aio_datadist import _argtypes as argtypes  # noqa: E402
-from tests.peer_prompt import ROW_BYTES, TENSORS, pattern  # noqa: E402
+from tests.peer_prompt import ROW_BYTES, TENSORS, pattern, read_ready  # noqa: E402
 
 BLOCKS, BLOCK_BYTES = 64, 64 * 1024
 PULL_BLOCKS = 32  # blocks [0, 32) are only read; pushes go to [32, 64)
@@ -73,12 +72,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("RssAnon:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def options(route: str) -> dict[str, str]:
@@ -206,7 +199,6 @@ class Worker:
 
 async def soak(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    port = free_port()
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env["AIO_DATADIST_RUNTIME"] = "host"
     if args.route == "ucx":
@@ -216,7 +208,7 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         [
             sys.executable,
             str(ROOT / "tests" / "peer_prompt.py"),
-            str(port),
+            "0",  # the peer reports the port it bound
             str(BLOCKS),
             str(BLOCK_BYTES),
         ],
@@ -224,7 +216,8 @@ async def soak(args: argparse.Namespace) -> dict[str, Any]:
         stdout=subprocess.PIPE,
         env=env,
     )
-    assert peer.stdout is not None and peer.stdout.readline().strip() == b"ready"
+    assert peer.stdout is not None
+    port = read_ready(peer.stdout)
     blocking = LLMDataDist(LLMRole.DECODER, 2)
     blocking.init(options(args.route))
     awaited = AsyncLLMDataDist(LLMRole.DECODER, 3)
