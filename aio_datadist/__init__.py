@@ -68,7 +68,7 @@ features: frozenset[str]
 
 
 def _features() -> frozenset[str]:
-    from aio_datadist._transport.ucx import ucx_info
+    from aio_datadist._routes.ucx.worker import ucx_info
 
     found = set(_native_features | {"runtime:host", "runtime:cuda", "runtime:acl"})
     info = ucx_info()

@@ -195,7 +195,7 @@ def main() -> int:
         result = one_route(args.route, args.blocks, args.calls)
         print(json.dumps(result) if args.json else result)
         return 0
-    from aio_datadist._transport import ucx
+    from aio_datadist._routes.ucx import worker as ucx
 
     routes = ROUTES if ucx.available() is None else ROUTES[:2]
     total = TENSORS * args.blocks * BLOCK

@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from aio_datadist._transport import ucx
+from aio_datadist._routes.ucx import worker as ucx
 
 
 def main() -> None:

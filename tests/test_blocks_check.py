@@ -9,8 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aio_datadist._engine.access import Access, Target
-from aio_datadist._engine.serving import access_rows
+from aio_datadist._engine.access import Access, Target, access_rows
 from aio_datadist._native import api
 from aio_datadist.status import LLMStatusCode, ParamInvalidError
 

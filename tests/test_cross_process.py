@@ -36,7 +36,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist._transport import ucx
+from aio_datadist._routes.ucx import worker as ucx
 from tests.conftest import (
     Face,
     fresh_ticks,

@@ -34,8 +34,8 @@ from aio_datadist import (  # noqa: E402
     LLMRole,
     Placement,
 )
+from aio_datadist._routes.ucx import worker as ucx  # noqa: E402
 from aio_datadist._runtime.base import CopyKind  # noqa: E402
-from aio_datadist._transport import ucx  # noqa: E402
 from tests.conftest import Face, make_options, pool_cfg, push_blocks  # noqa: E402
 from tests.peer_prompt import TENSORS, pattern  # noqa: E402
 from tests.test_cross_process import Peer, link, peer_memory, ucx_route  # noqa: E402

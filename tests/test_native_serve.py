@@ -17,8 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aio_datadist._engine.access import Access, Target, encode_access
-from aio_datadist._engine.serving import access_rows
+from aio_datadist._engine.access import Access, Target, access_rows, encode_access
 from aio_datadist._native.api import PeerClosed, monotonic_ns
 from aio_datadist._native.serve import ROWS_MAX, ServeTable
 from aio_datadist._transport._wire import HEADER, FrameKind, decode_header, pack_header

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aio_datadist._engine import serving
+from aio_datadist._engine import access as access_module
 from aio_datadist._engine.access import Access, Target
 from aio_datadist._memory.rows import pair_rows, small_rows
 
@@ -71,7 +71,7 @@ def test_access_rows_of_blocks_are_the_python_rows(tail: int) -> None:
         blocks=np.array([5, 1, 2], dtype=np.uint64),
     )
     addrs = (0x1000, 0x9000, 0x20000, 0x40000)
-    got = serving.access_rows(addrs, 64, 8, access, 0)
+    got = access_module.access_rows(addrs, 64, 8, access, 0)
     want = small_rows(addrs[1:3], [5, 1, 2], 64, 64)
     want[2::3, 1] = access.last_bytes
     np.testing.assert_array_equal(got, want)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from aio_datadist._transport import ucx
+from aio_datadist._routes.ucx import worker as ucx
 
 SOAK = Path(__file__).resolve().parent.parent / "tools" / "soak.py"
 ROUTES = ["link", "samehost"] + (["ucx"] if ucx.available() is None else [])

@@ -40,7 +40,8 @@ from aio_datadist import (
     TransferConfig,
     TransferWithCacheKeyConfig,
 )
-from aio_datadist._transport import tcp, ucx
+from aio_datadist._routes.ucx import worker as ucx
+from aio_datadist._transport import tcp
 from aio_datadist._transport.pending import Request
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from aio_datadist._native import ucx as native
-from aio_datadist._transport import ucx
+from aio_datadist._routes.ucx import worker as ucx
 from aio_datadist.status import LLMException, LLMStatusCode
 
 _reason = ucx.available()

@@ -20,7 +20,7 @@ PROBE = r"""
 import json
 import aio_datadist
 from aio_datadist._native import ucx as native
-from aio_datadist._transport import ucx
+from aio_datadist._routes.ucx import worker as ucx
 from aio_datadist.status import LLMException, LLMStatusCode
 
 out = {"reason": ucx.available(), "info": ucx.ucx_info(), "path": native.loaded_path()}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from aio_datadist._transport import ucx
+from aio_datadist._routes.ucx import worker as ucx
 from tests.netns import VethPair, why_not
 from tests.peer_prompt import read_ready
 

@@ -42,7 +42,6 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
-from aio_datadist._engine import ucxboard
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.regions import BoardEntry
 from aio_datadist._engine.routes import (
@@ -55,14 +54,16 @@ from aio_datadist._engine.routes import (
     with_communicator,
     with_peer_memory,
 )
-from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES
-from aio_datadist._engine.ucxroute import UcxRoute
-from aio_datadist._engine.ucxtable import KeySpans, UcxKey, decode_table, encode_table
 from aio_datadist._native import ucx as native
 from aio_datadist._native import wire
 from aio_datadist._native._ffi import ffi
 from aio_datadist._native.api import UcxCalls
-from aio_datadist._transport import WireError, ucx
+from aio_datadist._routes.ucx import board as ucxboard
+from aio_datadist._routes.ucx import worker as ucx
+from aio_datadist._routes.ucx.lanes import LANE_MIN_BYTES
+from aio_datadist._routes.ucx.route import UcxRoute
+from aio_datadist._routes.ucx.table import KeySpans, UcxKey, decode_table, encode_table
+from aio_datadist._transport import WireError
 from aio_datadist._transport.base import RequestKind
 from tests.conftest import Face, make_options, pool_cfg
 
@@ -569,7 +570,7 @@ async def test_accesses_outside_the_peers_caches_are_refused_before_ucx_sees_the
         started.append(len(ops))
         return rma(ops, *args, **kwargs)
 
-    monkeypatch.setattr("aio_datadist._engine.ucxremote.rma", counted)
+    monkeypatch.setattr("aio_datadist._routes.ucx.remote.rma", counted)
     pair = await make_pair()
     pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
     src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
@@ -839,7 +840,7 @@ async def test_large_transfers_are_cut_across_the_lanes(
         parts.append(len(keys))
         return rma(ops, keys, *args, **kwargs)
 
-    monkeypatch.setattr("aio_datadist._engine.ucxremote.rma", counted)
+    monkeypatch.setattr("aio_datadist._routes.ucx.remote.rma", counted)
     pair = await make_pair(transport=transport, decoder=decoder, lanes=lanes)
     dd = pair.decoder.dd if isinstance(pair.decoder, Face) else pair.decoder
     ours = dd._engine.ucx_links()

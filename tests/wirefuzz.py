@@ -30,7 +30,7 @@ import numpy as np
 import aio_datadist as llm
 from aio_datadist._engine.access import Access, Target, decode_access, encode_access
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions, encode_entries
-from aio_datadist._engine.ucxtable import UcxKey, decode_table, encode_table
+from aio_datadist._routes.ucx.table import UcxKey, decode_table, encode_table
 from aio_datadist._transport import _wire as wire
 from aio_datadist._transport.samehost import decode_extensions
 

@@ -30,13 +30,16 @@ from enum import IntEnum
 import numpy as np
 import numpy.typing as npt
 
-from aio_datadist._native import wire
+from aio_datadist._native import api, wire
 from aio_datadist._transport import MAX_PAYLOAD, WireError
+from aio_datadist._transport.base import Iov
+from aio_datadist.status import LLMStatusCode, ParamInvalidError
 
 __all__ = (
     "NO_ROWS",
     "Access",
     "Target",
+    "access_rows",
     "decode_access",
     "encode_access",
     "encode_blocks_access",
@@ -66,7 +69,7 @@ class Target(IntEnum):
     #: Raw addresses of registered or allocated memory (TransferConfig).
     ADDRESSES = wire.TARGETS["ADDRESSES"]
     #: The UCX route's control plane: a push of the sender's UCX table (ident = its
-    #: sequence; ``_engine.ucxtable``).
+    #: sequence; ``_routes.ucx.table``).
     UCX_TABLE = wire.TARGETS["UCX_TABLE"]
     #: The UCX route's control plane: the sender applied the receiver's table ``ident``.
     UCX_ACK = wire.TARGETS["UCX_ACK"]
@@ -246,3 +249,52 @@ def _rows(view: memoryview, n: int, offset: int) -> U64s:
     ):
         raise WireError("an access row is longer than a payload or wraps around the address space")
     return rows
+
+
+def access_rows(
+    addrs: tuple[int, ...] | list[int],
+    block_bytes: int,
+    num_blocks: int,
+    access: Access,
+    row: int,
+) -> Iov:
+    """The ``(addr, len)`` rows of ``access`` over a cache whose tensors start at ``addrs``.
+
+    ``block_bytes`` is the size of one batch row or block of a tensor and ``num_blocks`` their
+    count; ``row`` is the batch row of a row access.
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
+    """
+    start, count = access.tensor_start, access.tensor_count
+    if len(access.blocks):
+        # The one check of a blocks access, shared with the native serving path.
+        return api.blocks_access_rows(
+            addrs,
+            block_bytes,
+            num_blocks,
+            start,
+            count,
+            access.blocks,
+            access.seg_bytes,
+            access.last_bytes,
+        )
+    if count < 1 or start + count > len(addrs):
+        raise _rows_invalid(
+            f"tensors [{start}, {start + count}) are outside the cache's {len(addrs)} tensors"
+        )
+    if row >= num_blocks:
+        raise _rows_invalid(f"batch index {row} is outside [0, {num_blocks})")
+    if access.seg_bytes < 1 or access.offset + access.seg_bytes > block_bytes:
+        raise _rows_invalid(
+            f"{access.seg_bytes} bytes at offset {access.offset} do not fit a row of "
+            f"{block_bytes} bytes"
+        )
+    bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
+    rows = np.empty((count, 2), dtype=np.uint64)
+    rows[:, 0] = bases + np.uint64(row * block_bytes + access.offset)
+    rows[:, 1] = access.seg_bytes
+    return rows
+
+
+def _rows_invalid(message: str) -> ParamInvalidError:
+    return ParamInvalidError(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)

@@ -18,9 +18,10 @@ from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.regions import BoardArena, BoardEntry, RegionBoard
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.serving import Server
-from aio_datadist._engine.ucxlinks import UcxLinks
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import MemoryPool
+from aio_datadist._routes.ucx.links import UcxLinks
+from aio_datadist._routes.ucx.worker import available as ucx_available
 from aio_datadist._runtime import select_runtime
 from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist._transport import make_transport
@@ -28,7 +29,6 @@ from aio_datadist._transport.base import ChannelStats, Hello
 from aio_datadist._transport.faults import LinkFaults
 from aio_datadist._transport.loopback import LoopbackChannel
 from aio_datadist._transport.samehost import HostPresence, local_host_key
-from aio_datadist._transport.ucx import available as ucx_available
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.cluster import LinkResults
 from aio_datadist.config import (

@@ -45,8 +45,8 @@ from aio_datadist._engine.routes import (
     with_carrier,
     with_peer_memory,
 )
-from aio_datadist._engine.ucxlinks import UcxLinks
 from aio_datadist._memory.staging import Staging
+from aio_datadist._routes.ucx.links import UcxLinks
 from aio_datadist._transport.base import (
     Channel,
     Hello,

@@ -43,11 +43,10 @@ from typing import Any
 import numpy as np
 import structlog
 
-from aio_datadist._engine.access import Access, Target
+from aio_datadist._engine.access import Access, Target, access_rows
 from aio_datadist._engine.background import start_on_loop
 from aio_datadist._engine.regions import BoardArena, BoardEntry, RegionView, RemoteRegions
 from aio_datadist._engine.request import DONE, Blocks, Completion, RemoteBlocks
-from aio_datadist._engine.serving import access_rows
 from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api

@@ -3,7 +3,7 @@
 A pool-allocated cache is referenced by its id and by each bound key. Its memory returns to
 the pool only when the id reference was dropped (``deallocate_*``), no key remains, no copy
 is using it (pins), and no linked peer may still reach it one-sided (holds: the UCX route's
-peers, until they acknowledge that they stopped; ``_engine.ucxboard``). All state changes
+peers, until they acknowledge that they stopped; ``_routes.ucx.board``). All state changes
 happen under one lock.
 """
 

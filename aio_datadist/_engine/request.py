@@ -178,7 +178,7 @@ _DONE_FUTURE: Future[None] = _completed()
 class Pump(Protocol):
     """What a waiter may drive so that its requests complete sooner: the frame pump of the
     link they crossed (a :class:`~aio_datadist._transport.base.Channel`), or the progress of
-    the UCX worker that moves them (``_engine.ucxroute.UcxProgress``)."""
+    the UCX worker that moves them (``_routes.ucx.route.UcxProgress``)."""
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Help ``future`` complete in the calling thread, which would otherwise just wait;

@@ -17,7 +17,7 @@ For a link to cluster ``c`` the list is, in order:
                            here (CUDA IPC), or staged around ``process_vm``
 ``UcxRoute``               host rows (and device rows where UCX reaches the runtime's
                            memory), one-sided by UCP RMA against the peer's UCX table
-                           (``_engine.ucxroute``)
+                           (``_routes.ucx.route``)
 :class:`Staged` (UCX)      device rows UCX cannot reach directly, through pinned host
                            buffers around ``UcxRoute``
 :class:`LinkRoute`         host rows over the link (always accepts them)

@@ -20,13 +20,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from aio_datadist._engine.access import Access, Target, decode_access
+from aio_datadist._engine.access import Access, Target, access_rows, decode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import NO_ROWS, CommRoutes, deliver
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._log import get_logger
 from aio_datadist._memory.staging import Mask, Staged, Streamed
-from aio_datadist._native import api
 from aio_datadist._native.serve import ServeTable
 from aio_datadist._transport import WireError, after_s
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
@@ -38,11 +37,11 @@ from aio_datadist.status import (
 )
 
 if TYPE_CHECKING:  # the UCX route's modules import this one
-    from aio_datadist._engine.ucxlinks import UcxLinks
+    from aio_datadist._routes.ucx.links import UcxLinks
 
-__all__ = ("Server", "access_rows")
+__all__ = ("Server",)
 
-#: Targets of the UCX route's control plane (``_engine.ucxlinks``).
+#: Targets of the UCX route's control plane (``_routes.ucx.links``).
 _UCX_CONTROL = frozenset({Target.UCX_TABLE, Target.UCX_ACK})
 #: How long a change of the served caches waits for native answers still reading a cache
 #: that left (each is bounded by the link's stall timeout).
@@ -55,51 +54,6 @@ def _invalid(message: str) -> ParamInvalidError:
 
 def _not_exist(message: str) -> KvCacheNotExistError:
     return KvCacheNotExistError(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
-
-
-def access_rows(
-    addrs: tuple[int, ...] | list[int],
-    block_bytes: int,
-    num_blocks: int,
-    access: Access,
-    row: int,
-) -> Iov:
-    """The ``(addr, len)`` rows of ``access`` over a cache whose tensors start at ``addrs``.
-
-    ``block_bytes`` is the size of one batch row or block of a tensor and ``num_blocks`` their
-    count; ``row`` is the batch row of a row access.
-
-    :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
-    """
-    start, count = access.tensor_start, access.tensor_count
-    if len(access.blocks):
-        # The one check of a blocks access, shared with the native serving path.
-        return api.blocks_access_rows(
-            addrs,
-            block_bytes,
-            num_blocks,
-            start,
-            count,
-            access.blocks,
-            access.seg_bytes,
-            access.last_bytes,
-        )
-    if count < 1 or start + count > len(addrs):
-        raise _invalid(
-            f"tensors [{start}, {start + count}) are outside the cache's {len(addrs)} tensors"
-        )
-    if row >= num_blocks:
-        raise _invalid(f"batch index {row} is outside [0, {num_blocks})")
-    if access.seg_bytes < 1 or access.offset + access.seg_bytes > block_bytes:
-        raise _invalid(
-            f"{access.seg_bytes} bytes at offset {access.offset} do not fit a row of "
-            f"{block_bytes} bytes"
-        )
-    bases = np.asarray(addrs[start : start + count], dtype=np.uint64)
-    rows = np.empty((count, 2), dtype=np.uint64)
-    rows[:, 0] = bases + np.uint64(row * block_bytes + access.offset)
-    rows[:, 1] = access.seg_bytes
-    return rows
 
 
 def _nothing(ok: bool) -> None:

@@ -87,7 +87,7 @@ class Hello:
     #: The communication domain a connecting side links for (rank-table ``link``): a rank
     #: endpoint that several domains share hands the link to that domain's member.
     comm: str | None = None
-    #: The sender offers the UCX route (``_engine.ucxlinks``): both ends must, for a link
+    #: The sender offers the UCX route (``_routes.ucx.links``): both ends must, for a link
     #: to use it.
     ucx: bool = False
 

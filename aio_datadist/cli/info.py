@@ -125,7 +125,7 @@ def _vendor(module: str) -> dict[str, Any]:
 
 
 def _ucx() -> dict[str, Any]:
-    from aio_datadist._transport.ucx import ucx_info
+    from aio_datadist._routes.ucx.worker import ucx_info
 
     return ucx_info()
 

@@ -2,7 +2,7 @@
 
 The board registers the memory peers may reach (each pool's arena once, at ``init``; each
 tensor of a registered cache when the cache is published) and keeps the table of published
-caches (``_engine.ucxtable``) current from the registry: every change of the published set
+caches (``_routes.ucx.table``) current from the registry: every change of the published set
 makes a new table with a higher sequence number, pushed to every UCX peer (a
 :class:`Subscriber`, one per link).
 
@@ -13,7 +13,7 @@ let a cache's memory go while a peer may still touch it:
 * a cache that leaves the table (``deallocate_*``, ``unregister_cache``) is withdrawn in the
   next table, sequence ``N``; every subscriber that held it keeps holding it until it
   acknowledges a table ``>= N``. A peer acknowledges ``N`` once it applied that table and no
-  transfer it started under an older table is still in flight (``_engine.ucxremote``); a
+  transfer it started under an older table is still in flight (``_routes.ucx.remote``); a
   transfer whose caches changed under it fails with ``LLM_KV_CACHE_NOT_EXIST``;
 * once no subscriber holds it, the cache's own registrations are unmapped and the holds go:
   pool memory returns to its pool only then, and ``deallocate_*`` and ``unregister_cache``
@@ -36,9 +36,9 @@ import structlog
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.regions import BoardEntry
 from aio_datadist._engine.registry import CacheEntry
-from aio_datadist._engine.ucxtable import UcxKey, encode_table
+from aio_datadist._routes.ucx.table import UcxKey, encode_table
+from aio_datadist._routes.ucx.worker import Registration, UcxContext
 from aio_datadist._transport import WireError
-from aio_datadist._transport.ucx import Registration, UcxContext
 from aio_datadist.enums import Placement
 from aio_datadist.status import LLMException
 

@@ -2,12 +2,12 @@
 each link.
 
 An engine made with ``aio.Ucx = "1"`` owns one UCP context and one worker
-(``UCS_THREAD_MODE_MULTI``; ``_engine.ucxroute.UcxProgress`` drives it), ``aio.UcxLanes - 1``
-further workers with a thread each that move parts of large transfers (``_engine.ucxlanes``),
+(``UCS_THREAD_MODE_MULTI``; ``_routes.ucx.route.UcxProgress`` drives it), ``aio.UcxLanes - 1``
+further workers with a thread each that move parts of large transfers (``_routes.ucx.lanes``),
 its table
-(``_engine.ucxboard``) and, per link whose two ends offered UCX in their handshake, a
+(``_routes.ucx.board``) and, per link whose two ends offered UCX in their handshake, a
 :class:`_Peer`: this side's subscription to the board and the peer's table as applied here
-(``_engine.ucxremote``).
+(``_routes.ucx.remote``).
 
 Control plane. Nothing UCX crosses before a link's handshake is complete (and authenticated
 when the engines have a link secret); then everything crosses the link as two kinds of push
@@ -20,7 +20,7 @@ when the engines have a link secret); then everything crosses the link as two ki
   UCX route to the link with the first one.
 * ``UCX_ACK`` (ident = sequence, no payload): the receiver of table ``N`` applied it and no
   transfer it started under an older table is in flight; the sender may now free what ``N``
-  withdrew (``_engine.ucxboard``).
+  withdrew (``_routes.ucx.board``).
 
 Pushes go out on one control thread per engine (``aio-dd-ucx-control``), never from a link's
 reader thread nor under the registry's lock; it also breaks the link of a peer that did not
@@ -41,20 +41,20 @@ from typing import Any
 import numpy as np
 import structlog
 
-from aio_datadist._engine import ucxboard
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import NO_ROWS
-from aio_datadist._engine.ucxboard import Subscriber, UcxBoard
-from aio_datadist._engine.ucxlanes import UcxLane
-from aio_datadist._engine.ucxremote import UcxRemote
-from aio_datadist._engine.ucxroute import UcxProgress, UcxRoute
-from aio_datadist._engine.ucxtable import decode_table, host_identity
 from aio_datadist._native import wire
+from aio_datadist._routes.ucx import board as ucxboard
+from aio_datadist._routes.ucx.board import Subscriber, UcxBoard
+from aio_datadist._routes.ucx.lanes import UcxLane
+from aio_datadist._routes.ucx.remote import UcxRemote
+from aio_datadist._routes.ucx.route import UcxProgress, UcxRoute
+from aio_datadist._routes.ucx.table import decode_table, host_identity
+from aio_datadist._routes.ucx.worker import UcxContext, UcxWorker
 from aio_datadist._transport import WireError
 from aio_datadist._transport.base import Channel, Hello, RequestKind, Served
 from aio_datadist._transport.samehost import local_host_key
-from aio_datadist._transport.ucx import UcxContext, UcxWorker
 from aio_datadist.status import (
     FeatureNotEnabledError,
     LLMException,

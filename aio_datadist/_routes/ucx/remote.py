@@ -1,6 +1,6 @@
 """A linked peer's UCX table as this side applied it: the endpoint to the peer's worker, its
 unpacked remote keys, and the transfers started under each table (the requester's half of
-the release protocol, ``_engine.ucxboard``).
+the release protocol, ``_routes.ucx.board``).
 
 A transfer takes a :class:`Snapshot` of the current table (:meth:`UcxRemote.begin`),
 resolves and bounds-checks its access against it, moves its bytes through the snapshot's
@@ -9,7 +9,7 @@ once: later transfers see only it. Its acknowledgement goes back once no transfe
 under an older table is in flight; only then may the peer free what ``N`` withdrew. Remote
 keys that ``N`` dropped are destroyed at that point too, never under a transfer using them.
 
-With lanes (``_engine.ucxlanes``) there is one endpoint per lane, each lane's worker to the
+With lanes (``_routes.ucx.lanes``) there is one endpoint per lane, each lane's worker to the
 peer's worker, and the table's remote keys are unpacked on each: a transfer large enough is
 cut into parts, one per lane, each started on its lane's endpoint through its lane's keys.
 
@@ -33,9 +33,16 @@ import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
-from aio_datadist._engine.ucxlanes import LANE_MIN_BYTES, UcxLane
-from aio_datadist._engine.ucxtable import UcxTable
-from aio_datadist._transport.ucx import Endpoint, RemoteKey, RemoteKeys, Requests, UcxWorker, rma
+from aio_datadist._routes.ucx.lanes import LANE_MIN_BYTES, UcxLane
+from aio_datadist._routes.ucx.table import UcxTable
+from aio_datadist._routes.ucx.worker import (
+    Endpoint,
+    RemoteKey,
+    RemoteKeys,
+    Requests,
+    UcxWorker,
+    rma,
+)
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("CLOSE_S", "Snapshot", "UcxRemote")
@@ -220,7 +227,7 @@ class UcxRemote:
     ) -> tuple[list[Requests], LLMException | None]:
         """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``) through
         the snapshot's keys, and for a push a flush after them: see ``ucx.rma``. Host
-        transfers of :data:`~aio_datadist._engine.ucxlanes.LANE_MIN_BYTES` or more are cut
+        transfers of :data:`~aio_datadist._routes.ucx.lanes.LANE_MIN_BYTES` or more are cut
         into one part per lane. The requests started, and the failure that stopped the rest.
 
         :raises LLMException: ``LLM_LINK_FAILED`` once the route closed; the bounds check's

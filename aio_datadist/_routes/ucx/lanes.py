@@ -6,9 +6,9 @@ Over UCX's cross-memory transports (``cma``) the copy of a get or a put runs ins
 at the rate of one core. A transfer of at least :data:`LANE_MIN_BYTES` host bytes is cut into
 as many parts of about equal size as the engine has lanes (by ``ucx.rma``, in one native
 call that checks, cuts and starts every part: ``dd_ucx_transfer``): the first moves on
-the engine's own worker as every transfer does (``_engine.ucxroute``), each other on a
+the engine's own worker as every transfer does (``_routes.ucx.route``), each other on a
 :class:`UcxLane`'s worker through an endpoint of its own to the same peer, with remote keys
-unpacked on that endpoint (``_engine.ucxremote``).
+unpacked on that endpoint (``_routes.ucx.remote``).
 
 The caller starts a lane's part itself (the lane's worker is ``UCS_THREAD_MODE_MULTI``) and
 signals the lane's worker; the lane's thread, a native one (``dd_ucx_lane``: it never waits
@@ -21,7 +21,7 @@ complete. Smaller transfers stay on one worker: waking a thread costs more than 
 from __future__ import annotations
 
 from aio_datadist._native.api import UcxLaneThread
-from aio_datadist._transport.ucx import UcxContext, UcxWorker
+from aio_datadist._routes.ucx.worker import UcxContext, UcxWorker
 
 __all__ = ("LANE_MIN_BYTES", "MAX_LANES", "UcxLane")
 

@@ -20,7 +20,7 @@ rows afterwards), the batch fails with ``LLM_TIMEOUT`` and the link carries the 
 transfers. Every request a batch started has completed before its future does.
 
 A large host transfer is cut into parts that the engine's lanes move beside this worker
-(``_engine.ucxlanes``): a lane's part completes on the lane's own thread, and its last
+(``_routes.ucx.lanes``): a lane's part completes on the lane's own thread, and its last
 completion signals this worker, so the waiters above wake as for any other completion.
 """
 
@@ -42,10 +42,10 @@ from aio_datadist._engine.onesided import ONE_SIDED_TARGETS, paired, resolve
 from aio_datadist._engine.regions import BoardEntry
 from aio_datadist._engine.request import DONE, Completion, Transfer, completed
 from aio_datadist._engine.routes import Carrier, Waiting
-from aio_datadist._engine.ucxremote import Snapshot, UcxRemote
+from aio_datadist._routes.ucx.remote import Snapshot, UcxRemote
+from aio_datadist._routes.ucx.worker import Requests, UcxWorker
 from aio_datadist._transport.base import Payload, RequestKind
 from aio_datadist._transport.future import RequestFuture
-from aio_datadist._transport.ucx import Requests, UcxWorker
 from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCode
 
 __all__ = ("Batch", "UcxProgress", "UcxRoute")

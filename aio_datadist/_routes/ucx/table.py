@@ -6,7 +6,7 @@ inode, so that a peer on the same host may let UCX use shared memory), its regis
 region board's entry layout (``_engine.regions``): the requester resolves and bounds-checks
 every access against those entries exactly as the same-host route does, then reaches the
 bytes through the registration that holds them. Its sequence number grows with every change
-(``_engine.ucxboard``). The byte layout and its limits are ``_native/wire.h``'s.
+(``_routes.ucx.board``). The byte layout and its limits are ``_native/wire.h``'s.
 
 A table comes from another process, so its decoder trusts nothing: every count and length
 is bounded, entries are checked as a board's are, and every published tensor must lie
