@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.providers import ucx_links
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from aio_datadist import (
@@ -55,7 +57,7 @@ def main() -> None:
         assert ret == LLMStatusCode.LLM_SUCCESS, ret
         link = dd._engine.links.get(1)
         routes = [r.name for r in link.routes]
-        ucx = dd._engine.ucx_links()
+        ucx = ucx_links(dd._engine)
         remote = None if ucx is None else ucx.route_of(link.channel)
         cm = dd.cache_manager
         desc = CacheDesc(TENSORS, [blocks, block_bytes], DataType.DT_UINT8, Placement.DEVICE)

@@ -32,7 +32,7 @@ from aio_datadist import (
     Placement,
 )
 from aio_datadist import LLMStatusCode as S
-from aio_datadist._engine import links as links_module
+from aio_datadist._routes.samehost import provider as samehost_provider
 from aio_datadist._transport._wire import (
     FrameKind,
     HelloExtension,
@@ -581,13 +581,13 @@ async def test_engines_with_different_secrets_do_not_link(
 ) -> None:
     caplog.set_level(logging.INFO, logger="aio_datadist")
     opened: list[object] = []
-    real_open = links_module.open_peer_memory
+    real_open = samehost_provider.open_peer_memory
 
     def spy(*args: Any) -> Any:
         opened.append(args)
         return real_open(*args)
 
-    monkeypatch.setattr(links_module, "open_peer_memory", spy)
+    monkeypatch.setattr(samehost_provider, "open_peer_memory", spy)
     prompt = await engines.prompt(server)
     decoder = await engines.decoder(2, client)
     assert await engines.link(decoder) == S.LLM_LINK_FAILED

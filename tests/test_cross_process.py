@@ -37,6 +37,7 @@ from aio_datadist import (
     Placement,
 )
 from aio_datadist._routes.ucx import worker as ucx
+from tests import providers
 from tests.conftest import (
     Face,
     fresh_ticks,
@@ -182,9 +183,8 @@ def peer_factory(route: str) -> Iterator[Callable[[int, int], Peer]]:
 
 def peer_memory(face: Face) -> Any:
     """The decoder's one-sided route to cluster 1 (None when the link carries everything)."""
-    link = face.dd._engine.links.get(1)
-    assert link is not None
-    return link.peer_memory
+    assert face.dd._engine.links.get(1) is not None
+    return providers.peer_memory(face.dd._engine, 1)
 
 
 def ucx_route(face: Face) -> Any:

@@ -31,6 +31,7 @@ from aio_datadist import (
 )
 from aio_datadist._memory.staging import Staging
 from aio_datadist._runtime.base import DeviceRuntime
+from tests import providers
 from tests.acl_fake import FAKE_VARS, FakeAcl, read_device, write_device
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
 from tests.fakelibs import build
@@ -136,8 +137,8 @@ async def test_pull_device_blocks_and_rows(accelerator: str, make_pair: PairFact
     for i, view in enumerate(host_views):
         view[...] = 10 + i
     await dcm.pull_blocks(BlocksCacheKey(1, 1), dst, [2, 6], [4, 0])
-    link = pair.decoder.dd._engine.links.get(1)
-    assert (link.peer_memory is not None) == (pair.transport == "tcp")
+    memory = providers.peer_memory(pair.decoder.dd._engine, 1)
+    assert (memory is not None) == (pair.transport == "tcp")
     for i, d in enumerate(read(pair.decoder, dst)):
         assert (d[[4, 0]] == 10 + i).all()
     await pcm.deallocate_blocks_cache(host_src)

@@ -17,18 +17,15 @@ from aio_datadist._engine.driver import Start, Wait, run_call
 from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
 from aio_datadist._engine.routes import (
     CommunicatorRoute,
-    DeviceIpcRoute,
     LinkRoute,
     Route,
-    SameHostRoute,
     Staged,
     Waiting,
     link_routes,
+    placed,
     start_on,
-    with_communicator,
-    with_peer_memory,
-    without_communicator,
 )
+from aio_datadist._routes.samehost.route import DeviceIpcRoute, SameHostRoute
 from aio_datadist._transport.base import RequestKind
 from aio_datadist.aio import _advance, _Driver, _Overdue, _wait
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -125,11 +122,19 @@ def test_a_new_link_lists_its_routes_in_order() -> None:
     channel: Any = FakeChannel()
     peer: Any = object()
     staging: Any = object()
+    one_sided = (SameHostRoute, DeviceIpcRoute)
+
+    def with_peer(routes: list[Route]) -> list[Route]:
+        return placed(routes, (SameHostRoute(peer), DeviceIpcRoute(peer)), one_sided)
+
+    def with_domain(routes: list[Route], route: CommunicatorRoute) -> list[Route]:
+        return placed(routes, (route,), CommunicatorRoute)
+
     assert [type(r) for r in link_routes(channel, staging)] == [LinkRoute, Staged]
-    routes = with_peer_memory(link_routes(channel, staging), peer)
+    routes = with_peer(link_routes(channel, staging))
     assert [type(r) for r in routes] == [SameHostRoute, DeviceIpcRoute, LinkRoute, Staged]
     member = CommRoute(communicator=object(), peer_rank=1)  # type: ignore[arg-type]
-    joined = with_communicator(routes, CommunicatorRoute(channel, member))
+    joined = with_domain(routes, CommunicatorRoute(channel, member))
     assert [type(r) for r in joined] == [
         SameHostRoute,
         CommunicatorRoute,
@@ -137,17 +142,17 @@ def test_a_new_link_lists_its_routes_in_order() -> None:
         LinkRoute,
         Staged,
     ]
-    assert [type(r) for r in without_communicator(joined, member)] == [
+    assert [type(r) for r in placed(joined, (), CommunicatorRoute)] == [
         SameHostRoute,
         DeviceIpcRoute,
         LinkRoute,
         Staged,
     ]
     # A peer proven after a domain's route went in: the communicator route keeps its place.
-    late = with_peer_memory(
-        with_communicator(link_routes(channel, staging), CommunicatorRoute(channel, member)), peer
-    )
+    late = with_peer(with_domain(link_routes(channel, staging), CommunicatorRoute(channel, member)))
     assert [type(r) for r in late] == [type(r) for r in joined]
+    # Placed again, a provider's routes replace its earlier ones.
+    assert [type(r) for r in with_peer(late)] == [type(r) for r in joined]
     # Without a runtime to stage through, the link takes host rows only.
     assert [type(r) for r in link_routes(channel, None)] == [LinkRoute]
 

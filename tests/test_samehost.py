@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aio_datadist import CacheDesc, DataType, LLMDataDist, LLMException, LLMRole, LLMStatusCode
-from aio_datadist._engine import onesided
 from aio_datadist._engine.regions import (
     BOARD_BYTES,
     BoardArena,
@@ -28,6 +27,7 @@ from aio_datadist._engine.regions import (
 )
 from aio_datadist._memory.staging import Staging
 from aio_datadist._options import engine_options
+from aio_datadist._routes.samehost import memory as onesided
 from aio_datadist._runtime import HostRuntime
 from aio_datadist._runtime import host as host_runtime
 from aio_datadist._transport._wire import WireError

@@ -40,6 +40,7 @@ from aio_datadist._transport.samehost import (
 )
 from tests.conftest import make_options, pool_cfg
 from tests.peer_prompt import TENSORS, pattern
+from tests.providers import peer_memory
 from tests.test_cross_process import Peer, blocks_desc, free_port
 from tests.test_transport_tcp import frame, read_frame
 
@@ -178,16 +179,14 @@ async def test_linked_engines_on_this_host_prove_each_other_both_ways(
     engines.append(decoder)
     status, _ = await decoder.link_clusters([cluster(1, port)], 5000)
     assert status == LLMStatusCode.LLM_SUCCESS
-    client = decoder._engine.links.get(1)
-    assert client is not None and client.peer_memory is not None
-    assert client.peer_memory.pid == os.getpid()
+    client = peer_memory(decoder._engine, 1)
+    assert client is not None and client.pid == os.getpid()
     deadline = time.monotonic() + WAIT  # the server side learns it once the client proved
-    server = prompt._engine.links.get(2)
-    while (server is None or server.peer_memory is None) and time.monotonic() < deadline:
+    server = peer_memory(prompt._engine, 2)
+    while server is None and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-        server = prompt._engine.links.get(2)
-    assert server is not None and server.peer_memory is not None
-    assert server.peer_memory.pid == os.getpid()
+        server = peer_memory(prompt._engine, 2)
+    assert server is not None and server.pid == os.getpid()
 
 
 # -- the proof itself ----------------------------------------------------------------------------

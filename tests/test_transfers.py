@@ -45,6 +45,7 @@ from aio_datadist._transport import tcp
 from aio_datadist._transport.pending import Request
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
+from tests.providers import peer_memory, ucx_links
 
 S = LLMStatusCode
 #: "ucx": TCP links whose transfers take the UCX route (the same-host route off).
@@ -146,8 +147,8 @@ def _publish_before_return(prompt: AsyncLLMDataDist, decoder: Face) -> None:
             result = await call(*args, **kwargs)
             link = decoder.dd._engine.link_table().get(1)
             if link is not None:
-                remote = decoder.dd._engine.ucx_links().route_of(link.channel)
-                seq = prompt._engine.ucx_links().board.seq
+                remote = ucx_links(decoder.dd._engine).route_of(link.channel)
+                seq = ucx_links(prompt._engine).board.seq
                 await wait_until(lambda: remote is None or remote.seq >= seq)
             return result
 
@@ -921,7 +922,7 @@ async def test_link_unlink_and_switch_role(make_pair: PairFactory) -> None:
     assert local.role is LLMRole.DECODER and local.presence == presence
     await pair.link()
     if presence is not None:
-        assert dd.dd._engine.link_table().get(1).peer_memory is not None
+        assert peer_memory(dd.dd._engine, 1) is not None
     await dd.cm.deallocate_cache(cache)
 
 

@@ -48,16 +48,16 @@ from aio_datadist._engine.routes import (
     Carrier,
     CommunicatorRoute,
     LinkRoute,
+    Route,
     Staged,
     link_routes,
-    with_carrier,
-    with_communicator,
-    with_peer_memory,
+    placed,
 )
 from aio_datadist._native import ucx as native
 from aio_datadist._native import wire
 from aio_datadist._native._ffi import ffi
 from aio_datadist._native.api import UcxCalls
+from aio_datadist._routes.samehost.route import DeviceIpcRoute, SameHostRoute
 from aio_datadist._routes.ucx import board as ucxboard
 from aio_datadist._routes.ucx import worker as ucx
 from aio_datadist._routes.ucx.lanes import LANE_MIN_BYTES
@@ -66,6 +66,7 @@ from aio_datadist._routes.ucx.table import KeySpans, UcxKey, decode_table, encod
 from aio_datadist._transport import WireError
 from aio_datadist._transport.base import RequestKind
 from tests.conftest import Face, make_options, pool_cfg
+from tests.providers import ucx_links
 
 S = LLMStatusCode
 needs_ucx = pytest.mark.skipif(
@@ -111,8 +112,8 @@ async def tables_settled(owner: Any, requester: Any, cluster_id: int) -> None:
     """Wait until ``requester`` applied ``owner``'s current UCX table on its link."""
     dd = requester.dd if isinstance(requester, Face) else requester
     link = dd._engine.link_table().get(cluster_id)
-    remote = dd._engine.ucx_links().route_of(link.channel)
-    seq = owner._engine.ucx_links().board.seq
+    remote = ucx_links(dd._engine).route_of(link.channel)
+    seq = ucx_links(owner._engine).board.seq
     for _ in range(500):
         if remote.seq >= seq:
             return
@@ -209,7 +210,7 @@ async def test_enabling_ucx_without_ucx_fails_at_init_saying_why(
         assert not face.dd._engine.initialized
         # nothing else changes: the same engine initialises without the route
         await face.init(make_options(device_pool=pool_cfg()))
-        assert face.dd._engine.ucx_links() is None
+        assert ucx_links(face.dd._engine) is None
     finally:
         monkeypatch.delenv(native.ENV_VAR)
         native._reset_for_tests()
@@ -272,7 +273,7 @@ async def test_one_worker_per_engine_in_multi_thread_mode(
     pair = await make_pair(decoder=face_kind)
     assert routes_of(pair.decoder.dd, 1)[:2] == ["ucx", "staged-ucx"]
     assert routes_of(pair.prompt, 2)[:2] == ["ucx", "staged-ucx"]
-    links = pair.decoder.dd._engine.ucx_links()
+    links = ucx_links(pair.decoder.dd._engine)
     assert links.worker.thread_mode == native.UCS_THREAD_MODE_MULTI
     route = next(r for r in pair.decoder.dd._engine.link_table().get(1).routes if r.name == "ucx")
     assert route.progress.worker is links.worker  # every link of the engine shares it
@@ -281,6 +282,7 @@ async def test_one_worker_per_engine_in_multi_thread_mode(
 # -- where the route sits -------------------------------------------------------------------
 class _Carrier(Carrier):
     name = "ucx"
+    rank = 40
 
     def accepts(self, transfer: Any) -> bool:
         return True
@@ -295,15 +297,25 @@ class _Carrier(Carrier):
 def test_the_route_order() -> None:
     channel: Any = type("Channel", (), {"streams": True})()
     staging: Any = object()
+    peer: Any = object()
+
+    def with_carrier(routes: list[Route]) -> list[Route]:
+        carrier = _Carrier()
+        return placed(routes, (carrier, Staged(carrier, staging)), _Carrier)
+
+    def with_peer_memory(routes: list[Route]) -> list[Route]:
+        added = (SameHostRoute(peer), DeviceIpcRoute(peer))
+        return placed(routes, added, (SameHostRoute, DeviceIpcRoute))
+
     base = link_routes(channel, staging)
-    ucx_first = with_peer_memory(with_carrier(base, _Carrier(), staging), object())  # type: ignore[arg-type]
-    proof_first = with_carrier(with_peer_memory(base, object()), _Carrier(), staging)  # type: ignore[arg-type]
+    ucx_first = with_peer_memory(with_carrier(base))
+    proof_first = with_carrier(with_peer_memory(base))
     order = ["same-host", "device-ipc", "ucx", "staged-ucx", "link", "staged-link"]
     assert [r.name for r in ucx_first] == [r.name for r in proof_first] == order
     domain = CommunicatorRoute.__new__(CommunicatorRoute)  # only its place is looked at
-    with_domain = with_communicator(ucx_first, domain)
+    with_domain = placed(ucx_first, (domain,), CommunicatorRoute)
     assert [r.name for r in with_domain] == ["same-host", "communicator", *order[1:]]
-    again = with_carrier(ucx_first, _Carrier(), staging)  # a new table's route replaces it
+    again = with_carrier(ucx_first)  # a new table's route replaces it
     assert [r.name for r in again] == order
     staged = next(r for r in again if r.name == "staged-ucx")
     assert isinstance(staged, Staged) and isinstance(staged.inner, _Carrier)
@@ -464,7 +476,7 @@ async def test_a_release_racing_a_transfer_fails_it_and_frees_only_after_it_ende
     # the peer holds the cache: it is gone from the table, its memory is not back
     assert not dealloc.done()
     assert _used(pair.prompt) == before
-    assert src.cache_id not in pair.prompt._engine.ucx_links().board.published()
+    assert src.cache_id not in ucx_links(pair.prompt._engine).board.published()
     # new memory is not the released memory
     other = await pcm.allocate_blocks_cache(blocks_desc())
     low, high = _span(other)
@@ -505,7 +517,7 @@ async def test_unregister_returns_once_the_peer_let_go_of_the_memory(
     src = await pcm.register_blocks_cache(
         blocks_desc(), [int(a.ctypes.data) for a in arrays], BlocksCacheKey(1, 0), True
     )
-    board = pair.prompt._engine.ucx_links().board
+    board = ucx_links(pair.prompt._engine).board
     assert src.cache_id in board._own  # the tensors were registered with UCX
     await pair.settled()
     dst = dcm.allocate_blocks_cache(blocks_desc())
@@ -743,14 +755,14 @@ async def test_device_rows_are_staged_around_the_route(
         info.append_local_ip_info("127.0.0.1", 0)
         info.append_remote_ip_info("127.0.0.1", port)
         assert (await decoder.link_clusters([info], 5000))[0] == S.LLM_SUCCESS
-        assert not prompt._engine.ucx_links().cuda and not decoder._engine.ucx_links().cuda
+        assert not ucx_links(prompt._engine).cuda and not ucx_links(decoder._engine).cuda
         host_desc = CacheDesc(TENSORS, [BLOCKS, 1024], DataType.DT_UINT8, Placement.HOST)
         dev_desc = CacheDesc(TENSORS, [BLOCKS, 1024], DataType.DT_UINT8, Placement.DEVICE)
         host_src = await prompt.cache_manager.allocate_blocks_cache(host_desc, BlocksCacheKey(1, 0))
         dev_src = await prompt.cache_manager.allocate_blocks_cache(dev_desc, BlocksCacheKey(1, 1))
         for t, view in enumerate(host_src.as_numpy()):
             view[...] = 0x30 + t
-        published = prompt._engine.ucx_links().board.published()
+        published = ucx_links(prompt._engine).board.published()
         assert host_src.cache_id in published and dev_src.cache_id not in published
         dst = await decoder.cache_manager.allocate_blocks_cache(dev_desc)
         await decoder.cache_manager.pull_blocks(BlocksCacheKey(1, 0), dst, [3, 4], [0, 1])
@@ -843,7 +855,7 @@ async def test_large_transfers_are_cut_across_the_lanes(
     monkeypatch.setattr("aio_datadist._routes.ucx.remote.rma", counted)
     pair = await make_pair(transport=transport, decoder=decoder, lanes=lanes)
     dd = pair.decoder.dd if isinstance(pair.decoder, Face) else pair.decoder
-    ours = dd._engine.ucx_links()
+    ours = ucx_links(dd._engine)
     assert 1 + len(ours.lanes) == lanes
     threads = [n for n in _thread_names() if n == "aio-dd-ucx-lane"]
     assert len(threads) == 2 * (lanes - 1)  # the prompt's engine has as many
@@ -908,7 +920,7 @@ async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
     dst = await dcm.allocate_blocks_cache(blocks_desc())
     await pair.settled()
     link = pair.decoder.dd._engine.link_table().get(1)
-    remote = pair.decoder.dd._engine.ucx_links().route_of(link.channel)
+    remote = ucx_links(pair.decoder.dd._engine).route_of(link.channel)
     assert remote is not None and remote.usable
     every = list(range(BLOCKS))
     started = time.monotonic()

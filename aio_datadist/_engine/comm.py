@@ -42,12 +42,7 @@ from typing import Any
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import CommRoute, CommRoutes
 from aio_datadist._engine.links import Link, LinkTable
-from aio_datadist._engine.routes import (
-    CommunicatorRoute,
-    Route,
-    with_communicator,
-    without_communicator,
-)
+from aio_datadist._engine.routes import CommunicatorRoute, Route, placed
 from aio_datadist._log import get_logger
 from aio_datadist._runtime.base import Communicator
 from aio_datadist._transport.base import Channel, Hello, LinkRefused, RequestHandler
@@ -106,12 +101,16 @@ def rank_endpoints(rank_table: str, base_port: int) -> dict[int, tuple[str, int]
 
 def _adding(member: CommRoute, link: Link) -> list[Route]:
     """``link``'s routes with the one through ``member``'s communicator."""
-    return with_communicator(link.routes, CommunicatorRoute(link.channel, member))
+    return placed(link.routes, [CommunicatorRoute(link.channel, member)], CommunicatorRoute)
 
 
 def _removing(member: CommRoute, link: Link) -> list[Route]:
     """``link``'s routes without the one through ``member``'s communicator."""
-    return without_communicator(link.routes, member)
+    return [
+        r
+        for r in link.routes
+        if not (isinstance(r, CommunicatorRoute) and r.member.communicator is member.communicator)
+    ]
 
 
 @dataclass

@@ -7,28 +7,21 @@ import os
 import threading
 from typing import Any
 
-import structlog
-
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.comm import DEFAULT_COMM_BASE_PORT, CommDomains, check_link_args
 from aio_datadist._engine.domain import CommRoutes
 from aio_datadist._engine.links import LinkTable, check_clusters
 from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.planner import Planner
-from aio_datadist._engine.regions import BoardArena, BoardEntry, RegionBoard
-from aio_datadist._engine.registry import CacheEntry
-from aio_datadist._engine.serving import Server
+from aio_datadist._engine.serving import ControlPlane, Server
 from aio_datadist._log import get_logger
 from aio_datadist._memory.pool import MemoryPool
-from aio_datadist._routes.ucx.links import UcxLinks
-from aio_datadist._routes.ucx.worker import available as ucx_available
+from aio_datadist._routes import PROVIDERS
+from aio_datadist._routes.provider import Opening, RouteProvider
 from aio_datadist._runtime import select_runtime
 from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist._transport import make_transport
 from aio_datadist._transport.base import ChannelStats, Hello
-from aio_datadist._transport.faults import LinkFaults
-from aio_datadist._transport.loopback import LoopbackChannel
-from aio_datadist._transport.samehost import HostPresence, local_host_key
 from aio_datadist._validate import check_int, check_type
 from aio_datadist.cluster import LinkResults
 from aio_datadist.config import (
@@ -70,10 +63,8 @@ from aio_datadist.stats import DataDistStats
 from aio_datadist.status import (
     ExistLinkError,
     FeatureNotEnabledError,
-    LLMException,
     LLMFailedError,
     LLMStatusCode,
-    NotYetLinkError,
     ParamInvalidError,
 )
 
@@ -174,8 +165,7 @@ class Engine:
         self.caches: CacheService | None = None
         self.links: LinkTable | None = None
         self.planner: Planner | None = None
-        self._board: RegionBoard | None = None
-        self._ucx: UcxLinks | None = None
+        self._providers: dict[str, RouteProvider] = {}
         self.comms: CommDomains | None = None
         self._lock = threading.Lock()
         self._log = get_logger("engine", cluster_id=cluster_id, role=role.name)
@@ -220,27 +210,31 @@ class Engine:
                 remote_cache_accessible=settings.remote_cache_accessible,
                 log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
             )
+            opening = Opening(settings, caches, self.cluster_id, self.role.name)
+            providers: dict[str, RouteProvider] = {}
             try:
-                ucx = self._open_ucx(settings, caches)
+                for spec in PROVIDERS:
+                    provider = spec.open(opening)
+                    if provider is not None:
+                        providers[spec.name] = provider
             except BaseException:
+                _close_providers(providers)
                 caches.close()
                 raise
-            board = self._open_board(settings, caches, log)
-            presence = None
-            host_key = local_host_key()
-            if board is not None and host_key is not None:
-                presence = HostPresence(host_key[0], host_key[1], board_fd=board.fd)
+            hello = Hello(self.cluster_id, self.role)
+            for provider in providers.values():
+                hello = provider.offer(hello)
             routes: CommRoutes = {}
             links = LinkTable(
-                Hello(self.cluster_id, self.role, presence=presence, ucx=ucx is not None),
+                hello,
                 make_transport(
                     settings.transport, settings.link_secret, busy_poll_us=settings.busy_poll_us
                 ),
-                Server(caches, routes, ucx),
+                Server(caches, routes, _control_plane(providers)),
                 get_logger("link", cluster_id=self.cluster_id, role=self.role.name),
                 staging=caches.staging,
                 directional=settings.hixl,
-                ucx=ucx,
+                providers=tuple(providers.values()),
             )
             links.retry_count = max(1, settings.link_retry_count)
             if settings.metrics:
@@ -251,17 +245,14 @@ class Engine:
                 try:
                     links.listen(*settings.listen)
                 except OSError as exc:
-                    if ucx is not None:
-                        ucx.close()
+                    _close_providers(providers)
                     caches.close()
-                    if board is not None:
-                        board.close()
                     host, port = settings.listen
                     raise LLMFailedError(
                         f"cannot listen on {host}:{port}: {exc}",
                         status_code=LLMStatusCode.LLM_FAILED,
                     ) from None
-            self.caches, self.links, self._board, self._ucx = caches, links, board, ucx
+            self.caches, self.links, self._providers = caches, links, providers
             self.comms = CommDomains(
                 links, caches, routes, settings.comm_base_port, settings.link_total_time_s
             )
@@ -335,28 +326,6 @@ class Engine:
             if caches is None
             else {placement.name: pool.stats() for placement, pool in caches.pools.items()},
         )
-
-    def link_faults(self, cluster_id: int) -> LinkFaults:
-        """The faults injected into this side's requests on the live loopback link to
-        ``cluster_id`` (``aio_datadist.testing``).
-
-        :raises RuntimeError: not initialised.
-        :raises LLMException: ``LLM_NOT_YET_LINK`` when no link to ``cluster_id`` is live,
-            ``LLM_FEATURE_NOT_ENABLED`` when it is not a loopback link.
-        """
-        link = self.link_table().get(cluster_id)
-        if link is None:
-            raise NotYetLinkError(
-                f"cluster {cluster_id} has no live link to inject faults into",
-                status_code=LLMStatusCode.LLM_NOT_YET_LINK,
-            )
-        if not isinstance(link.channel, LoopbackChannel):
-            raise FeatureNotEnabledError(
-                "faults are injected on the loopback transport only "
-                f"(the link to cluster {cluster_id} is {type(link.channel).__name__})",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
-        return link.channel.faults
 
     def link_clusters(self, clusters: Any, timeout: Any) -> tuple[LLMStatusCode, LinkResults]:
         """``link_clusters``: link to servers; per-cluster results, link failures never raise."""
@@ -462,122 +431,40 @@ class Engine:
         with self._lock:
             caches, self.caches, self.settings = self.caches, None, None
             links, self.links, self.planner = self.links, None, None
-            board, self._board = self._board, None
             comms, self.comms = self.comms, None
-            ucx, self._ucx = self._ucx, None
+            providers, self._providers = self._providers, {}
         if comms is not None:
             comms.close()  # communicators first: they hold the memory bound
         if links is not None:
             links.close()
-        if ucx is not None:
-            ucx.close()  # after the links, before the pools its registrations hold
+        _close_providers(providers)  # after the links, before the pools they hold
         if caches is not None:
             caches.close()
             self._log.info("engine.finalized")
-        if board is not None:
-            board.close()
 
-    def _open_ucx(self, settings: EngineSettings, caches: CacheService) -> UcxLinks | None:
-        """The UCX route when ``aio.Ucx`` asks for it.
-
-        :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming why UCX cannot be loaded,
-            the code of UCX's failure to start, or ``LLM_FAILED`` when the system refuses a
-            descriptor or thread for it.
-        """
-        if not settings.ucx:
-            return None
-        reason = ucx_available()
-        if reason is not None:
-            raise FeatureNotEnabledError(
-                f"{OPTION_UCX}=1 needs UCX, which cannot be loaded: {reason}",
-                status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
-            )
-        try:
-            return UcxLinks(
-                caches,
-                get_logger("ucx", cluster_id=self.cluster_id, role=self.role.name),
-                name=f"aio-dd-{self.cluster_id}",
-                lanes=settings.ucx_lanes,
-            )
-        except (OSError, RuntimeError) as exc:  # no descriptor or thread to be had for it
-            raise LLMFailedError(
-                f"the UCX route cannot start: {exc}", status_code=LLMStatusCode.LLM_FAILED
-            ) from None
-
-    def ucx_links(self) -> UcxLinks | None:
-        """The UCX route of the initialised engine (None without ``aio.Ucx``)."""
-        return self._ucx
-
-    @staticmethod
-    def _open_board(
-        settings: EngineSettings, caches: CacheService, log: structlog.stdlib.BoundLogger
-    ) -> RegionBoard | None:
-        """The region board same-host peers read, kept current from the registry; None when
-        one-sided access is off, the transport is not TCP, or the host cannot make one."""
-        if not settings.same_host or (settings.transport or "tcp") != "tcp":
-            return None
-        try:
-            board = RegionBoard()
-        except OSError as exc:
-            log.info("samehost.unavailable", reason=f"no region board: {exc}")
-            return None
-        registry = caches.registry
-        tokens: dict[tuple[int, int], bytes | None] = {}
-
-        def span(e: CacheEntry) -> tuple[int, int]:
-            """``(start, nbytes)`` from the lowest tensor to the end of the highest."""
-            low = min(e.addrs, default=0)
-            return low, max(e.addrs, default=0) + e.tensor_bytes - low
-
-        def token(e: CacheEntry) -> bytes | None:
-            """b"" for host-readable memory; the runtime's sharing token for device memory
-            (cached per cache); None when the entry cannot be published."""
-            if not caches.on_device(e):
-                return b""
-            low, nbytes = span(e)
-            key = (e.cache_id, low)
-            if key not in tokens:
-                try:
-                    tokens[key] = caches.runtime.share(low, nbytes) if e.addrs else None
-                except LLMException:
-                    tokens[key] = None
-            return tokens[key]
-
-        def arena(e: CacheEntry) -> BoardArena | None:
-            """The shared host memory holding a host-readable cache, which peers map."""
-            return caches.runtime.host_share(*span(e)) if e.addrs else None
-
-        def publish() -> None:
-            was_full = board.overflowed
-            live = [e for e in registry.entries() if not e.released and e.remote_accessible]
-            for key in set(tokens) - {(e.cache_id, min(e.addrs, default=0)) for e in live}:
-                del tokens[key]
-            published = []
-            for e in live:
-                shared = token(e)
-                if shared is not None:
-                    model_id = e.blocks_key.model_id if e.blocks_key is not None else -1
-                    published.append(
-                        BoardEntry(
-                            e.cache_id,
-                            model_id,
-                            e.row_bytes,
-                            e.num_rows,
-                            e.tensor_bytes,
-                            e.addrs,
-                            shared,
-                            None if shared else arena(e),
-                        )
-                    )
-            board.publish(published)
-            if board.overflowed and not was_full:
-                log.warning("samehost.board_full", note="peers use the link for every transfer")
-
-        registry.add_listener(publish)
-        return board
+    def provider(self, name: str) -> RouteProvider | None:
+        """The initialised engine's route provider ``name`` (``_routes.PROVIDERS``); None
+        where its settings leave it off."""
+        return self._providers.get(name)
 
 
 def _close_all(pools: dict[Placement, MemoryPool], runtime: DeviceRuntime) -> None:
     for pool in pools.values():
         pool.close()
     runtime.close()
+
+
+def _close_providers(providers: dict[str, RouteProvider]) -> None:
+    """Close ``providers`` in the reverse of their opening order."""
+    for provider in reversed(list(providers.values())):
+        provider.close()
+
+
+def _control_plane(providers: dict[str, RouteProvider]) -> ControlPlane:
+    """Who serves each provider's control requests over a link: the open provider, or the
+    setting that would enable it."""
+    plane: ControlPlane = {}
+    for spec in PROVIDERS:
+        for target in spec.targets:
+            plane[target] = providers.get(spec.name) or spec.enabled_by
+    return plane

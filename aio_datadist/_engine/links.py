@@ -25,28 +25,19 @@ leaves nothing.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from aio_datadist._engine.metrics import TransferMetrics
-from aio_datadist._engine.onesided import PeerMemory, open_peer_memory
-from aio_datadist._engine.routes import (
-    Carrier,
-    Route,
-    link_routes,
-    with_carrier,
-    with_peer_memory,
-)
+from aio_datadist._engine.routes import Route, link_routes
 from aio_datadist._memory.staging import Staging
-from aio_datadist._routes.ucx.links import UcxLinks
 from aio_datadist._transport.base import (
     Channel,
     Hello,
@@ -55,7 +46,6 @@ from aio_datadist._transport.base import (
     RequestHandler,
     Transport,
 )
-from aio_datadist._transport.samehost import SameHostPeer
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.cluster import LinkResults, LLMClusterInfo, ip_int_to_str
 from aio_datadist.status import (
@@ -65,6 +55,9 @@ from aio_datadist.status import (
     NotYetLinkError,
     lookup,
 )
+
+if TYPE_CHECKING:  # the providers import the engine's modules
+    from aio_datadist._routes.provider import RouteProvider
 
 __all__ = (
     "MAX_CLUSTERS_PER_CALL",
@@ -98,11 +91,12 @@ class Link:
     remote: Hello
     channel: Channel
     initiator: bool  # True when this side called link_clusters
-    #: One-sided access to the peer's caches when it runs on this host.
-    peer_memory: PeerMemory | None = None
-    #: The ways transfers reach the peer, in order (``_engine.routes``); fixed when the link
-    #: is made, and replaced whole (never changed in place) when a domain adds its route.
+    #: The ways transfers reach the peer, in rank order (``_engine.routes``): the link's
+    #: own, and those its providers and a domain placed; replaced whole, never changed in
+    #: place.
     routes: list[Route] = field(default_factory=list)
+    #: Set (table lock held) once the link left the table: no route is placed on it then.
+    gone: bool = False
 
     @property
     def live(self) -> bool:
@@ -145,18 +139,6 @@ class BrokenLink:
 
 
 _Entry = Link | BrokenLink
-
-
-def _close_peer_memory(entry: _Entry, ucx: UcxLinks | None) -> None:
-    """Stop a link's one-sided and UCX routes (the link is going)."""
-    if not isinstance(entry, Link):
-        return
-    if entry.channel.same_host is not None:
-        entry.channel.same_host.close()
-    if entry.peer_memory is not None:
-        entry.peer_memory.close()
-    if ucx is not None:
-        ucx.detach(entry.channel)
 
 
 def check_clusters(clusters: Any, timeout: Any, *, need_local_ip: bool) -> None:
@@ -222,13 +204,13 @@ class LinkTable:
         *,
         staging: Staging | None = None,
         directional: bool = False,
-        ucx: UcxLinks | None = None,
+        providers: Sequence[RouteProvider] = (),
     ) -> None:
         self.local = local
-        #: How same-host routes reach device memory; None: this engine publishes no board.
+        #: How the link's route reaches device memory (None: host rows only).
         self.staging = staging
-        #: The UCX route's control plane, for links whose two ends offer UCX.
-        self.ucx = ucx
+        #: The route providers, told of every link (``aio_datadist._routes``).
+        self.providers = tuple(providers)
         self.transport = transport
         self.directional = directional
         self._handler = handler
@@ -374,7 +356,7 @@ class LinkTable:
                     self._register(link)
                     break
             if time.monotonic() >= deadline:
-                _close_peer_memory(link, self.ucx)
+                self._detach(link)
                 raise LinkRefused(_S.LLM_ALREADY_LINK, f"cluster {cluster_id} is already linked")
             time.sleep(0.002)
         channel.on_close(self._forget)
@@ -390,7 +372,7 @@ class LinkTable:
         cluster_id = link.remote.cluster_id
         old = self._entries.pop((cluster_id, link.initiator), None)
         if old is not None:
-            _close_peer_memory(old, self.ucx)
+            self._detach(old)
         if not self.directional:
             other = (cluster_id, not link.initiator)
             if isinstance(self._entries.get(other), BrokenLink):
@@ -406,33 +388,26 @@ class LinkTable:
             )
 
     def _equipped(self, link: Link) -> Link:
-        """``link`` with its routes: the link itself, once the kernel proved the peer a
-        process on this host (``samehost``; both ends must offer it), the one-sided ones
-        before it, and once the peer's UCX table came (both ends must offer UCX), the UCX
-        route before the link's own."""
+        """``link`` with the link's own routes, each provider told of it (they place their
+        routes once their part with the peer is ready)."""
         link.routes = link_routes(link.channel, self.staging)
-        proof = link.channel.same_host
-        if proof is not None and self.local.presence is not None and self.staging is not None:
-            proof.then(functools.partial(self._same_host, link))
-        if self.ucx is not None and self.local.ucx and link.channel.peer.ucx:
-            self.ucx.attach(
-                link.channel,
-                functools.partial(self._ucx_ready, link),
-                functools.partial(self._ucx_failed, link),
-                initiator=link.initiator,
-            )
+        handle = _Handle(self, link)
+        for provider in self.providers:
+            provider.attach(handle)
         return link
 
-    def _ucx_ready(self, link: Link, route: Carrier) -> None:
-        """The peer's UCX table arrived: add the UCX route (never to a link that went)."""
+    def _place(self, link: Link, change: Callable[[list[Route]], list[Route]]) -> bool:
+        """``link.routes = change(link.routes)`` unless the link went (``LinkHandle``)."""
         with self._lock:
-            if not link.channel.closed:
-                link.routes = with_carrier(link.routes, route, self.staging)
+            if link.gone or link.channel.closed:
+                return False
+            link.routes = change(link.routes)
+            return True
 
-    def _ucx_failed(self, link: Link, reason: str) -> None:
-        """Break ``link`` for ``reason`` (its peer failed the UCX protocol): transfers to
-        its cluster fail with ``LLM_LINK_FAILED`` saying so, until it is unlinked or linked
-        again; the peer sees its end closed."""
+    def _fail(self, link: Link, reason: str) -> None:
+        """Break ``link`` for ``reason`` (its peer failed a provider's protocol): transfers
+        to its cluster fail with ``LLM_LINK_FAILED`` saying so, until it is unlinked or
+        linked again; the peer sees its end closed."""
         with self._lock:
             for key, entry in self._entries_of(link.channel):
                 self._entries[key] = BrokenLink(
@@ -440,24 +415,16 @@ class LinkTable:
                 )
                 self._trim_broken()
         self._log.warning("link.broken", remote_cluster_id=link.remote.cluster_id, reason=reason)
-        _close_peer_memory(link, self.ucx)
+        self._detach(link)
         link.channel.close(notify_peer=False, timeout=1.0)
 
-    def _same_host(self, link: Link, peer: SameHostPeer) -> None:
-        """The peer of ``link`` was proven to run on this host: add the one-sided routes
-        (now, or as soon as the link is registered; never to a link that went)."""
-        assert self.staging is not None
-        memory = open_peer_memory(
-            peer, self.staging, self._log.bind(remote_cluster_id=link.remote.cluster_id)
-        )
-        if memory is None:
+    def _detach(self, entry: _Entry) -> None:
+        """``entry`` left the table: its providers release their part of it."""
+        if not isinstance(entry, Link):
             return
-        with self._lock:
-            if link.channel.closed or link.peer_memory is not None:
-                memory.close()
-                return
-            link.peer_memory = memory
-            link.routes = with_peer_memory(link.routes, memory)
+        entry.gone = True
+        for provider in self.providers:
+            provider.detach(entry.channel)
 
     def _forget(self, channel: Channel) -> None:
         """A channel closed without this side asking: its link becomes a broken link, or
@@ -467,7 +434,7 @@ class LinkTable:
         with self._lock:
             for key, entry in self._entries_of(channel):
                 cluster_id = key[0]
-                _close_peer_memory(entry, self.ucx)
+                self._detach(entry)
                 if (
                     channel.unlinked_by_peer
                     or (self.directional and not entry.initiator)
@@ -633,21 +600,22 @@ class LinkTable:
         return error
 
     def _established(self, link: Link, where: str, deadline: float) -> LLMException | None:
-        """Enter a link this side made (the handshake is done); with UCX on both ends, wait
-        until ``deadline`` (``time.monotonic()``) for the peer's UCX table, so that the
-        transfers after ``link_clusters`` take the UCX route."""
+        """Enter a link this side made (the handshake is done); its providers may wait until
+        ``deadline`` (``time.monotonic()``) for their part with the peer (UCX, for the
+        peer's table), so that the transfers after ``link_clusters`` take their routes."""
         remote_id = link.remote.cluster_id
         with self._lock:
             duplicate = self._live(remote_id, own_only=True)
             if duplicate is None:
                 self._register(link)
         if duplicate is not None:  # another call of this side linked it meanwhile
-            _close_peer_memory(link, self.ucx)
+            self._detach(link)
             link.channel.close(notify_peer=True, timeout=1.0)
             return _failure(_S.LLM_ALREADY_LINK, f"cluster {remote_id} is already linked")
         link.channel.on_close(self._forget)
-        if self.ucx is not None:
-            self.ucx.start(link.channel, max(0.0, deadline - time.monotonic()))
+        handle = _Handle(self, link)
+        for provider in self.providers:
+            provider.established(handle, max(0.0, deadline - time.monotonic()))
         self._log.info(
             "link.established",
             remote_cluster_id=remote_id,
@@ -680,7 +648,7 @@ class LinkTable:
                 del self._entries[(cluster_id, own)]
                 taken.append(entry)
         for entry in taken:
-            _close_peer_memory(entry, self.ucx)
+            self._detach(entry)
         return taken
 
     def _unlink_one(self, info: LLMClusterInfo, timeout: float, force: bool) -> LLMException | None:
@@ -732,6 +700,29 @@ class LinkTable:
         with self._lock:
             entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
-            _close_peer_memory(entry, self.ucx)
+            self._detach(entry)
             if isinstance(entry, Link):
                 entry.channel.close(notify_peer=True, timeout=timeout, finalizing=True)
+
+
+class _Handle:
+    """A link as its providers see it (``_routes.provider.LinkHandle``)."""
+
+    def __init__(self, table: LinkTable, link: Link) -> None:
+        self._table = table
+        self._link = link
+        self.log = table._log.bind(remote_cluster_id=link.remote.cluster_id)
+
+    @property
+    def channel(self) -> Channel:
+        return self._link.channel
+
+    @property
+    def initiator(self) -> bool:
+        return self._link.initiator
+
+    def place(self, change: Callable[[list[Route]], list[Route]]) -> bool:
+        return self._table._place(self._link, change)
+
+    def fail(self, reason: str) -> None:
+        self._table._fail(self._link, reason)

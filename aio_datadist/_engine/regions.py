@@ -44,10 +44,29 @@ import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
+from aio_datadist._engine.access import Access, Target, access_rows
+from aio_datadist._memory.rows import pair_rows
 from aio_datadist._native.api import BlockLayout
 from aio_datadist._runtime.base import HostShare
+from aio_datadist._transport.base import Iov, RequestKind
+from aio_datadist.status import LLMStatusCode, ParamInvalidError
 
-__all__ = ("BOARD_BYTES", "BoardArena", "BoardEntry", "RegionBoard", "RegionView", "RemoteRegions")
+__all__ = (
+    "BOARD_BYTES",
+    "ONE_SIDED_TARGETS",
+    "BoardArena",
+    "BoardEntry",
+    "RegionBoard",
+    "RegionView",
+    "RemoteRegions",
+    "paired",
+    "resolve",
+)
+
+#: Targets a peer's board can resolve without the peer.
+ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADDRESSES})
 
 #: Size of a board file (sparse: only the pages a table uses are ever committed).
 BOARD_BYTES = 16 << 20
@@ -317,3 +336,46 @@ class RegionView:
         """Drop the mapping."""
         with self._lock, contextlib.suppress(BufferError):
             self._map.close()
+
+
+def resolve(regions: RemoteRegions, access: Access) -> tuple[list[BoardEntry], Iov] | None:
+    """(the peer's entries used, its rows) for ``access`` against a peer's published
+    ``regions``, checked as its serving side checks a request; None when they do not show
+    the memory (the peer then answers the request itself, with its documented refusal).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
+    """
+    if access.target is Target.ADDRESSES:
+        rows = access.rows
+        if not len(rows):
+            return None
+        used: dict[int, BoardEntry] = {}
+        for addr, nbytes in rows.tolist():
+            holder = regions.holder(addr, nbytes)
+            if holder is None:
+                return None  # the peer answers with the documented refusal
+            used[holder.cache_id] = holder
+        return list(used.values()), np.ascontiguousarray(rows, dtype=np.uint64)
+    if access.target is Target.BLOCKS_KEY:
+        entry, row = regions.by_model.get(access.ident), 0
+    elif access.target is Target.CACHE_INDEX:
+        entry, row = regions.by_id.get(access.ident), access.row
+    else:
+        return None
+    if entry is None:
+        return None
+    return [entry], access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
+
+
+def paired(kind: RequestKind, local: Iov, remote: Iov) -> np.ndarray:
+    """Copy ops from ``remote`` into ``local`` (pull) or back (push).
+
+    :raises LLMException: ``LLM_PARAM_INVALID`` when the two sides differ in size.
+    """
+    try:
+        return pair_rows(local, remote) if kind is RequestKind.PULL else pair_rows(remote, local)
+    except ValueError as exc:
+        raise ParamInvalidError(
+            f"the request does not match the peer's cache: {exc}",
+            status_code=LLMStatusCode.LLM_PARAM_INVALID,
+        ) from None

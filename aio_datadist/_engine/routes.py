@@ -1,36 +1,33 @@
 """Routes: the ways a :class:`~aio_datadist._engine.request.Transfer` reaches its peer.
 
-Each link holds an ordered list of routes, fixed when the link is made (a rank-table
-domain adds its communicator's route when the domain forms); the first route that
+Each link holds a list of routes in :attr:`Route.rank` order; the first route that
 :meth:`~Route.accepts` a transfer starts it and returns a
 :class:`~aio_datadist._engine.request.Completion`. A route only moves bytes or sends a
 request: sizes, offloading and who waits are the face's (its :class:`Waiting`).
 
-For a link to cluster ``c`` the list is, in order:
+A new link starts with the link's own routes (:func:`link_routes`); the route providers
+(``aio_datadist._routes``) and a rank-table domain place theirs beside them
+(:func:`placed`) when their part with the peer is ready. The ranks, lowest first:
 
-=========================  ==============================================================
-:class:`SameHostRoute`     host rows, one-sided against the peer's region board
-                           (``process_vm_readv``/``writev``; ``_engine.onesided``)
-:class:`CommunicatorRoute` device rows between members of a rank-table domain whose
-                           runtime has a collective library (HCCL one-sided calls)
-:class:`DeviceIpcRoute`    device rows, one-sided: the peer's shared device memory mapped
-                           here (CUDA IPC), or staged around ``process_vm``
-``UcxRoute``               host rows (and device rows where UCX reaches the runtime's
-                           memory), one-sided by UCP RMA against the peer's UCX table
-                           (``_routes.ucx.route``)
-:class:`Staged` (UCX)      device rows UCX cannot reach directly, through pinned host
-                           buffers around ``UcxRoute``
-:class:`LinkRoute`         host rows over the link (always accepts them)
-:class:`Staged` (link)     device rows over the link, through pinned host buffers (the one
-                           staging wrapper, around :class:`LinkRoute`)
-=========================  ==============================================================
+====  =========================  ===========================================================
+10    ``same-host``              host rows, one-sided against the peer's region board
+                                 (``_routes.samehost``)
+20    :class:`CommunicatorRoute` device rows between members of a rank-table domain whose
+                                 runtime has a collective library (HCCL one-sided calls)
+30    ``device-ipc``             device rows, one-sided: the peer's shared device memory
+                                 mapped here (CUDA IPC), or staged around ``process_vm``
+40    ``ucx``                    host rows (and device rows where UCX reaches the runtime's
+                                 memory), by UCP RMA against the peer's table
+                                 (``_routes.ucx``)
+45    ``staged-ucx``             device rows UCX cannot reach, through pinned host buffers
+50    :class:`LinkRoute`         host rows over the link (always accepts them)
+55    ``staged-link``            device rows over the link, through pinned host buffers (the
+                                 one staging wrapper, :class:`Staged`)
+====  =========================  ===========================================================
 
-The one-sided routes are present only when both ends share a host; the UCX routes only when
-both ends enabled UCX (``aio.Ucx``) and the peer's table arrived over the link after its
-handshake. A one-sided or UCX route may still decline a transfer it accepted (the board or
-table does not show the cache, the kernel refused access, the UCX endpoint failed), and the
-next route takes it. ``aio.SameHost = "0"`` leaves the same-host routes out, so that two
-processes of one host use UCX (tests and benchmarks do).
+A one-sided or UCX route may still decline a transfer it accepted (the board or table does
+not show the cache, the kernel refused access, the UCX endpoint failed), and the next route
+takes it.
 """
 
 from __future__ import annotations
@@ -43,8 +40,7 @@ from enum import Enum
 
 from aio_datadist._engine.access import encode_access, encode_blocks_access
 from aio_datadist._engine.domain import NO_ROWS, CommRoute
-from aio_datadist._engine.onesided import PeerMemory
-from aio_datadist._engine.request import Blocks, Completion, Pump, Transfer, completed
+from aio_datadist._engine.request import Completion, Pump, Transfer, completed
 from aio_datadist._memory.staging import Staged as StagedRows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._transport.base import Channel, Payload, RequestKind
@@ -53,17 +49,14 @@ from aio_datadist.status import LLMException
 __all__ = (
     "Carrier",
     "CommunicatorRoute",
-    "DeviceIpcRoute",
+    "ON_LOOP",
     "LinkRoute",
     "Route",
-    "SameHostRoute",
     "Staged",
     "Waiting",
     "link_routes",
+    "placed",
     "start_on",
-    "with_carrier",
-    "with_communicator",
-    "without_communicator",
 )
 
 
@@ -94,6 +87,9 @@ class Route(ABC):
 
     #: Short name, for logs and docs.
     name: str
+    #: Its place in a link's list: a transfer goes to the first route (lowest rank) that
+    #: takes it, so a route that moves bytes itself ranks before the link's.
+    rank: int
 
     def link(self) -> Pump | None:
         """What a waiter may drive for its requests (watch, or read for): the link they
@@ -120,58 +116,7 @@ class Route(ABC):
 
 
 #: The ways of waiting in which an event loop waits.
-_ON_LOOP = frozenset({Waiting.LOOP, Waiting.LOOP_EXCHANGE})
-
-
-class SameHostRoute(Route):
-    """Host rows moved one-sided with a process on this host (its region board): in the
-    caller, or, when an event loop waits, large ones on the native copy workers."""
-
-    name = "same-host"
-
-    def __init__(self, peer: PeerMemory) -> None:
-        self.peer = peer
-
-    def accepts(self, transfer: Transfer) -> bool:
-        return not transfer.device and not transfer.commit and self.peer.serves(transfer.target)
-
-    def in_caller(self, transfer: Transfer) -> bool:
-        # Once the kernel let a copy through, an event loop's large copies run on the
-        # native copy workers (``PeerMemory.transfer``); until then, in the caller.
-        return not self.peer.proven
-
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        remote, local = transfer.remote, transfer.local
-        on_loop = waiting in _ON_LOOP
-        if remote is not None and local.__class__ is Blocks and remote.seg == local.seg:
-            return self.peer.transfer_blocks(
-                transfer.kind,
-                remote,
-                local,
-                deadline_ns,
-                on_loop=on_loop,
-            )
-        return self.peer.transfer(
-            transfer.kind, transfer.access, transfer.rows, deadline_ns, on_loop=on_loop
-        )
-
-
-class DeviceIpcRoute(Route):
-    """Device rows moved one-sided with a process on this host: device to device through
-    the peer's shared device memory, or staged around ``process_vm`` for its host memory."""
-
-    name = "device-ipc"
-
-    def __init__(self, peer: PeerMemory) -> None:
-        self.peer = peer
-
-    def accepts(self, transfer: Transfer) -> bool:
-        return transfer.device and not transfer.commit and self.peer.serves(transfer.target)
-
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        return self.peer.transfer(
-            transfer.kind, transfer.access, transfer.rows, deadline_ns, local_on_device=True
-        )
+ON_LOOP = frozenset({Waiting.LOOP, Waiting.LOOP_EXCHANGE})
 
 
 def _body(transfer: Transfer) -> bytes:
@@ -203,6 +148,7 @@ class CommunicatorRoute(Route):
     the request and its answer."""
 
     name = "communicator"
+    rank = 20
 
     def __init__(self, channel: Channel, member: CommRoute) -> None:
         self.channel = channel
@@ -247,6 +193,7 @@ class LinkRoute(Carrier):
     """Host rows over the link: the request, and its payload streamed to or from them."""
 
     name = "link"
+    rank = 50
 
     def __init__(self, channel: Channel) -> None:
         self.channel = channel
@@ -304,6 +251,8 @@ class Staged(Route):
         self.inner = inner
         self.staging = staging
         self.name = f"staged-{inner.name}"
+        #: Just after the route it stages for.
+        self.rank = inner.rank + 5
 
     def link(self) -> Pump | None:
         return self.inner.link()
@@ -364,53 +313,19 @@ def link_routes(channel: Channel, staging: Staging | None) -> list[Route]:
     return routes
 
 
-def with_peer_memory(routes: Sequence[Route], peer: PeerMemory) -> list[Route]:
-    """``routes`` with the one-sided routes to a same-host ``peer`` first (the peer was
-    proven after the link was made; a domain's communicator route stays where it was)."""
-    kept = [r for r in routes if not isinstance(r, SameHostRoute | DeviceIpcRoute)]
-    at = next((i for i, r in enumerate(kept) if isinstance(r, Carrier | Staged)), len(kept))
-    return [SameHostRoute(peer), *kept[:at], DeviceIpcRoute(peer), *kept[at:]]
+def placed(
+    routes: Sequence[Route], added: Sequence[Route], drop: type | tuple[type, ...] = ()
+) -> list[Route]:
+    """``routes`` less those of a type in ``drop`` (with the :class:`Staged` wrappers around
+    them), plus ``added``, in :attr:`Route.rank` order (routes of one rank keep their order).
+    A route list is never changed in place: a link swaps it whole."""
 
+    def dropped(route: Route) -> bool:
+        return isinstance(route, drop) or (
+            isinstance(route, Staged) and isinstance(route.inner, drop)
+        )
 
-def with_communicator(routes: Sequence[Route], route: CommunicatorRoute) -> list[Route]:
-    """``routes`` with a domain's ``route`` in its place: after the host one-sided route,
-    before every other route that takes device rows."""
-    kept = [r for r in routes if not isinstance(r, CommunicatorRoute)]
-    at = next(
-        (i for i, r in enumerate(kept) if isinstance(r, DeviceIpcRoute | Carrier | Staged)),
-        len(kept),
-    )
-    return [*kept[:at], route, *kept[at:]]
-
-
-def _over_link(route: Route) -> bool:
-    return isinstance(route, LinkRoute) or (
-        isinstance(route, Staged) and isinstance(route.inner, LinkRoute)
-    )
-
-
-def with_carrier(routes: Sequence[Route], route: Carrier, staging: Staging | None) -> list[Route]:
-    """``routes`` with ``route`` (the UCX route), and with ``staging`` the staging wrapper
-    around it, in their place: after the one-sided and communicator routes, just before
-    the link's own (a carrier of the same kind that was there goes)."""
-    kind = type(route)
-    kept = [
-        r
-        for r in routes
-        if not isinstance(r, kind) and not (isinstance(r, Staged) and isinstance(r.inner, kind))
-    ]
-    at = next((i for i, r in enumerate(kept) if _over_link(r)), len(kept))
-    added: list[Route] = [route] if staging is None else [route, Staged(route, staging)]
-    return [*kept[:at], *added, *kept[at:]]
-
-
-def without_communicator(routes: Sequence[Route], member: CommRoute) -> list[Route]:
-    """``routes`` without the route through ``member``'s communicator."""
-    return [
-        r
-        for r in routes
-        if not (isinstance(r, CommunicatorRoute) and r.member.communicator is member.communicator)
-    ]
+    return sorted([*(r for r in routes if not dropped(r)), *added], key=lambda r: r.rank)
 
 
 def first_accepting(routes: Sequence[Route], transfer: Transfer) -> Route:

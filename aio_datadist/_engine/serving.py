@@ -16,7 +16,7 @@ before it is answered.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -36,13 +36,20 @@ from aio_datadist.status import (
     ParamInvalidError,
 )
 
-if TYPE_CHECKING:  # the UCX route's modules import this one
-    from aio_datadist._routes.ucx.links import UcxLinks
+__all__ = ("ControlPlane", "ControlServer", "Server")
 
-__all__ = ("Server",)
 
-#: Targets of the UCX route's control plane (``_routes.ucx.links``).
-_UCX_CONTROL = frozenset({Target.UCX_TABLE, Target.UCX_ACK})
+class ControlServer(Protocol):
+    """Serves the requests of a route provider's control plane (``_routes.provider``)."""
+
+    def serve(self, hello: Hello, kind: RequestKind, access: Access, nbytes: int) -> Served:
+        """Resolve one request of the provider's own from ``hello``'s link."""
+        ...
+
+
+#: Who serves each control target: its provider, or (where it is off) the setting that
+#: would enable it.
+ControlPlane = dict[Target, "ControlServer | str"]
 #: How long a change of the served caches waits for native answers still reading a cache
 #: that left (each is bounded by the link's stall timeout).
 _UNPIN_WAIT_S = 60.0
@@ -78,11 +85,11 @@ class Server:
         self,
         caches: CacheService,
         routes: CommRoutes | None = None,
-        ucx: UcxLinks | None = None,
+        control: ControlPlane | None = None,
     ) -> None:
         self._caches = caches
         self._routes: CommRoutes = {} if routes is None else routes
-        self._ucx = ucx
+        self._control: ControlPlane = {} if control is None else control
         self._log = get_logger("serve")
         self.serve_table = ServeTable()
         caches.registry.add_listener(self._publish)
@@ -119,14 +126,15 @@ class Server:
             access = decode_access(body)
         except WireError as exc:
             raise _invalid(f"malformed request from cluster {peer.cluster_id}: {exc}") from None
-        if access.target in _UCX_CONTROL:  # the UCX route's control plane, not memory
-            if self._ucx is None:
+        control = self._control.get(access.target)
+        if control is not None:  # a route provider's control plane, not memory
+            if isinstance(control, str):
                 raise FeatureNotEnabledError(
-                    f"cluster {peer.cluster_id} sent a UCX {access.target.name}, but this "
-                    "engine does not enable UCX (aio.Ucx)",
+                    f"cluster {peer.cluster_id} sent a {access.target.name}, but this "
+                    f"engine does not enable its route ({control})",
                     status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
                 )
-            return self._ucx.serve(peer, kind, access, nbytes)
+            return control.serve(peer, kind, access, nbytes)
         may_drop = kind is RequestKind.PULL and access.target is Target.REQ_KEY
         if access.drop_key and not may_drop:
             # Only a pull by req key may drop its key; honouring the flag elsewhere would let

@@ -387,11 +387,13 @@ class HelloExtension(IntEnum):
 _RECORD = struct.Struct("<HH")
 
 
-def encode_extension_record(kind: HelloExtension, body: bytes) -> bytes:
+def encode_extension_record(kind: int, body: bytes) -> bytes:
     """One extension record: its type, its length and ``body``.
 
     :raises WireError: ``body`` is longer than a record can say.
     """
+    if not 0 <= kind <= 0xFFFF:
+        raise WireError(f"hello extension record type {kind} is outside [0, 65535]")
     if len(body) > 0xFFFF:
         raise WireError(f"hello extension record of {len(body)} bytes is too long")
     return _RECORD.pack(kind, len(body)) + body

@@ -18,7 +18,7 @@ import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Generator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Protocol
 
@@ -87,9 +87,21 @@ class Hello:
     #: The communication domain a connecting side links for (rank-table ``link``): a rank
     #: endpoint that several domains share hands the link to that domain's member.
     comm: str | None = None
-    #: The sender offers the UCX route (``_routes.ucx.links``): both ends must, for a link
-    #: to use it.
-    ucx: bool = False
+    #: The route providers' offers (``aio_datadist._routes``): extension records the
+    #: transport carries without reading them, as ``(record type, body)`` by type.
+    offers: tuple[tuple[int, bytes], ...] = ()
+
+    def offered(self, kind: int) -> bytes | None:
+        """The body of the sender's offer of record type ``kind`` (None: it made none)."""
+        for offer_kind, body in self.offers:
+            if offer_kind == kind:
+                return body
+        return None
+
+    def offering(self, kind: int, body: bytes) -> Hello:
+        """This handshake with the offer ``kind`` set to ``body``."""
+        kept = [(k, b) for k, b in self.offers if k != kind]
+        return replace(self, offers=tuple(sorted([*kept, (kind, body)])))
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,6 @@ them (``auth.Transcript``).
 
 from __future__ import annotations
 
-from aio_datadist._native.wire import UCX_VERSION
 from aio_datadist._transport._wire import (
     HelloBody,
     HelloExtension,
@@ -23,6 +22,11 @@ from aio_datadist.enums import LLMRole
 
 __all__ = ("hello_from_wire", "hello_to_wire")
 
+#: The records the transport reads itself; every other one is a route provider's offer.
+_TRANSPORT_RECORDS = frozenset(
+    {HelloExtension.AUTH_NONCE, HelloExtension.COMM_NAME, HelloExtension.HOST_PRESENCE}
+)
+
 
 def hello_to_wire(hello: Hello, *, auth_nonce: bytes | None = None) -> bytes:
     """The HELLO / HELLO_ACK body of ``hello``; with ``auth_nonce`` it asks to authenticate.
@@ -34,8 +38,8 @@ def hello_to_wire(hello: Hello, *, auth_nonce: bytes | None = None) -> bytes:
         extensions += encode_extension_record(HelloExtension.COMM_NAME, hello.comm.encode())
     if auth_nonce is not None:
         extensions += encode_extension_record(HelloExtension.AUTH_NONCE, auth_nonce)
-    if hello.ucx:
-        extensions += encode_extension_record(HelloExtension.UCX, bytes((UCX_VERSION,)))
+    for kind, body in hello.offers:
+        extensions += encode_extension_record(kind, body)
     return encode_hello(
         HelloBody(hello.cluster_id, int(hello.role), hello.to_cluster_id, extensions)
     )
@@ -61,7 +65,6 @@ def hello_from_wire(data: bytes | bytearray) -> tuple[Hello, bytes | None]:
     except UnicodeDecodeError:
         raise WireError("communication domain name in hello is not UTF-8") from None
     presence = presence_from_records(records)
-    # A UCX offer of another table version is no offer: the link goes without the route.
-    ucx = records.get(HelloExtension.UCX, b"")[:1] == bytes((UCX_VERSION,))
-    hello = Hello(body.cluster_id, role, body.to_cluster_id, presence, comm_name, ucx)
+    offers = tuple(sorted((k, v) for k, v in records.items() if k not in _TRANSPORT_RECORDS))
+    hello = Hello(body.cluster_id, role, body.to_cluster_id, presence, comm_name, offers)
     return hello, nonce

@@ -30,10 +30,16 @@ from dataclasses import dataclass
 
 from aio_datadist._options import engine_options
 from aio_datadist._transport.faults import LinkFaults
+from aio_datadist._transport.loopback import LoopbackChannel
 from aio_datadist.aio import AsyncLLMDataDist
 from aio_datadist.cluster import LLMClusterInfo
 from aio_datadist.enums import LLMRole
-from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist.status import (
+    FeatureNotEnabledError,
+    LLMException,
+    LLMStatusCode,
+    NotYetLinkError,
+)
 from aio_datadist.sync import LLMDataDist
 
 __all__ = ("LinkFaults", "LinkedPair", "link_faults", "linked_pair")
@@ -55,7 +61,19 @@ def link_faults(datadist: AsyncLLMDataDist | LLMDataDist, cluster_id: int) -> Li
         raise TypeError(
             f"datadist must be an AsyncLLMDataDist or LLMDataDist, got {type(datadist).__name__}"
         )
-    return datadist._engine.link_faults(cluster_id)
+    link = datadist._engine.link_table().get(cluster_id)
+    if link is None:
+        raise NotYetLinkError(
+            f"cluster {cluster_id} has no live link to inject faults into",
+            status_code=LLMStatusCode.LLM_NOT_YET_LINK,
+        )
+    if not isinstance(link.channel, LoopbackChannel):
+        raise FeatureNotEnabledError(
+            "faults are injected on the loopback transport only "
+            f"(the link to cluster {cluster_id} is {type(link.channel).__name__})",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+    return link.channel.faults
 
 
 @dataclass(frozen=True)

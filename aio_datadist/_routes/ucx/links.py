@@ -44,28 +44,36 @@ import structlog
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.domain import NO_ROWS
+from aio_datadist._engine.routes import Staged, placed
+from aio_datadist._log import get_logger
 from aio_datadist._native import wire
+from aio_datadist._routes.provider import LinkHandle, Opening, RouteProvider
 from aio_datadist._routes.ucx import board as ucxboard
 from aio_datadist._routes.ucx.board import Subscriber, UcxBoard
 from aio_datadist._routes.ucx.lanes import UcxLane
 from aio_datadist._routes.ucx.remote import UcxRemote
 from aio_datadist._routes.ucx.route import UcxProgress, UcxRoute
 from aio_datadist._routes.ucx.table import decode_table, host_identity
-from aio_datadist._routes.ucx.worker import UcxContext, UcxWorker
+from aio_datadist._routes.ucx.worker import UcxContext, UcxWorker, available
 from aio_datadist._transport import WireError
+from aio_datadist._transport._wire import HelloExtension
 from aio_datadist._transport.base import Channel, Hello, RequestKind, Served
 from aio_datadist._transport.samehost import local_host_key
+from aio_datadist.config import OPTION_UCX
 from aio_datadist.status import (
     FeatureNotEnabledError,
     LLMException,
+    LLMFailedError,
     LLMStatusCode,
     ParamInvalidError,
 )
 
-__all__ = ("CONTROL_TIMEOUT_S", "UcxLinks")
+__all__ = ("CONTROL_TIMEOUT_S", "UcxLinks", "open_ucx")
 
 #: Seconds a control push (a table, an acknowledgement) may take.
 CONTROL_TIMEOUT_S = 10.0
+#: This side's UCX offer in the handshake: the table version it speaks.
+_OFFER = bytes((wire.UCX_VERSION,))
 #: UCX's cross-memory transports (one process reads and writes another's memory).
 _CROSS_MEMORY = frozenset({"cma", "knem", "xpmem"})
 
@@ -103,7 +111,7 @@ class _Peer:
     applied: threading.Event = field(default_factory=threading.Event)
 
 
-class UcxLinks:
+class UcxLinks(RouteProvider):
     """The UCX route of one engine (see the module docstring).
 
     :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` when UCX cannot be loaded, or the code
@@ -119,6 +127,7 @@ class UcxLinks:
         lanes: int = 1,
     ) -> None:
         self._log = log
+        self._staging = caches.staging
         self.context = UcxContext(name=name)
         try:
             self.worker = UcxWorker(self.context, name=name)
@@ -178,20 +187,26 @@ class UcxLinks:
         )
 
     # -- links ---------------------------------------------------------------------------
-    def attach(
-        self,
-        channel: Channel,
-        ready: Callable[[UcxRoute], None],
-        fail: Callable[[str], None],
-        *,
-        initiator: bool,
-    ) -> None:
-        """Take part in the UCX control plane of a new link whose two ends offered UCX.
+    def offer(self, hello: Hello) -> Hello:
+        """This side's handshake, offering the UCX route."""
+        return hello.offering(HelloExtension.UCX, _OFFER)
 
-        ``ready(route)`` adds the UCX route to the link once the peer's table arrived;
-        ``fail(reason)`` breaks the link. The side that made the link sends its table once
-        :meth:`start` says the link is up.
+    def attach(self, link: LinkHandle) -> None:
+        """Take part in the UCX control plane of a new link whose peer offered UCX too.
+
+        The UCX route (and its staging wrapper) goes into the link once the peer's table
+        arrived; a peer that fails the protocol has the link broken. The side that made the
+        link sends its table once :meth:`established` says the link is up.
         """
+        channel = link.channel
+        # A UCX offer of another table version is no offer: the link goes without the route.
+        if (channel.peer.offered(HelloExtension.UCX) or b"")[:1] != _OFFER:
+            return
+        staging = self._staging
+
+        def ready(route: UcxRoute) -> None:
+            link.place(lambda routes: placed(routes, (route, Staged(route, staging)), UcxRoute))
+
         name = f"cluster {channel.peer.cluster_id}"
         log = self._log.bind(remote_cluster_id=channel.peer.cluster_id)
         made: list[_Peer] = []  # the peer, for the callbacks of its parts
@@ -204,13 +219,18 @@ class UcxLinks:
             lanes=self.lanes,
         )
         sub = Subscriber(name, notify=lambda: self._queue("table", made))
-        peer = _Peer(channel, sub, remote, ready, fail)
+        peer = _Peer(channel, sub, remote, ready, link.fail)
         made.append(peer)
         with self._lock:
             old = self._peers.get(id(channel.peer))
             self._peers[id(channel.peer)] = (channel.peer, peer)
         if old is not None and old[1].channel is not channel:
             self._close(old[1], "the link was replaced")
+
+    def established(self, link: LinkHandle, timeout: float) -> None:
+        """The link this side made is registered: send the table, and wait up to
+        ``timeout`` seconds for the peer's (:meth:`start`)."""
+        self.start(link.channel, timeout)
 
     def start(self, channel: Channel, timeout: float) -> bool:
         """The link this side made is up: subscribe the peer (it is sent the table), and wait
@@ -436,3 +456,32 @@ class UcxLinks:
         lanes, self.lanes = self.lanes, []
         for lane in lanes:
             lane.close()
+
+
+def open_ucx(opening: Opening) -> UcxLinks | None:
+    """The UCX route when ``aio.Ucx`` asks for it (None otherwise).
+
+    :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` naming why UCX cannot be loaded,
+        the code of UCX's failure to start, or ``LLM_FAILED`` when the system refuses a
+        descriptor or thread for it.
+    """
+    settings = opening.settings
+    if not settings.ucx:
+        return None
+    reason = available()
+    if reason is not None:
+        raise FeatureNotEnabledError(
+            f"{OPTION_UCX}=1 needs UCX, which cannot be loaded: {reason}",
+            status_code=LLMStatusCode.LLM_FEATURE_NOT_ENABLED,
+        )
+    try:
+        return UcxLinks(
+            opening.caches,
+            get_logger("ucx", cluster_id=opening.cluster_id, role=opening.role),
+            name=f"aio-dd-{opening.cluster_id}",
+            lanes=settings.ucx_lanes,
+        )
+    except (OSError, RuntimeError) as exc:  # no descriptor or thread to be had for it
+        raise LLMFailedError(
+            f"the UCX route cannot start: {exc}", status_code=LLMStatusCode.LLM_FAILED
+        ) from None

@@ -38,8 +38,7 @@ from concurrent.futures import Future
 import numpy as np
 import structlog
 
-from aio_datadist._engine.onesided import ONE_SIDED_TARGETS, paired, resolve
-from aio_datadist._engine.regions import BoardEntry
+from aio_datadist._engine.regions import ONE_SIDED_TARGETS, BoardEntry, paired, resolve
 from aio_datadist._engine.request import DONE, Completion, Transfer, completed
 from aio_datadist._engine.routes import Carrier, Waiting
 from aio_datadist._routes.ucx.remote import Snapshot, UcxRemote
@@ -461,6 +460,7 @@ class UcxRoute(Carrier):
     """Transfers with one peer moved by UCP RMA through its published table."""
 
     name = "ucx"
+    rank = 40
 
     def __init__(self, remote: UcxRemote, progress: UcxProgress, *, cuda: bool) -> None:
         self.remote = remote

@@ -43,11 +43,18 @@ from typing import Any
 import numpy as np
 import structlog
 
-from aio_datadist._engine.access import Access, Target, access_rows
+from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.background import start_on_loop
-from aio_datadist._engine.regions import BoardArena, BoardEntry, RegionView, RemoteRegions
+from aio_datadist._engine.regions import (
+    ONE_SIDED_TARGETS,
+    BoardArena,
+    BoardEntry,
+    RegionView,
+    RemoteRegions,
+    paired,
+    resolve,
+)
 from aio_datadist._engine.request import DONE, Blocks, Completion, RemoteBlocks
-from aio_datadist._memory.rows import pair_rows
 from aio_datadist._memory.staging import Staging
 from aio_datadist._native import api
 from aio_datadist._runtime.base import CopyKind
@@ -60,11 +67,9 @@ from aio_datadist.status import (
     ParamInvalidError,
 )
 
-__all__ = ("ONE_SIDED_TARGETS", "PeerMemory", "open_peer_memory", "paired", "resolve")
+__all__ = ("PeerMemory", "open_peer_memory")
 
 _ADDR_SPACE = 1 << 64
-#: Targets a peer's board can resolve without the peer.
-ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADDRESSES})
 #: The copy kind with a peer's shared device memory, by (local rows on device, request kind).
 _SHARED_COPY = {
     (True, RequestKind.PULL): CopyKind.DEVICE_TO_DEVICE,
@@ -553,46 +558,3 @@ def _background(
     signal: api.CopySignal | None,
 ) -> api.CopyTask | None:
     return copy(*args, write=write, signal=signal)
-
-
-def resolve(regions: RemoteRegions, access: Access) -> tuple[list[BoardEntry], Iov] | None:
-    """(the peer's entries used, its rows) for ``access`` against a peer's published
-    ``regions``, checked as its serving side checks a request; None when they do not show
-    the memory (the peer then answers the request itself, with its documented refusal).
-
-    :raises LLMException: ``LLM_PARAM_INVALID`` when a segment is outside the cache.
-    """
-    if access.target is Target.ADDRESSES:
-        rows = access.rows
-        if not len(rows):
-            return None
-        used: dict[int, BoardEntry] = {}
-        for addr, nbytes in rows.tolist():
-            holder = regions.holder(addr, nbytes)
-            if holder is None:
-                return None  # the peer answers with the documented refusal
-            used[holder.cache_id] = holder
-        return list(used.values()), np.ascontiguousarray(rows, dtype=np.uint64)
-    if access.target is Target.BLOCKS_KEY:
-        entry, row = regions.by_model.get(access.ident), 0
-    elif access.target is Target.CACHE_INDEX:
-        entry, row = regions.by_id.get(access.ident), access.row
-    else:
-        return None
-    if entry is None:
-        return None
-    return [entry], access_rows(entry.addrs, entry.row_bytes, entry.num_rows, access, row)
-
-
-def paired(kind: RequestKind, local: Iov, remote: Iov) -> np.ndarray:
-    """Copy ops from ``remote`` into ``local`` (pull) or back (push).
-
-    :raises LLMException: ``LLM_PARAM_INVALID`` when the two sides differ in size.
-    """
-    try:
-        return pair_rows(local, remote) if kind is RequestKind.PULL else pair_rows(remote, local)
-    except ValueError as exc:
-        raise ParamInvalidError(
-            f"the request does not match the peer's cache: {exc}",
-            status_code=LLMStatusCode.LLM_PARAM_INVALID,
-        ) from None
