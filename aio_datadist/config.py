@@ -67,6 +67,7 @@ __all__ = (
     "MAX_BUSY_POLL_US",
     "MAX_UCX_LANES",
     "DEFAULT_BUSY_POLL_US",
+    "DEFAULT_COMM_BASE_PORT",
     "DEFAULT_MEM_UTILIZATION",
     "DEFAULT_PAGE_SHIFT",
     "DEFAULT_SYNC_KV_TIMEOUT_MS",
@@ -178,6 +179,8 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "loopback")
 DEFAULT_SYNC_KV_TIMEOUT_MS = 1000
 """Bound of blocking transfer calls when ``llm.SyncKvCacheWaitTime`` is not set (ms)."""
 DEFAULT_MEM_UTILIZATION = 0.95
+DEFAULT_COMM_BASE_PORT = 27000
+"""First port of rank endpoints when the rank table gives none (``aio.CommBasePort``)."""
 MAX_BUSY_POLL_US = 100_000
 """Largest accepted ``aio.BusyPollUs`` (microseconds)."""
 MAX_UCX_LANES = 8

@@ -12,11 +12,9 @@ import numpy as np
 import pytest
 
 from aio_datadist._engine.access import Access, Target
-from aio_datadist._engine.domain import CommRoute
 from aio_datadist._engine.driver import Start, Wait, run_call
 from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
 from aio_datadist._engine.routes import (
-    CommunicatorRoute,
     LinkRoute,
     Route,
     Staged,
@@ -25,6 +23,8 @@ from aio_datadist._engine.routes import (
     placed,
     start_on,
 )
+from aio_datadist._routes.hccl.domain import CommRoute
+from aio_datadist._routes.hccl.route import CommunicatorRoute
 from aio_datadist._routes.samehost.route import DeviceIpcRoute, SameHostRoute
 from aio_datadist._transport.base import RequestKind
 from aio_datadist.aio import _advance, _Driver, _Overdue, _wait

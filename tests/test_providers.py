@@ -26,7 +26,7 @@ from aio_datadist._engine import engine as engine_module
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.request import Completion, Transfer
 from aio_datadist._engine.routes import LinkRoute, Route, Waiting, placed
-from aio_datadist._routes import PROVIDERS
+from aio_datadist._routes.catalog import PROVIDERS
 from aio_datadist._routes.provider import LinkHandle, Opening, ProviderSpec, RouteProvider
 from aio_datadist._transport._wire import HelloExtension
 from aio_datadist._transport.base import Channel, Hello

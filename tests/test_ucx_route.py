@@ -46,7 +46,6 @@ from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.regions import BoardEntry
 from aio_datadist._engine.routes import (
     Carrier,
-    CommunicatorRoute,
     LinkRoute,
     Route,
     Staged,
@@ -57,6 +56,7 @@ from aio_datadist._native import ucx as native
 from aio_datadist._native import wire
 from aio_datadist._native._ffi import ffi
 from aio_datadist._native.api import UcxCalls
+from aio_datadist._routes.hccl.route import CommunicatorRoute
 from aio_datadist._routes.samehost.route import DeviceIpcRoute, SameHostRoute
 from aio_datadist._routes.ucx import board as ucxboard
 from aio_datadist._routes.ucx import worker as ucx

@@ -22,7 +22,7 @@ and one-sided calls), ``link`` also joins the domain's communicator as this rank
 the engine's pools and every remote-accessible registered cache to it (which is why memory
 must be registered before ``link``, and why ``remote_accessible=True`` is refused after
 it) and prepares it with every member. Device rows of transfers between the members then
-move through the communicator (:mod:`aio_datadist._engine.domain`). ``unlink`` unbinds the
+move through the communicator (:mod:`aio_datadist._routes.hccl.domain`). ``unlink`` unbinds the
 memory and destroys the communicator. A library that refuses fails ``link`` with
 ``LLM_LINK_FAILED`` and drops the links it made.
 """
@@ -40,20 +40,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from aio_datadist._engine.caches import CacheService
-from aio_datadist._engine.domain import CommRoute, CommRoutes
 from aio_datadist._engine.links import Link, LinkTable
-from aio_datadist._engine.routes import CommunicatorRoute, Route, placed
+from aio_datadist._engine.routes import Route, placed
 from aio_datadist._log import get_logger
+from aio_datadist._routes.hccl.domain import CommRoute, CommRoutes
+from aio_datadist._routes.hccl.route import CommunicatorRoute
 from aio_datadist._runtime.base import Communicator
 from aio_datadist._transport.base import Channel, Hello, LinkRefused, RequestHandler
 from aio_datadist._validate import check_int, check_type, param_invalid
 from aio_datadist.enums import Placement, RegisterMemStatus
 from aio_datadist.status import LinkFailedError, LLMException, LLMStatusCode, ParamInvalidError
 
-__all__ = ("DEFAULT_COMM_BASE_PORT", "CommDomains", "check_link_args", "rank_endpoints")
+__all__ = ("CommDomains", "check_link_args", "rank_endpoints")
 
-#: First port of rank endpoints when the rank table gives none (option ``aio.CommBasePort``).
-DEFAULT_COMM_BASE_PORT = 27000
 #: Seconds ``link`` waits for the other members when ``link_total_time`` is 0 (like HCCL).
 DEFAULT_CONNECT_TIMEOUT_S = 120
 

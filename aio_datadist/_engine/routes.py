@@ -12,7 +12,7 @@ A new link starts with the link's own routes (:func:`link_routes`); the route pr
 ====  =========================  ===========================================================
 10    ``same-host``              host rows, one-sided against the peer's region board
                                  (``_routes.samehost``)
-20    :class:`CommunicatorRoute` device rows between members of a rank-table domain whose
+20    ``communicator``           device rows between members of a rank-table domain whose
                                  runtime has a collective library (HCCL one-sided calls)
 30    ``device-ipc``             device rows, one-sided: the peer's shared device memory
                                  mapped here (CUDA IPC), or staged around ``process_vm``
@@ -32,14 +32,12 @@ takes it.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
 from enum import Enum
 
 from aio_datadist._engine.access import encode_access, encode_blocks_access
-from aio_datadist._engine.domain import NO_ROWS, CommRoute
 from aio_datadist._engine.request import Completion, Pump, Transfer, completed
 from aio_datadist._memory.staging import Staged as StagedRows
 from aio_datadist._memory.staging import Staging
@@ -48,7 +46,6 @@ from aio_datadist.status import LLMException
 
 __all__ = (
     "Carrier",
-    "CommunicatorRoute",
     "ON_LOOP",
     "LinkRoute",
     "Route",
@@ -56,6 +53,7 @@ __all__ = (
     "Waiting",
     "link_routes",
     "placed",
+    "send_request",
     "start_on",
 )
 
@@ -129,7 +127,7 @@ def _body(transfer: Transfer) -> bytes:
     return encode_access(transfer.access)
 
 
-def _request(
+def send_request(
     channel: Channel,
     transfer: Transfer,
     body: bytes,
@@ -140,33 +138,6 @@ def _request(
     if transfer.kind is RequestKind.PULL:
         return channel.pull(body, local, nbytes, deadline_ns, commit=transfer.commit)
     return channel.push(body, local, nbytes, deadline_ns)
-
-
-class CommunicatorRoute(Route):
-    """Device rows between members of a rank-table domain: the request names them and the
-    serving side moves the bytes through the domain's communicator; the link carries only
-    the request and its answer."""
-
-    name = "communicator"
-    rank = 20
-
-    def __init__(self, channel: Channel, member: CommRoute) -> None:
-        self.channel = channel
-        self.member = member
-
-    def link(self) -> Channel | None:
-        return self.channel
-
-    def accepts(self, transfer: Transfer) -> bool:
-        return transfer.device and self.member.takes(transfer.rows)
-
-    def in_caller(self, transfer: Transfer) -> bool:
-        return False
-
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        body = encode_access(dataclasses.replace(transfer.access, deliver=transfer.rows))
-        future = _request(self.channel, transfer, body, NO_ROWS, 0, deadline_ns)
-        return completed(future, deadline_ns, self.channel)
 
 
 class Carrier(Route):
@@ -229,7 +200,7 @@ class LinkRoute(Carrier):
                 on_loop=waiting is Waiting.LOOP_EXCHANGE,
             )
         else:
-            future = _request(
+            future = send_request(
                 self.channel, transfer, body, transfer.rows, transfer.nbytes, deadline_ns
             )
         return completed(future, deadline_ns, self.channel)
@@ -238,7 +209,7 @@ class LinkRoute(Carrier):
         """Send ``transfer``'s request with its payload from or into ``local`` (host rows,
         or segments where the channel streams)."""
         body = _body(transfer)
-        return _request(self.channel, transfer, body, local, transfer.nbytes, deadline_ns)
+        return send_request(self.channel, transfer, body, local, transfer.nbytes, deadline_ns)
 
 
 class Staged(Route):

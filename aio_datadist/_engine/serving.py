@@ -9,7 +9,7 @@ cache released meanwhile keeps its memory until the transfer ends. Device memory
 accelerator runtime is served through pinned host buffers (:mod:`aio_datadist._memory.staging`):
 read out before a pull's bytes leave, and written to the device before a push is answered.
 A request from a member of a rank-table domain that names its own rows
-(:mod:`aio_datadist._engine.domain`) is moved through the domain's communicator instead,
+(:mod:`aio_datadist._routes.hccl.domain`) is moved through the domain's communicator instead,
 before it is answered.
 """
 
@@ -20,13 +20,13 @@ from typing import Protocol
 
 import numpy as np
 
-from aio_datadist._engine.access import Access, Target, access_rows, decode_access
+from aio_datadist._engine.access import NO_ROWS, Access, Target, access_rows, decode_access
 from aio_datadist._engine.caches import CacheService
-from aio_datadist._engine.domain import NO_ROWS, CommRoutes, deliver
 from aio_datadist._engine.registry import CacheEntry, KeyIdentity
 from aio_datadist._log import get_logger
 from aio_datadist._memory.staging import Mask, Staged, Streamed
 from aio_datadist._native.serve import ServeTable
+from aio_datadist._routes.hccl.domain import CommRoutes, deliver
 from aio_datadist._transport import WireError, after_s
 from aio_datadist._transport.base import Hello, Iov, RequestKind, Served
 from aio_datadist.status import (

@@ -1,26 +1,3 @@
-"""The route providers: each way of moving bytes beside the link's own route, one package
-each, known to the engine only through :class:`~aio_datadist._routes.provider.RouteProvider`.
-
-A new way of moving bytes is a new package here with a :class:`ProviderSpec`, listed in
-:data:`PROVIDERS`; the engine opens every listed provider at ``init``, in this order.
-"""
-
-from __future__ import annotations
-
-from aio_datadist._engine.access import Target
-from aio_datadist._routes.provider import ProviderSpec
-from aio_datadist._routes.samehost.provider import open_same_host
-from aio_datadist._routes.ucx.links import open_ucx
-
-__all__ = ("PROVIDERS",)
-
-#: Every provider, in the order the engine opens them (and closes them in reverse).
-PROVIDERS: tuple[ProviderSpec, ...] = (
-    ProviderSpec("samehost", open_same_host),
-    ProviderSpec(
-        "ucx",
-        open_ucx,
-        targets=frozenset({Target.UCX_TABLE, Target.UCX_ACK}),
-        enabled_by="aio.Ucx",
-    ),
-)
+"""The ways of moving bytes beside a link's own route, one package each: ``samehost``,
+``ucx`` and ``hccl``. The engine knows the listed ones (``catalog.PROVIDERS``) only through
+``provider.RouteProvider``."""

@@ -26,18 +26,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import structlog
 
 from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.caches import CacheService
 from aio_datadist._engine.routes import Route
+from aio_datadist._engine.settings import EngineSettings
 from aio_datadist._transport.base import Channel, Hello, RequestKind, Served
 from aio_datadist.status import FeatureNotEnabledError, LLMStatusCode
-
-if TYPE_CHECKING:  # the engine imports the providers; only their types go the other way
-    from aio_datadist._engine.engine import EngineSettings
 
 __all__ = ("LinkHandle", "Opening", "ProviderSpec", "RouteProvider")
 

@@ -41,9 +41,8 @@ from typing import Any
 import numpy as np
 import structlog
 
-from aio_datadist._engine.access import Access, Target, encode_access
+from aio_datadist._engine.access import NO_ROWS, Access, Target, encode_access
 from aio_datadist._engine.caches import CacheService
-from aio_datadist._engine.domain import NO_ROWS
 from aio_datadist._engine.routes import Staged, placed
 from aio_datadist._log import get_logger
 from aio_datadist._native import wire

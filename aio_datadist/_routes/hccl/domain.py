@@ -21,10 +21,7 @@ from aio_datadist._runtime.base import Communicator
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist.status import LLMStatusCode, ParamInvalidError
 
-__all__ = ("NO_ROWS", "CommRoute", "CommRoutes", "deliver")
-
-#: The payload rows of a request whose bytes the communicator moves: none.
-NO_ROWS: Iov = np.empty((0, 2), dtype=np.uint64)
+__all__ = ("CommRoute", "CommRoutes", "deliver")
 
 
 @dataclass(frozen=True, eq=False)
