@@ -673,6 +673,23 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+#: Threads of a link that end as its close completes: its reader and sender, a same-host
+#: proof's.
+_LINK_THREADS = ("aio-dd-tcp-read-", "aio-dd-tcp-send-", "aio-dd-samehost")
+
+
+async def _lasting_threads(timeout: float = 10.0) -> list[str]:
+    """The threads once every link thread ended (waited for up to ``timeout`` seconds; one
+    still running then is counted), less the listeners' handshake workers: a pool of at
+    most four, each gone 5 s after its last handshake, never one per link."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(t.name.startswith(_LINK_THREADS) for t in threading.enumerate()):
+            break
+        await asyncio.sleep(0.02)
+    return sorted(t.name for t in threading.enumerate() if not t.name.endswith("-step"))
+
+
 @needs_ucx
 async def test_links_and_transfers_leave_no_descriptors_or_threads(
     make_pair: Callable[..., Any],
@@ -694,12 +711,13 @@ async def test_links_and_transfers_leave_no_descriptors_or_threads(
                 break
             await asyncio.sleep(0.01)
         if i >= 3:  # after the first links warmed UCX up
-            # a thread that ends as the unlink completes may still be running: let it go
-            for _ in range(100):
-                if not samples or threading.active_count() <= samples[0][1]:
+            threads = len(await _lasting_threads())
+            # a link's socket closes as its close completes, which may trail its threads
+            for _ in range(500):
+                if not samples or _fds() <= samples[0][0]:
                     break
-                await asyncio.sleep(0.01)
-            samples.append((_fds(), threading.active_count()))
+                await asyncio.sleep(0.02)
+            samples.append((_fds(), threads))
     # (UCX closes some of its connections lazily: the count may drop, never grow)
     assert max(fds for fds, _ in samples) <= samples[0][0], samples
     assert len({threads for _, threads in samples}) == 1, samples
