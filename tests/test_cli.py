@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from aio_datadist._native import ucx
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NEEDS_UCX = pytest.mark.skipif(
@@ -31,12 +31,6 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         env=env,
         cwd=ROOT,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_help_and_bad_arguments() -> None:

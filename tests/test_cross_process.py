@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,12 +50,6 @@ from tests.peer_prompt import ROW_BYTES, TENSORS, pattern, read_ready
 S = LLMStatusCode
 PEER = Path(__file__).with_name("peer_prompt.py")
 MiB = 1 << 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Peer:

@@ -41,7 +41,7 @@ from aio_datadist._transport.samehost import (
 from tests.conftest import make_options, pool_cfg
 from tests.peer_prompt import TENSORS, pattern
 from tests.providers import peer_memory
-from tests.test_cross_process import Peer, blocks_desc, free_port
+from tests.test_cross_process import Peer, blocks_desc
 from tests.test_transport_tcp import frame, read_frame
 
 WAIT = 10.0
@@ -77,6 +77,13 @@ async def engine(role: LLMRole, cluster_id: int, port: int | None = None) -> Asy
         )
     )
     return dd
+
+
+def bound_port(dd: AsyncLLMDataDist) -> int:
+    """The port ``dd`` listens on (it was given port 0: the system picked one free)."""
+    address = dd.listen_address
+    assert address is not None
+    return address[1]
 
 
 @pytest.fixture
@@ -122,8 +129,8 @@ def fifo(tmp_path: Path) -> Iterator[int]:
 async def test_a_peer_naming_a_fifo_is_answered_and_nothing_is_opened(
     engines: list[AsyncLLMDataDist], fifo: int
 ) -> None:
-    port = free_port()
-    engines.append(await engine(LLMRole.PROMPT, 1, port))
+    engines.append(await engine(LLMRole.PROMPT, 1, 0))
+    port = bound_port(engines[-1])
     conn = raw_hello(port, 3, 1, retired_presence(os.getpid(), fifo))
     try:
         header, _ = await asyncio.to_thread(read_frame, conn)
@@ -137,9 +144,9 @@ async def test_a_claim_of_another_process_moves_no_byte_into_it(
 ) -> None:
     third = Peer(4, 4096)  # an engine process that never links with the hostile peer
     try:
-        port = free_port()
-        server = await engine(LLMRole.DECODER, 2, port)
+        server = await engine(LLMRole.DECODER, 2, 0)
         engines.append(server)
+        port = bound_port(server)
         conn = raw_hello(port, 3, 2, retired_presence(third.proc.pid, board_fd_of(third.proc.pid)))
         try:
             header, _ = await asyncio.to_thread(read_frame, conn)
@@ -172,9 +179,9 @@ async def test_a_claim_of_another_process_moves_no_byte_into_it(
 async def test_linked_engines_on_this_host_prove_each_other_both_ways(
     engines: list[AsyncLLMDataDist],
 ) -> None:
-    port = free_port()
-    prompt = await engine(LLMRole.PROMPT, 1, port)
+    prompt = await engine(LLMRole.PROMPT, 1, 0)
     engines.append(prompt)
+    port = bound_port(prompt)
     decoder = await engine(LLMRole.DECODER, 2)
     engines.append(decoder)
     status, _ = await decoder.link_clusters([cluster(1, port)], 5000)

@@ -45,6 +45,7 @@ from aio_datadist._transport import tcp
 from aio_datadist._transport.pending import Request
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
+from tests.ports import free_port
 from tests.providers import peer_memory, ucx_links
 
 S = LLMStatusCode
@@ -1001,12 +1002,6 @@ async def test_blocking_calls_from_many_threads(make_pair: PairFactory, face_kin
 
 
 # -- rank-table links ---------------------------------------------------------------------
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rank_table(pair: Pair) -> str:
