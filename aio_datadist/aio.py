@@ -646,7 +646,7 @@ class AsyncCacheManager(_LoopBound):
         """
         self._check_loop()
         await self._run(
-            self._service.plan_copy_cache(
+            self._planner.copy_cache(
                 dst, src, dst_batch_index, src_batch_index, offset, size, req_id
             )
         )
@@ -671,7 +671,7 @@ class AsyncCacheManager(_LoopBound):
         :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
         """
         self._check_loop()
-        await self._run(self._service.plan_copy_blocks(cache, copy_block_info))
+        await self._run(self._planner.copy_blocks(cache, copy_block_info))
 
     async def swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> None:
         """Copy blocks between a HOST and a DEVICE blocks cache (swap in or swap out).
@@ -695,7 +695,7 @@ class AsyncCacheManager(_LoopBound):
         :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
         """
         self._check_loop()
-        await self._run(self._service.plan_swap_blocks(src_cache, dst_cache, src_to_dst))
+        await self._run(self._planner.swap_blocks(src_cache, dst_cache, src_to_dst))
 
     async def remap_registered_memory(self, mem_infos: Any) -> None:
         """Reserved in the documented API: validates ``mem_infos``, then always raises.

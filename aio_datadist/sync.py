@@ -277,7 +277,7 @@ class CacheManager:
             offset or size out of range), ``LLM_KV_CACHE_NOT_EXIST`` (a cache unknown to this engine
             or released), ``LLM_FAILED`` after ``finalize``.
         """
-        plan = self._service.plan_copy_cache(
+        plan = self._planner.copy_cache(
             dst, src, dst_batch_index, src_batch_index, offset, size, req_id
         )
         self._service.execute(plan)
@@ -299,7 +299,7 @@ class CacheManager:
             ``LLM_KV_CACHE_NOT_EXIST`` (the cache is unknown or released), ``LLM_FAILED`` after
             ``finalize``.
         """
-        self._service.execute(self._service.plan_copy_blocks(cache, copy_block_info))
+        self._service.execute(self._planner.copy_blocks(cache, copy_block_info))
 
     def swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> None:
         """Copy blocks between a HOST and a DEVICE blocks cache (swap in or swap out).
@@ -320,7 +320,7 @@ class CacheManager:
             block sizes or tensor counts differ, an index out of range), ``LLM_KV_CACHE_NOT_EXIST``
             (a cache unknown or released), ``LLM_FAILED`` after ``finalize``.
         """
-        self._service.execute(self._service.plan_swap_blocks(src_cache, dst_cache, src_to_dst))
+        self._service.execute(self._planner.swap_blocks(src_cache, dst_cache, src_to_dst))
 
     def remap_registered_memory(self, mem_infos: Any) -> None:
         """Reserved in the documented API: validates ``mem_infos``, then always raises.

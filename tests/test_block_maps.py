@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aio_datadist._engine.caches import _copy_map, _swap_map
+from aio_datadist._engine.plan import copy_map, swap_map
 
 BLOCK = st.integers(0, 40)
 #: Items a caller may get wrong: negatives, out of range, bools, floats, numpy ints.
@@ -42,7 +42,7 @@ def outcome(fn: Any, info: dict[Any, Any]) -> tuple[str, Any]:
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(BLOCK, st.lists(BLOCK, max_size=4), max_size=30))
 def test_copy_map_keeps_the_last_source_of_each_destination(info: dict[int, list[int]]) -> None:
-    srcs, dsts, overlap = _copy_map(info)
+    srcs, dsts, overlap = copy_map(info)
     want = reference([(s, d) for s, ds in info.items() for d in ds])
     assert as_dict(srcs, dsts) == want and len(dsts) == len(want)
     assert overlap == bool(set(want) & set(want.values()))
@@ -52,7 +52,7 @@ def test_copy_map_keeps_the_last_source_of_each_destination(info: dict[int, list
 @settings(max_examples=300, deadline=None)
 @given(st.dictionaries(BLOCK, BLOCK, max_size=30))
 def test_swap_map_keeps_the_last_source_of_each_destination(info: dict[int, int]) -> None:
-    srcs, dsts, _ = _swap_map(info)
+    srcs, dsts, _ = swap_map(info)
     assert as_dict(srcs, dsts) == reference(list(info.items()))
 
 
@@ -62,7 +62,7 @@ def test_swap_map_keeps_the_last_source_of_each_destination(info: dict[int, int]
 )
 def test_a_bad_item_anywhere_is_named_whatever_the_path(info: dict[Any, list[Any]]) -> None:
     # The reference: every item checked one by one, as the documented errors say.
-    kind, detail = outcome(_copy_map, info)
+    kind, detail = outcome(copy_map, info)
     bad = [
         v
         for v in (*info, *(d for ds in info.values() for d in ds))
@@ -85,7 +85,7 @@ def test_a_bad_item_anywhere_is_named_whatever_the_path(info: dict[Any, list[Any
 )
 def test_copy_map_errors_name_the_item(info: dict[Any, Any], error: str) -> None:
     with pytest.raises((TypeError, ValueError)) as exc:
-        _copy_map(info)
+        copy_map(info)
     assert error in str(exc.value)
 
 
@@ -94,8 +94,8 @@ def test_a_long_map_is_checked_at_once_and_matches_the_reference() -> None:
     src = [int(v) for v in rng.permutation(4096)]
     dst = [int(v) for v in 4096 + rng.permutation(4096)]
     info = {s: [d, (d + 1) % 8192] for s, d in zip(src, dst, strict=True)}
-    srcs, dsts, overlap = _copy_map(info)
+    srcs, dsts, overlap = copy_map(info)
     assert as_dict(srcs, dsts) == reference([(s, d) for s, ds in info.items() for d in ds])
     assert overlap
     with pytest.raises(ValueError, match=r"copy_block_info\[\d+\]\[1\] must be in uint64"):
-        _copy_map({**info, 7: [1, 2**64]})
+        copy_map({**info, 7: [1, 2**64]})

@@ -1,27 +1,26 @@
 """The cache service: every local CacheManager call, written once for both faces.
 
-Calls that only change bookkeeping run to completion here. Calls that move bytes are split
-into ``plan_*`` (validate, resolve, pin, build a :class:`CopyPlan`) and :meth:`execute`
-(one runtime call per batch), so each face decides where the bytes move: the blocking face
-in the caller's thread, the async face inline or on a worker thread.
+Calls that only change bookkeeping run to completion here. Local copies are planned by the
+engine's one planner (``_engine.planner``: validate, resolve, pin, build a
+:class:`CopyPlan`) and run by :meth:`execute` (one runtime call per batch), so each face
+decides where the bytes move: the blocking face in the caller's thread, the async face
+inline or on a worker thread.
 """
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import structlog
 
-from aio_datadist._engine.plan import CopyPlan, Ops, block_ops, row_ops, staged
+from aio_datadist._engine.plan import CopyPlan
 from aio_datadist._engine.registry import CacheEntry, CacheRegistry, KeyIdentity
 from aio_datadist._memory.pool import Allocation, MemoryPool, PoolStats
 from aio_datadist._memory.staging import Staging
-from aio_datadist._runtime.base import CopyKind, DeviceRuntime
+from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist._validate import (
     INVALID_ID,
     check_int,
@@ -47,16 +46,6 @@ from aio_datadist.types import (
 )
 
 __all__ = ("CacheService", "PoolStats", "Reservation", "key_identity")
-
-#: A planned block map: ``(sources, destinations, a destination is also a source)``.
-BlockMap = tuple["npt.NDArray[np.uint64]", "npt.NDArray[np.uint64]", bool]
-
-_KINDS = {
-    (Placement.HOST, Placement.HOST): CopyKind.HOST_TO_HOST,
-    (Placement.HOST, Placement.DEVICE): CopyKind.HOST_TO_DEVICE,
-    (Placement.DEVICE, Placement.HOST): CopyKind.DEVICE_TO_HOST,
-    (Placement.DEVICE, Placement.DEVICE): CopyKind.DEVICE_TO_DEVICE,
-}
 
 
 def _invalid(message: str) -> ParamInvalidError:
@@ -549,152 +538,6 @@ class CacheService:
         )
 
     # -- copies ---------------------------------------------------------------------------
-    def _plan(self, batches: list[Ops], kind: CopyKind, entries: Sequence[CacheEntry]) -> CopyPlan:
-        nbytes = int(sum(int(b[:, 2].sum()) for b in batches))
-        self.registry.pin(entries)
-        return CopyPlan(batches, kind, nbytes, pinned=list(entries))
-
-    def plan_copy_cache(
-        self,
-        dst: Any,
-        src: Any,
-        dst_batch_index: Any = 0,
-        src_batch_index: Any = 0,
-        offset: Any = 0,
-        size: Any = -1,
-        req_id: Any = None,
-    ) -> CopyPlan:
-        """Plan ``copy_cache``: bytes ``[offset, offset+size)`` of one batch row, per tensor."""
-        check_type("dst", dst, Cache)
-        check_type("src", src, Cache)
-        check_int("dst_batch_index", dst_batch_index, "uint32")
-        check_int("src_batch_index", src_batch_index, "uint32")
-        check_int("offset", offset, "uint64")
-        check_int("size", size, "int64")
-        check_int("req_id", req_id, "uint64", allow_none=True)
-        if size != -1 and size <= 0:
-            raise _invalid(f"size must be -1 or > 0, but got {size}")
-        with self.registry.lock:
-            d, s = self.entry(dst, "dst"), self.entry(src, "src")
-            if d.is_blocks or s.is_blocks:
-                raise _invalid("copy_cache does not take blocks caches; use copy_blocks")
-            if d.desc.num_tensors != s.desc.num_tensors:
-                raise _invalid(
-                    f"dst has {d.desc.num_tensors} tensors but src has {s.desc.num_tensors}"
-                )
-            if dst_batch_index >= d.desc.batch_size:
-                raise _invalid(
-                    f"dst_batch_index {dst_batch_index} >= dst batch size {d.desc.batch_size}"
-                )
-            if src_batch_index >= s.desc.batch_size:
-                raise _invalid(
-                    f"src_batch_index {src_batch_index} >= src batch size {s.desc.batch_size}"
-                )
-            d_stride, s_stride = d.row_bytes, s.row_bytes
-            if offset > 0 and (offset >= s_stride or offset >= d_stride):
-                raise _invalid(
-                    f"offset {offset} is not inside a row (src row {s_stride} bytes, "
-                    f"dst row {d_stride} bytes)"
-                )
-            nbytes = s_stride - offset if size == -1 else size
-            if nbytes > s_stride - offset or nbytes > d_stride - offset:
-                raise _invalid(
-                    f"copy of {nbytes} bytes at offset {offset} does not fit in a row "
-                    f"(src row {s_stride} bytes, dst row {d_stride} bytes)"
-                )
-            ops = row_ops(
-                d.addrs,
-                s.addrs,
-                dst_batch_index * d_stride + offset,
-                src_batch_index * s_stride + offset,
-                nbytes,
-            )
-            if d is s and dst_batch_index == src_batch_index:
-                ops = ops[:0]
-            plan = self._plan([ops], _KINDS[s.placement, d.placement], [d, s])
-        self._log.debug(
-            "cache.copy", dst=dst.cache_id, src=src.cache_id, nbytes=plan.nbytes, req_id=req_id
-        )
-        return plan
-
-    @staticmethod
-    def _block_indices(
-        name: str, values: npt.NDArray[np.uint64], num_blocks: int
-    ) -> npt.NDArray[np.uint64]:
-        if len(values) and int(values.max()) >= num_blocks:
-            bad = int(values[values >= num_blocks][0])
-            raise _invalid(f"{name} block index {bad} is outside [0, {num_blocks})")
-        return values
-
-    def plan_copy_blocks(self, cache: Any, copy_block_info: Any) -> CopyPlan:
-        """Plan ``copy_blocks``: each source block to each of its destination blocks.
-
-        Every source is read before any destination is written (overlapping maps copy
-        through a scratch buffer); a block named as destination twice takes the last source.
-        """
-        check_type("cache", cache, Cache)
-        check_type("copy_block_info", copy_block_info, dict)
-        srcs, dsts, overlap = _copy_map(copy_block_info)
-        with self.registry.lock:
-            entry = self.entry(cache)
-            if not entry.is_blocks:
-                raise _invalid(f"copy_blocks needs a blocks cache, cache {cache.cache_id} is not")
-            num_blocks = entry.num_rows
-            dsts = self._block_indices("destination", dsts, num_blocks)
-            srcs = self._block_indices("source", srcs, num_blocks)
-            ops = block_ops(entry.addrs, entry.addrs, dsts, srcs, entry.row_bytes)
-            kind = _KINDS[entry.placement, entry.placement]
-            plan = self._plan([ops], kind, [entry])
-            if overlap:
-                gather, scatter, plan.stage_bytes = staged(ops)
-                plan.batches = [gather, scatter]
-                plan.stage_device = entry.placement is Placement.DEVICE
-        return plan
-
-    def plan_swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> CopyPlan:
-        """Plan ``swap_blocks``: blocks between a host and a device blocks cache."""
-        check_type("src_cache", src_cache, Cache)
-        check_type("dst_cache", dst_cache, Cache)
-        check_type("src_to_dst", src_to_dst, dict)
-        srcs, dsts, _ = _swap_map(src_to_dst)
-        pair = (src_cache._layout.placement, dst_cache._layout.placement)
-        if pair not in ((Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)):
-            raise _invalid(
-                f"swap_blocks moves blocks between HOST and DEVICE, but got {pair[0]!s} -> "
-                f"{pair[1]!s}"
-            )
-        with self.registry.lock:
-            sides = [
-                self._swap_side(src_cache, "src_cache"),
-                self._swap_side(dst_cache, "dst_cache"),
-            ]
-            (s_addrs, s_blocks, s_bytes, s_entry), (d_addrs, d_blocks, d_bytes, d_entry) = sides
-            if s_bytes != d_bytes:
-                raise _invalid(f"block sizes differ: src {s_bytes} bytes, dst {d_bytes} bytes")
-            if len(s_addrs) != len(d_addrs):
-                raise _invalid(f"num_tensors differ: src {len(s_addrs)}, dst {len(d_addrs)}")
-            dsts = self._block_indices("dst_cache", dsts, d_blocks)
-            srcs = self._block_indices("src_cache", srcs, s_blocks)
-            ops = block_ops(d_addrs, s_addrs, dsts, srcs, s_bytes)
-            entries = [e for e in (s_entry, d_entry) if e is not None]
-            return self._plan([ops], _KINDS[pair], entries)
-
-    def _swap_side(
-        self, cache: Cache, name: str
-    ) -> tuple[Sequence[int], int, int, CacheEntry | None]:
-        if not cache.is_blocks_cache:
-            raise _invalid(f"swap_blocks needs blocks caches, {name} is not one")
-        if cache._owner is None and cache.cache_id == -1:
-            layout = cache._layout
-            if not cache._tensor_addrs:
-                raise _not_exist(f"{name} has no tensor addresses")
-            if layout.batch_size <= 0:
-                raise _invalid(f"{name} has {layout.batch_size} blocks")
-            block_bytes = layout.tensor_bytes // layout.batch_size
-            return cache._tensor_addrs, layout.batch_size, block_bytes, None
-        entry = self.entry(cache, name)
-        return entry.addrs, entry.num_rows, entry.row_bytes, entry
-
     def execute(self, plan: CopyPlan) -> None:
         """Run a plan's batches through the runtime, then release its pins."""
         try:
@@ -729,52 +572,3 @@ class CacheService:
         pinned, plan.pinned = plan.pinned, []
         if pinned:
             self.registry.unpin(pinned)  # type: ignore[arg-type]
-
-
-_UINT64_MAX = 2**64 - 1
-
-
-def _plain_uint64s(*lists: list[Any]) -> bool:
-    """Whether every item of ``lists`` is a plain ``int`` in uint64 range (checked at C
-    speed, for long block maps; the item-by-item check then names a wrong one)."""
-    for values in lists:
-        if values and (
-            not set(map(type, values)) <= {int} or min(values) < 0 or max(values) > _UINT64_MAX
-        ):
-            return False
-    return True
-
-
-def _block_map(last: dict[int, int]) -> BlockMap:
-    """``{dst: src}`` as arrays, and whether a destination is also a source."""
-    dsts = np.fromiter(last.keys(), dtype=np.uint64, count=len(last))
-    srcs = np.fromiter(last.values(), dtype=np.uint64, count=len(last))
-    return srcs, dsts, not last.keys().isdisjoint(last.values())
-
-
-def _copy_map(info: dict[Any, Any]) -> BlockMap:
-    """The block map of ``copy_blocks`` ``{src: [dst, ...]}``: each destination once, from
-    the last source that names it, checked as the API documents."""
-    keys, values = list(info), list(info.values())
-    if set(map(type, values)) <= {list, tuple}:
-        flat = list(itertools.chain.from_iterable(values))
-        if _plain_uint64s(keys, flat):
-            repeated = itertools.chain.from_iterable(map(itertools.repeat, keys, map(len, values)))
-            return _block_map(dict(zip(flat, repeated, strict=True)))
-    last: dict[int, int] = {}
-    for src_block, dst_blocks in info.items():  # raises, naming the wrong item
-        check_int("copy_block_info key", src_block, "uint64")
-        check_int_list(f"copy_block_info[{src_block}]", dst_blocks, "uint64")
-        for dst_block in dst_blocks:
-            last[dst_block] = src_block
-    return _block_map(last)
-
-
-def _swap_map(info: dict[Any, Any]) -> BlockMap:
-    """The block map of ``swap_blocks`` ``{src: dst}``: each destination once, from the last
-    source that names it, checked as the API documents."""
-    if not _plain_uint64s(list(info), list(info.values())):
-        for src_block, dst_block in info.items():  # raises, naming the wrong item
-            check_int("src_to_dst key", src_block, "uint64")
-            check_int(f"src_to_dst[{src_block}]", dst_block, "uint64")
-    return _block_map({dst: src for src, dst in info.items()})

@@ -15,16 +15,35 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.caches import CacheService
+from aio_datadist._engine.plan import (
+    COPY_KINDS,
+    CopyPlan,
+    Ops,
+    block_ops,
+    copy_map,
+    row_ops,
+    staged,
+    swap_map,
+)
 from aio_datadist._engine.registry import CacheEntry
 from aio_datadist._engine.request import Blocks, Plan, RemoteBlocks, Transfer
+from aio_datadist._log import get_logger
+from aio_datadist._runtime.base import CopyKind
 from aio_datadist._transport.base import Iov, RequestKind
 from aio_datadist._transport.deadlines import now_ns
 from aio_datadist._validate import INVALID_ID, check_int, check_int_list, check_type
 from aio_datadist.cache import Cache
-from aio_datadist.status import FeatureNotEnabledError, LLMStatusCode, ParamInvalidError
+from aio_datadist.enums import Placement
+from aio_datadist.status import (
+    FeatureNotEnabledError,
+    KvCacheNotExistError,
+    LLMStatusCode,
+    ParamInvalidError,
+)
 from aio_datadist.types import (
     BlocksCacheKey,
     CacheKey,
@@ -41,6 +60,10 @@ _NO_KWARGS: tuple[None, None, int] = (None, None, 2)
 
 def _invalid(message: str) -> ParamInvalidError:
     return ParamInvalidError(message, status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+def _not_exist(message: str) -> KvCacheNotExistError:
+    return KvCacheNotExistError(message, status_code=LLMStatusCode.LLM_KV_CACHE_NOT_EXIST)
 
 
 def tensor_span(
@@ -87,8 +110,16 @@ def local_blocks(
     return Blocks(entry.layout, tensors[0], tensors[1], blocks, seg)
 
 
-def check_blocks(name: str, blocks: Sequence[int], num_blocks: int) -> None:
-    """Refuse a block index outside ``[0, num_blocks)`` with ``LLM_PARAM_INVALID``."""
+def check_blocks(
+    name: str, blocks: Sequence[int] | npt.NDArray[np.uint64], num_blocks: int
+) -> None:
+    """Refuse a block index outside ``[0, num_blocks)`` with ``LLM_PARAM_INVALID``: the one
+    check of a local block list (a list item by item, an array at numpy speed)."""
+    if isinstance(blocks, np.ndarray):
+        if len(blocks) and int(blocks.max()) >= num_blocks:
+            bad = int(blocks[blocks >= num_blocks][0])
+            raise _invalid(f"{name} block index {bad} is outside [0, {num_blocks})")
+        return
     for b in blocks:
         if b >= num_blocks:
             raise _invalid(f"{name} block index {b} is outside [0, {num_blocks})")
@@ -103,6 +134,7 @@ class Planner:
         self.caches = caches
         self.timeout_ms = timeout_ms
         self.remote_cache_accessible = remote_cache_accessible
+        self._log = get_logger("cache")
 
     # -- common ---------------------------------------------------------------------------
     def transfer(
@@ -392,3 +424,141 @@ class Planner:
                 entry,
             )
             return self.plan([transfer], [entry])
+
+    # -- local copies ---------------------------------------------------------------------------
+    def _plan(self, batches: list[Ops], kind: CopyKind, entries: Sequence[CacheEntry]) -> CopyPlan:
+        nbytes = int(sum(int(b[:, 2].sum()) for b in batches))
+        self.caches.registry.pin(entries)
+        return CopyPlan(batches, kind, nbytes, pinned=list(entries))
+
+    def copy_cache(
+        self,
+        dst: Any,
+        src: Any,
+        dst_batch_index: Any = 0,
+        src_batch_index: Any = 0,
+        offset: Any = 0,
+        size: Any = -1,
+        req_id: Any = None,
+    ) -> CopyPlan:
+        """Plan ``copy_cache``: bytes ``[offset, offset+size)`` of one batch row, per tensor."""
+        check_type("dst", dst, Cache)
+        check_type("src", src, Cache)
+        check_int("dst_batch_index", dst_batch_index, "uint32")
+        check_int("src_batch_index", src_batch_index, "uint32")
+        check_int("offset", offset, "uint64")
+        check_int("size", size, "int64")
+        check_int("req_id", req_id, "uint64", allow_none=True)
+        if size != -1 and size <= 0:
+            raise _invalid(f"size must be -1 or > 0, but got {size}")
+        with self.caches.registry.lock:
+            d, s = self.caches.entry(dst, "dst"), self.caches.entry(src, "src")
+            if d.is_blocks or s.is_blocks:
+                raise _invalid("copy_cache does not take blocks caches; use copy_blocks")
+            if d.desc.num_tensors != s.desc.num_tensors:
+                raise _invalid(
+                    f"dst has {d.desc.num_tensors} tensors but src has {s.desc.num_tensors}"
+                )
+            if dst_batch_index >= d.desc.batch_size:
+                raise _invalid(
+                    f"dst_batch_index {dst_batch_index} >= dst batch size {d.desc.batch_size}"
+                )
+            if src_batch_index >= s.desc.batch_size:
+                raise _invalid(
+                    f"src_batch_index {src_batch_index} >= src batch size {s.desc.batch_size}"
+                )
+            d_stride, s_stride = d.row_bytes, s.row_bytes
+            if offset > 0 and (offset >= s_stride or offset >= d_stride):
+                raise _invalid(
+                    f"offset {offset} is not inside a row (src row {s_stride} bytes, "
+                    f"dst row {d_stride} bytes)"
+                )
+            nbytes = s_stride - offset if size == -1 else size
+            if nbytes > s_stride - offset or nbytes > d_stride - offset:
+                raise _invalid(
+                    f"copy of {nbytes} bytes at offset {offset} does not fit in a row "
+                    f"(src row {s_stride} bytes, dst row {d_stride} bytes)"
+                )
+            ops = row_ops(
+                d.addrs,
+                s.addrs,
+                dst_batch_index * d_stride + offset,
+                src_batch_index * s_stride + offset,
+                nbytes,
+            )
+            if d is s and dst_batch_index == src_batch_index:
+                ops = ops[:0]
+            plan = self._plan([ops], COPY_KINDS[s.placement, d.placement], [d, s])
+        self._log.debug(
+            "cache.copy", dst=dst.cache_id, src=src.cache_id, nbytes=plan.nbytes, req_id=req_id
+        )
+        return plan
+
+    def copy_blocks(self, cache: Any, copy_block_info: Any) -> CopyPlan:
+        """Plan ``copy_blocks``: each source block to each of its destination blocks.
+
+        Every source is read before any destination is written (overlapping maps copy
+        through a scratch buffer); a block named as destination twice takes the last source.
+        """
+        check_type("cache", cache, Cache)
+        check_type("copy_block_info", copy_block_info, dict)
+        srcs, dsts, overlap = copy_map(copy_block_info)
+        with self.caches.registry.lock:
+            entry = self.caches.entry(cache)
+            if not entry.is_blocks:
+                raise _invalid(f"copy_blocks needs a blocks cache, cache {cache.cache_id} is not")
+            num_blocks = entry.num_rows
+            check_blocks("destination", dsts, num_blocks)
+            check_blocks("source", srcs, num_blocks)
+            ops = block_ops(entry.addrs, entry.addrs, dsts, srcs, entry.row_bytes)
+            kind = COPY_KINDS[entry.placement, entry.placement]
+            plan = self._plan([ops], kind, [entry])
+            if overlap:
+                gather, scatter, plan.stage_bytes = staged(ops)
+                plan.batches = [gather, scatter]
+                plan.stage_device = entry.placement is Placement.DEVICE
+        return plan
+
+    def swap_blocks(self, src_cache: Any, dst_cache: Any, src_to_dst: Any) -> CopyPlan:
+        """Plan ``swap_blocks``: blocks between a host and a device blocks cache."""
+        check_type("src_cache", src_cache, Cache)
+        check_type("dst_cache", dst_cache, Cache)
+        check_type("src_to_dst", src_to_dst, dict)
+        srcs, dsts, _ = swap_map(src_to_dst)
+        pair = (src_cache._layout.placement, dst_cache._layout.placement)
+        if pair not in ((Placement.HOST, Placement.DEVICE), (Placement.DEVICE, Placement.HOST)):
+            raise _invalid(
+                f"swap_blocks moves blocks between HOST and DEVICE, but got {pair[0]!s} -> "
+                f"{pair[1]!s}"
+            )
+        with self.caches.registry.lock:
+            sides = [
+                self._swap_side(src_cache, "src_cache"),
+                self._swap_side(dst_cache, "dst_cache"),
+            ]
+            (s_addrs, s_blocks, s_bytes, s_entry), (d_addrs, d_blocks, d_bytes, d_entry) = sides
+            if s_bytes != d_bytes:
+                raise _invalid(f"block sizes differ: src {s_bytes} bytes, dst {d_bytes} bytes")
+            if len(s_addrs) != len(d_addrs):
+                raise _invalid(f"num_tensors differ: src {len(s_addrs)}, dst {len(d_addrs)}")
+            check_blocks("dst_cache", dsts, d_blocks)
+            check_blocks("src_cache", srcs, s_blocks)
+            ops = block_ops(d_addrs, s_addrs, dsts, srcs, s_bytes)
+            entries = [e for e in (s_entry, d_entry) if e is not None]
+            return self._plan([ops], COPY_KINDS[pair], entries)
+
+    def _swap_side(
+        self, cache: Cache, name: str
+    ) -> tuple[Sequence[int], int, int, CacheEntry | None]:
+        if not cache.is_blocks_cache:
+            raise _invalid(f"swap_blocks needs blocks caches, {name} is not one")
+        if cache._owner is None and cache.cache_id == -1:
+            layout = cache._layout
+            if not cache._tensor_addrs:
+                raise _not_exist(f"{name} has no tensor addresses")
+            if layout.batch_size <= 0:
+                raise _invalid(f"{name} has {layout.batch_size} blocks")
+            block_bytes = layout.tensor_bytes // layout.batch_size
+            return cache._tensor_addrs, layout.batch_size, block_bytes, None
+        entry = self.caches.entry(cache, name)
+        return entry.addrs, entry.num_rows, entry.row_bytes, entry
