@@ -32,7 +32,7 @@ from aio_datadist._engine.driver import (
     settle,
 )
 from aio_datadist._engine.engine import Engine
-from aio_datadist._engine.layerwise import plan_layer_job
+from aio_datadist._engine.layerwise import LayerJob
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.offload import run_native
 from aio_datadist._engine.plan import CopyPlan
@@ -989,8 +989,7 @@ class AsyncCacheManager(_LoopBound):
         :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
         """
         self._check_loop()
-        job = plan_layer_job(
-            self._planner,
+        planned = self._planner.layer_job(
             src_cache,
             layer_synchronizer,
             transfer_configs,
@@ -1000,6 +999,7 @@ class AsyncCacheManager(_LoopBound):
             allow_async=True,
             tensor_num_per_layer=tensor_num_per_layer,
         )
+        job = LayerJob(self._planner, planned)
         task = CacheTask(len(job.configs), self._loop)
         cancelled = asyncio.Event()
         loop = self._bound_loop

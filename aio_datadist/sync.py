@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 from aio_datadist._engine.caches import CacheService, PoolStats
 from aio_datadist._engine.driver import Call, Start, Wait, run_call, run_layers
 from aio_datadist._engine.engine import Engine
-from aio_datadist._engine.layerwise import plan_layer_job
+from aio_datadist._engine.layerwise import LayerJob
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.request import Plan
@@ -556,8 +556,7 @@ class CacheManager:
             block list or block size), ``LLM_KV_CACHE_NOT_EXIST`` (the source cache is
             unknown or released), ``LLM_FAILED`` after ``finalize``.
         """
-        job = plan_layer_job(
-            self._planner,
+        planned = self._planner.layer_job(
             src_cache,
             layer_synchronizer,
             transfer_configs,
@@ -567,6 +566,7 @@ class CacheManager:
             allow_async=False,
             tensor_num_per_layer=tensor_num_per_layer,
         )
+        job = LayerJob(self._planner, planned)
         task = CacheTask(len(job.configs))
         call = run_layers(job, task, self._links, Waiting.CALLER)
         threading.Thread(

@@ -1,6 +1,7 @@
-"""Layer-wise ``transfer_cache_async``: validation, per-layer requests and task results.
+"""Layer-wise ``transfer_cache_async``: per-layer requests and task results of a call the
+planner checked (``Planner.layer_job``).
 
-A :class:`LayerJob` holds the validated configs, the request of each (config, layer) and the
+A :class:`LayerJob` holds the checked configs, the request of each (config, layer) and the
 result rules; ``_engine.driver.run_layers`` drives it for both faces: it asks the
 synchroniser for a layer, starts that layer's requests without waiting for them, and goes on
 with the next layer, so layer k moves while the model finishes layer k+1. Cancellation and
@@ -22,15 +23,11 @@ from typing import Any
 import numpy as np
 
 from aio_datadist._engine.access import Access, Target
-from aio_datadist._engine.planner import Planner, local_blocks, local_rows
-from aio_datadist._engine.registry import CacheEntry
-from aio_datadist._engine.request import Completion, Plan, Transfer
+from aio_datadist._engine.planner import LayerPlan, Planner, local_blocks, local_rows
+from aio_datadist._engine.request import Completion, Transfer
 from aio_datadist._log import get_logger
 from aio_datadist._native import api
 from aio_datadist._transport.base import RequestKind
-from aio_datadist._validate import check_int, check_int_list, check_type
-from aio_datadist.cache import Cache
-from aio_datadist.enums import Placement
 from aio_datadist.status import (
     LLMException,
     LLMFailedError,
@@ -38,16 +35,15 @@ from aio_datadist.status import (
     LLMTimeoutError,
     ParamInvalidError,
 )
-from aio_datadist.synchronizer import LayerSynchronizer, is_async_synchronizer
+from aio_datadist.synchronizer import is_async_synchronizer
 from aio_datadist.task import CacheTask
 from aio_datadist.types import (
     BlocksCacheKey,
     TransferConfig,
     TransferWithCacheKeyConfig,
-    check_blocks_key_range,
 )
 
-__all__ = ("LayerJob", "plan_layer_job")
+__all__ = ("LayerJob",)
 
 _S = LLMStatusCode
 _log = get_logger("layerwise")
@@ -80,31 +76,19 @@ class _Config:
 class LayerJob:
     """One ``transfer_cache_async`` call: its configs, requests and results."""
 
-    def __init__(
-        self,
-        planner: Planner,
-        entry: CacheEntry,
-        synchronizer: LayerSynchronizer,
-        configs: list[_Config],
-        num_layers: int,
-        src_blocks: list[int],
-        dst_blocks: list[int],
-        dst_block_bytes: int,
-        plan: Plan,
-        per_layer: int = 2,
-    ) -> None:
+    def __init__(self, planner: Planner, planned: LayerPlan) -> None:
         self.planner = planner
-        self.entry = entry
-        self.synchronizer = synchronizer
-        self.is_async = is_async_synchronizer(synchronizer)
-        self.configs = configs
-        self.num_layers = num_layers
-        self.src_blocks = src_blocks
-        self.dst_blocks = dst_blocks
-        self.dst_block_bytes = dst_block_bytes
-        self.plan = plan
+        self.entry = planned.entry
+        self.synchronizer = planned.synchronizer
+        self.is_async = is_async_synchronizer(planned.synchronizer)
+        self.configs = [_Config(c.config, c.src, c.dst_start) for c in planned.configs]
+        self.num_layers = planned.num_layers
+        self.src_blocks = planned.src_blocks
+        self.dst_blocks = planned.dst_blocks
+        self.dst_block_bytes = planned.dst_block_bytes
+        self.plan = planned.plan
         #: Tensors per layer (``tensor_num_per_layer``): layer k is tensors [k*n, (k+1)*n).
-        self.per_layer = per_layer
+        self.per_layer = planned.per_layer
         self.stopped = False
         self._lock = threading.Lock()
         self._completions: list[Completion] = []
@@ -303,122 +287,3 @@ class LayerJob:
                     Target.CACHE_INDEX, ident=key.cache_id, row=key.batch_index, **fields
                 )
         return self.planner.transfer(cluster, RequestKind.PUSH, access, rows, self.entry)
-
-
-def plan_layer_job(
-    planner: Planner,
-    src_cache: Any,
-    layer_synchronizer: Any,
-    transfer_configs: Any,
-    src_block_indices: Any,
-    dst_block_indices: Any,
-    dst_block_memory_size: Any,
-    *,
-    allow_async: bool,
-    tensor_num_per_layer: Any = 2,
-) -> LayerJob:
-    """Validate a ``transfer_cache_async`` call (synchronously) and build its job.
-
-    ``tensor_num_per_layer`` (aio_datadist's extension; the reference always takes 2, K and
-    V) is how many consecutive tensors make one layer: 1 for caches that keep K and V of a
-    layer in one tensor (vLLM's joined pages, MLA's latent cache).
-    """
-    check_type("src_cache", src_cache, Cache)
-    check_int("tensor_num_per_layer", tensor_num_per_layer, "int32")
-    if tensor_num_per_layer < 1:
-        raise _invalid(f"tensor_num_per_layer must be >= 1, got {tensor_num_per_layer}")
-    per_layer = int(tensor_num_per_layer)
-    if src_cache._layout.placement is Placement.HOST:
-        raise _invalid("transfer_cache_async does not take a HOST source cache")
-    src_blocks = [] if src_block_indices is None else src_block_indices
-    dst_blocks = [] if dst_block_indices is None else dst_block_indices
-    check_int_list("src_block_indices", src_blocks, "uint64")
-    check_int_list("dst_block_indices", dst_blocks, "uint64")
-    check_int("dst_block_memory_size", dst_block_memory_size, "uint64", allow_none=True)
-    check_type("layer_synchronizer", layer_synchronizer, LayerSynchronizer)
-    if not allow_async and is_async_synchronizer(layer_synchronizer):
-        raise TypeError(
-            "the blocking transfer_cache_async needs a plain synchronize_layer; an async def "
-            "synchroniser needs AsyncLLMDataDist"
-        )
-    check_type("transfer_configs", transfer_configs, list, tuple)
-    wanted = TransferWithCacheKeyConfig if planner.remote_cache_accessible else TransferConfig
-    for i, config in enumerate(transfer_configs):
-        if not isinstance(config, wanted):
-            raise TypeError(
-                f"transfer_configs[{i}] must be a {wanted.__name__} "
-                f"({'with' if planner.remote_cache_accessible else 'without'} "
-                "enable_remote_cache_accessible)"
-            )
-        if isinstance(config, TransferWithCacheKeyConfig) and isinstance(
-            config.cache_key, BlocksCacheKey
-        ):
-            check_blocks_key_range(f"transfer_configs[{i}].cache_key", config.cache_key)
-    if src_blocks and not dst_blocks:
-        raise _invalid("a PA source needs dst_block_indices (PA to non-PA is not supported)")
-    if src_blocks and len(src_blocks) != len(dst_blocks):
-        raise _invalid(
-            f"src_block_indices has {len(src_blocks)} entries but dst_block_indices has "
-            f"{len(dst_blocks)}"
-        )
-    with planner.caches.registry.lock:
-        entry = planner.caches.entry(src_cache, "src_cache")
-        if src_blocks:
-            if not entry.is_blocks:
-                raise _invalid("src_block_indices needs a blocks (PA) source cache")
-            for b in src_blocks:
-                if b >= entry.num_rows:
-                    raise _invalid(f"src block index {b} is outside [0, {entry.num_rows})")
-        dst_bytes = dst_block_memory_size or 0
-        if dst_blocks and not dst_bytes:
-            if not entry.is_blocks:
-                raise _invalid(
-                    "dst_block_memory_size is needed when a batch source goes to dst blocks"
-                )
-            dst_bytes = entry.row_bytes
-        if not dst_blocks and dst_bytes:
-            raise _invalid("dst_block_memory_size must be None or 0 for a non-PA destination")
-        num = len(entry.addrs)
-        if num % per_layer:
-            if per_layer == 2:
-                raise _invalid(f"transfer_cache_async needs an even num_tensors, got {num}")
-            raise _invalid(
-                f"num_tensors {num} is not a multiple of tensor_num_per_layer {per_layer}"
-            )
-        layers = num // per_layer
-        configs: list[_Config] = []
-        for i, config in enumerate(transfer_configs):
-            src = config.src_layer_range
-            src = range(0, layers) if src is None else src
-            if not 0 <= src.start < src.stop <= layers:
-                raise _invalid(f"transfer_configs[{i}] layer range {src} is outside [0, {layers})")
-            if isinstance(config, TransferConfig):
-                if len(config.dst_addrs) != per_layer * len(src):
-                    raise _invalid(
-                        f"transfer_configs[{i}] has {len(config.dst_addrs)} dst_addrs for "
-                        f"{len(src)} layers ({per_layer} per layer)"
-                    )
-                dst_start = src.start
-            else:
-                dst_start = config.dst_layer_range.start
-            if entry.is_blocks and config.src_batch_index != 0:
-                raise _invalid(f"transfer_configs[{i}].src_batch_index must be 0 for a PA source")
-            if not entry.is_blocks and config.src_batch_index >= entry.num_rows:
-                raise _invalid(
-                    f"transfer_configs[{i}].src_batch_index {config.src_batch_index} >= batch "
-                    f"size {entry.num_rows}"
-                )
-            configs.append(_Config(config, src, dst_start))
-        plan = planner.plan([], [entry])
-    return LayerJob(
-        planner,
-        entry,
-        layer_synchronizer,
-        configs,
-        layers,
-        list(src_blocks),
-        list(dst_blocks),
-        dst_bytes,
-        plan,
-        per_layer,
-    )

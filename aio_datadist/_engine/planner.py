@@ -12,6 +12,7 @@ who waits, is decided later (``_engine.routes``, ``_engine.driver``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,14 +45,25 @@ from aio_datadist.status import (
     LLMStatusCode,
     ParamInvalidError,
 )
+from aio_datadist.synchronizer import LayerSynchronizer, is_async_synchronizer
 from aio_datadist.types import (
     BlocksCacheKey,
     CacheKey,
     CacheKeyByIdAndIndex,
+    TransferConfig,
+    TransferWithCacheKeyConfig,
     check_blocks_key_range,
 )
 
-__all__ = ("Planner", "check_blocks", "local_rows", "tensor_span")
+__all__ = (
+    "LayerConfig",
+    "LayerPlan",
+    "Planner",
+    "check_blocks",
+    "local_blocks",
+    "local_rows",
+    "tensor_span",
+)
 
 _PULL_KWARGS = frozenset({"src_layer_range", "dst_layer_range", "tensor_num_per_layer"})
 #: The layer keywords of a pull that names none: every layer, two tensors per layer.
@@ -123,6 +135,35 @@ def check_blocks(
     for b in blocks:
         if b >= num_blocks:
             raise _invalid(f"{name} block index {b} is outside [0, {num_blocks})")
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """One checked transfer config of a layer-wise call."""
+
+    config: TransferConfig | TransferWithCacheKeyConfig
+    #: The source layers it sends.
+    src: range
+    #: The peer's layer that receives the first of them.
+    dst_start: int
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A checked ``transfer_cache_async`` call, its source cache pinned; what
+    ``_engine.layerwise.LayerJob`` runs layer by layer."""
+
+    entry: CacheEntry
+    synchronizer: LayerSynchronizer
+    configs: list[LayerConfig]
+    num_layers: int
+    src_blocks: list[int]
+    dst_blocks: list[int]
+    #: Bytes of one destination block (0: a batch destination).
+    dst_block_bytes: int
+    plan: Plan
+    #: Tensors per layer (``tensor_num_per_layer``).
+    per_layer: int
 
 
 class Planner:
@@ -425,6 +466,73 @@ class Planner:
             )
             return self.plan([transfer], [entry])
 
+    # -- layer-wise -----------------------------------------------------------------------
+    def layer_job(
+        self,
+        src_cache: Any,
+        layer_synchronizer: Any,
+        transfer_configs: Any,
+        src_block_indices: Any,
+        dst_block_indices: Any,
+        dst_block_memory_size: Any,
+        *,
+        allow_async: bool,
+        tensor_num_per_layer: Any = 2,
+    ) -> LayerPlan:
+        """Check a ``transfer_cache_async`` call (synchronously) and pin its source.
+
+        ``tensor_num_per_layer`` (aio_datadist's extension; the reference always takes 2, K
+        and V) is how many consecutive tensors make one layer: 1 for caches that keep K and
+        V of a layer in one tensor (vLLM's joined pages, MLA's latent cache).
+        """
+        per_layer = _layer_args(src_cache, tensor_num_per_layer)
+        src_blocks = [] if src_block_indices is None else src_block_indices
+        dst_blocks = [] if dst_block_indices is None else dst_block_indices
+        check_int_list("src_block_indices", src_blocks, "uint64")
+        check_int_list("dst_block_indices", dst_blocks, "uint64")
+        check_int("dst_block_memory_size", dst_block_memory_size, "uint64", allow_none=True)
+        _check_synchronizer(layer_synchronizer, allow_async=allow_async)
+        self._check_layer_configs(transfer_configs)
+        if src_blocks and not dst_blocks:
+            raise _invalid("a PA source needs dst_block_indices (PA to non-PA is not supported)")
+        if src_blocks and len(src_blocks) != len(dst_blocks):
+            raise _invalid(
+                f"src_block_indices has {len(src_blocks)} entries but dst_block_indices has "
+                f"{len(dst_blocks)}"
+            )
+        with self.caches.registry.lock:
+            entry = self.caches.entry(src_cache, "src_cache")
+            dst_bytes = _layer_blocks(entry, src_blocks, dst_blocks, dst_block_memory_size or 0)
+            layers, configs = _layer_configs(entry, transfer_configs, per_layer)
+            plan = self.plan([], [entry])
+        return LayerPlan(
+            entry,
+            layer_synchronizer,
+            configs,
+            layers,
+            list(src_blocks),
+            list(dst_blocks),
+            dst_bytes,
+            plan,
+            per_layer,
+        )
+
+    def _check_layer_configs(self, transfer_configs: Any) -> None:
+        """The configs are of the kind the engine's mode takes, their keys in range."""
+        check_type("transfer_configs", transfer_configs, list, tuple)
+        keyed = self.remote_cache_accessible
+        wanted = TransferWithCacheKeyConfig if keyed else TransferConfig
+        for i, config in enumerate(transfer_configs):
+            if not isinstance(config, wanted):
+                raise TypeError(
+                    f"transfer_configs[{i}] must be a {wanted.__name__} "
+                    f"({'with' if keyed else 'without'} enable_remote_cache_accessible)"
+                )
+            if isinstance(config, TransferWithCacheKeyConfig) and isinstance(
+                config.cache_key, BlocksCacheKey
+            ):
+                check_blocks_key_range(f"transfer_configs[{i}].cache_key", config.cache_key)
+
     # -- local copies ---------------------------------------------------------------------------
     def _plan(self, batches: list[Ops], kind: CopyKind, entries: Sequence[CacheEntry]) -> CopyPlan:
         nbytes = int(sum(int(b[:, 2].sum()) for b in batches))
@@ -562,3 +670,76 @@ class Planner:
             return cache._tensor_addrs, layout.batch_size, block_bytes, None
         entry = self.caches.entry(cache, name)
         return entry.addrs, entry.num_rows, entry.row_bytes, entry
+
+
+def _layer_args(src_cache: Any, tensor_num_per_layer: Any) -> int:
+    """Tensors per layer, once the source is a device cache and the count valid."""
+    check_type("src_cache", src_cache, Cache)
+    check_int("tensor_num_per_layer", tensor_num_per_layer, "int32")
+    if tensor_num_per_layer < 1:
+        raise _invalid(f"tensor_num_per_layer must be >= 1, got {tensor_num_per_layer}")
+    if src_cache._layout.placement is Placement.HOST:
+        raise _invalid("transfer_cache_async does not take a HOST source cache")
+    return int(tensor_num_per_layer)
+
+
+def _check_synchronizer(synchronizer: Any, *, allow_async: bool) -> None:
+    check_type("layer_synchronizer", synchronizer, LayerSynchronizer)
+    if not allow_async and is_async_synchronizer(synchronizer):
+        raise TypeError(
+            "the blocking transfer_cache_async needs a plain synchronize_layer; an async def "
+            "synchroniser needs AsyncLLMDataDist"
+        )
+
+
+def _layer_blocks(
+    entry: CacheEntry, src_blocks: Sequence[int], dst_blocks: Sequence[int], dst_bytes: int
+) -> int:
+    """(Registry lock held.) Check the block lists against the source; the bytes of one
+    destination block (0 for a batch destination)."""
+    if src_blocks:
+        if not entry.is_blocks:
+            raise _invalid("src_block_indices needs a blocks (PA) source cache")
+        check_blocks("src", src_blocks, entry.num_rows)
+    if dst_blocks and not dst_bytes:
+        if not entry.is_blocks:
+            raise _invalid("dst_block_memory_size is needed when a batch source goes to dst blocks")
+        dst_bytes = entry.row_bytes
+    if not dst_blocks and dst_bytes:
+        raise _invalid("dst_block_memory_size must be None or 0 for a non-PA destination")
+    return dst_bytes
+
+
+def _layer_configs(
+    entry: CacheEntry, transfer_configs: Sequence[Any], per_layer: int
+) -> tuple[int, list[LayerConfig]]:
+    """(Registry lock held.) The source's layer count and each config checked against it."""
+    num = len(entry.addrs)
+    if num % per_layer:
+        if per_layer == 2:
+            raise _invalid(f"transfer_cache_async needs an even num_tensors, got {num}")
+        raise _invalid(f"num_tensors {num} is not a multiple of tensor_num_per_layer {per_layer}")
+    layers = num // per_layer
+    configs: list[LayerConfig] = []
+    for i, config in enumerate(transfer_configs):
+        src = range(0, layers) if config.src_layer_range is None else config.src_layer_range
+        if not 0 <= src.start < src.stop <= layers:
+            raise _invalid(f"transfer_configs[{i}] layer range {src} is outside [0, {layers})")
+        if isinstance(config, TransferConfig):
+            if len(config.dst_addrs) != per_layer * len(src):
+                raise _invalid(
+                    f"transfer_configs[{i}] has {len(config.dst_addrs)} dst_addrs for "
+                    f"{len(src)} layers ({per_layer} per layer)"
+                )
+            dst_start = src.start
+        else:
+            dst_start = config.dst_layer_range.start
+        if entry.is_blocks and config.src_batch_index != 0:
+            raise _invalid(f"transfer_configs[{i}].src_batch_index must be 0 for a PA source")
+        if not entry.is_blocks and config.src_batch_index >= entry.num_rows:
+            raise _invalid(
+                f"transfer_configs[{i}].src_batch_index {config.src_batch_index} >= batch "
+                f"size {entry.num_rows}"
+            )
+        configs.append(LayerConfig(config, src, dst_start))
+    return layers, configs
