@@ -678,16 +678,21 @@ def _fds() -> int:
 _LINK_THREADS = ("aio-dd-tcp-read-", "aio-dd-tcp-send-", "aio-dd-samehost")
 
 
-async def _lasting_threads(timeout: float = 10.0) -> list[str]:
-    """The threads once every link thread ended (waited for up to ``timeout`` seconds; one
-    still running then is counted), less the listeners' handshake workers: a pool of at
-    most four, each gone 5 s after its last handshake, never one per link."""
+async def _lasting_threads(before: set[int], timeout: float = 10.0) -> list[str]:
+    """The threads started since ``before`` (thread idents) once every link thread among
+    them ended (waited for up to ``timeout`` seconds; one still running then is counted),
+    less the listeners' handshake workers: a pool of at most four, each gone 5 s after its
+    last handshake, never one per link."""
+
+    def new() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.ident not in before]
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not any(t.name.startswith(_LINK_THREADS) for t in threading.enumerate()):
+        if not any(t.name.startswith(_LINK_THREADS) for t in new()):
             break
         await asyncio.sleep(0.02)
-    return sorted(t.name for t in threading.enumerate() if not t.name.endswith("-step"))
+    return sorted(t.name for t in new() if not t.name.endswith("-step"))
 
 
 @needs_ucx
@@ -698,6 +703,7 @@ async def test_links_and_transfers_leave_no_descriptors_or_threads(
     pcm, dcm, dd = pair.prompt.cache_manager, pair.decoder.cm, pair.decoder
     src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
     samples: list[tuple[int, int]] = []
+    before = {t.ident for t in threading.enumerate()}
     for i in range(12):
         await pair.link()
         assert routes_of(dd.dd, 1)[0] == "ucx"
@@ -711,7 +717,7 @@ async def test_links_and_transfers_leave_no_descriptors_or_threads(
                 break
             await asyncio.sleep(0.01)
         if i >= 3:  # after the first links warmed UCX up
-            threads = len(await _lasting_threads())
+            threads = len(await _lasting_threads(before))
             # a link's socket closes as its close completes, which may trail its threads
             for _ in range(500):
                 if not samples or _fds() <= samples[0][0]:
