@@ -673,9 +673,8 @@ def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-#: Threads of a link that end as its close completes: its reader and sender, a same-host
-#: proof's.
-_LINK_THREADS = ("aio-dd-tcp-read-", "aio-dd-tcp-send-", "aio-dd-samehost")
+#: Threads of a link, which end as its close completes: its reader and sender.
+_LINK_THREADS = ("aio-dd-tcp-read-", "aio-dd-tcp-send-")
 
 
 async def _lasting_threads(before: set[int], timeout: float = 10.0) -> list[str]:
