@@ -1,15 +1,15 @@
 """What the engine knows of a mover: one :class:`RouteProvider` interface.
 
 A provider is one way of moving bytes beside the link's own route (same host, UCX, ...).
-The engine opens each listed provider (``aio_datadist._routes.PROVIDERS``) at ``init``
+The engine opens each listed provider (``aio_datadist._routes.catalog.PROVIDERS``) at ``init``
 from its settings; a provider the settings leave off opens as ``None``. From then on the
 engine and its link table speak to providers only through this interface:
 
 * :meth:`RouteProvider.offer` adds what the provider needs the peer to know to this
   side's handshake;
 * :meth:`RouteProvider.attach` is told of every new link, and puts its routes into the
-  link (:meth:`LinkHandle.place` with
-  :func:`~aio_datadist._engine.routes.placed`) now or once its own setup with the peer is done;
+  link (:meth:`LinkHandle.place` with :func:`~aio_datadist._engine.routes.placed`) now,
+  or once its own setup with the peer is done;
 * :meth:`RouteProvider.established` is told when a link this side made is registered (it
   may wait, within the link's deadline, for the peer's part);
 * :meth:`RouteProvider.serve` answers the requests of its own control plane that arrive
