@@ -319,7 +319,9 @@ class TcpChannel(Channel):
         self._commits: dict[int, _Commit] = {}
         self._callbacks: list[Callable[[Channel], None]] = []
         self._broken = False
-        self._reason: str | None = None  # why it broke, once it has
+        # Why it closes: set by the peer's BYE as it arrives (the link breaks once BYE_ACK
+        # is out), else by whatever breaks it.
+        self._reason: str | None = None
         self._unlinked = False  # the peer's BYE was an unlink
         self._closing = False  # no new requests
         self._local_close = False  # this end closes: its own on_close callbacks do not run
@@ -780,7 +782,8 @@ class TcpChannel(Channel):
             if self._broken:
                 return
             self._broken = self._closing = True
-            self._reason = reason
+            if self._reason is None:  # the peer's BYE said why first
+                self._reason = reason
             local = self._local_close
             callbacks, self._callbacks = ([] if local else self._callbacks), []
             self._commits.clear()
@@ -1549,11 +1552,15 @@ class TcpChannel(Channel):
 
     def _on_bye(self, status: int) -> None:
         finalized = status == LLMStatusCode.LLM_ENGINE_FINALIZED
+        reason = _PEER_FINALIZED if finalized else _PEER_UNLINKED
         with self._lock:
+            # Closed from now on, and why: a caller that finds it closed before BYE_ACK is
+            # out reads the peer's reason.
             self._closing = True
             self._peer_knows = True
             self._unlinked = not finalized
-        reason = _PEER_FINALIZED if finalized else _PEER_UNLINKED
+            if self._reason is None:
+                self._reason = reason
         self._outbox.send_or_queue(
             OutFrame(_frame(FrameKind.BYE_ACK), after=lambda ok: self._break(reason))
         )
