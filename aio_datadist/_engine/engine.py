@@ -93,11 +93,12 @@ class Engine:
                 _close_all(pools, runtime)
                 raise
             log = self._log.bind(device_id=settings.device_id)
+            caches_log = get_logger("cache", cluster_id=self.cluster_id, role=self.role.name)
             caches = CacheService(
                 runtime,
                 pools,
                 remote_cache_accessible=settings.remote_cache_accessible,
-                log=get_logger("cache", cluster_id=self.cluster_id, role=self.role.name),
+                log=caches_log,
             )
             opening = Opening(settings, caches, self.cluster_id, self.role.name)
             providers: dict[str, RouteProvider] = {}
@@ -149,6 +150,7 @@ class Engine:
                 caches,
                 timeout_ms=settings.sync_kv_timeout_ms,
                 remote_cache_accessible=settings.remote_cache_accessible,
+                log=caches_log,
             )
             self.settings = settings
         log.info(

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import structlog
 
 from aio_datadist._engine.access import Access, Target
 from aio_datadist._engine.caches import CacheService
@@ -170,12 +171,18 @@ class Planner:
     """Checks the transfer calls of one initialised engine into plans."""
 
     def __init__(
-        self, caches: CacheService, *, timeout_ms: int, remote_cache_accessible: bool
+        self,
+        caches: CacheService,
+        *,
+        timeout_ms: int,
+        remote_cache_accessible: bool,
+        log: structlog.stdlib.BoundLogger | None = None,
     ) -> None:
         self.caches = caches
         self.timeout_ms = timeout_ms
         self.remote_cache_accessible = remote_cache_accessible
-        self._log = get_logger("cache")
+        #: Where local copies are logged (the engine binds its cluster id and role).
+        self._log = get_logger("cache") if log is None else log
 
     # -- common ---------------------------------------------------------------------------
     def transfer(
