@@ -366,7 +366,7 @@ def test_closing_a_paused_link_never_waits_for_the_peer(
     told = peer.channel.close(notify_peer=notify_peer, timeout=1.0)
     assert time.monotonic() - start < 3.0
     assert peer.channel.closed and told is not notify_peer
-    # (A BYE waits for the send lock, which the sender holds mid-answer, for the whole
+    # (A BYE waits behind the answer the sender is stuck in mid-frame, for the whole
     # timeout: the threads then end just after close returns.)
     for thread in (peer.channel._reader, peer.channel._sender):
         assert thread is not None

@@ -729,16 +729,20 @@ class TcpChannel(Channel):
             return self._peer_knows or not notify_peer
         told = False
         if notify_peer:
-            sent = False
-            if self._slock.acquire(timeout=limit):
-                try:
-                    if not self._broken:
-                        sock_send_bytes(self._fd, _frame(FrameKind.BYE, status=bye), deadline)
-                        sent = True
-                except IO_ERRORS as exc:
-                    self._log.info("tcp.bye_failed", reason=str(exc))
-                finally:
-                    self._slock.release()
+            # BYE goes out behind the frames already queued, from the sender thread: a
+            # long answer holding the send lock only delays it (it is never dropped because
+            # the lock was busy), within the close's time.
+            went = threading.Event()
+            outcome: list[bool] = []
+
+            def after(ok: bool) -> None:
+                outcome.append(ok)
+                went.set()
+
+            self._outbox.enqueue(OutFrame(_frame(FrameKind.BYE, status=bye), after=after))
+            sent = went.wait(max(0.0, (deadline - now_ns()) / 1e9)) and outcome[0]
+            if not sent:
+                self._log.info("tcp.bye_failed", reason="not sent within the close's time")
             if sent:
                 if threading.current_thread() is self._reader:
                     told = True  # our own reader would read the BYE_ACK: do not wait for it
