@@ -148,6 +148,40 @@ def test_info_names_library_version_and_transports() -> None:
     assert "tcp/lo" in info["transports"], info
 
 
+@pytest.mark.parametrize("env", [{}, {"UCX_TCP_TX_SEG_SIZE": "16k"}], ids=["default", "env"])
+def test_a_context_applies_the_librarys_defaults_unless_the_environment_sets_them(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str]
+) -> None:
+    """tcp segments of 256 KiB (UCX: 8 KiB out, 64 KiB in) and CUDA IPC reads, each left to
+    the environment where it names the setting."""
+    for key in ("UCX_TCP_TX_SEG_SIZE", "UCX_TCP_RX_SEG_SIZE", "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    real = native.load()
+    modified: dict[str, str] = {}
+
+    class Spy:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def ucp_config_modify(self, config: Any, key: bytes, value: bytes) -> int:
+            modified[key.decode()] = value.decode()
+            return int(real.ucp_config_modify(config, key, value))
+
+    monkeypatch.setattr(native, "load", lambda: Spy())
+    with ucx.UcxContext():
+        pass
+    expected = {
+        "CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+        "TCP_TX_SEG_SIZE": "256k",
+        "TCP_RX_SEG_SIZE": "256k",
+    }
+    for key in env:
+        del expected[key.removeprefix("UCX_")]
+    assert modified == expected
+
+
 # -- one process, two workers -------------------------------------------------------------
 
 

@@ -110,7 +110,16 @@ MEMORY_TYPES = {"host": _ucx.UCS_MEMORY_TYPE_HOST, "cuda": _ucx.UCS_MEMORY_TYPE_
 #: emulation through host memory, about 1 GB/s. This route's pulls are RMA reads, and a read
 #: through CUDA IPC is far faster than that fallback: a device-local copy on one GPU, a
 #: peer-to-peer read between two.
-UCX_DEFAULTS = {"CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
+#:
+#: UCX's tcp transport moves an RMA operation in segments of ``TCP_TX_SEG_SIZE`` bytes
+#: (8 KiB by default), each a send and a receive with a header, and with RX segments of
+#: 64 KiB: a 64 KiB block is nine segments. KV blocks are tens of KiB and more, and 256 KiB
+#: segments double this route's W1 and W2 over tcp on one host (``docs/benchmarks.md``).
+UCX_DEFAULTS = {
+    "CUDA_IPC_ENABLE_GET_ZCOPY": "y",
+    "TCP_TX_SEG_SIZE": "256k",
+    "TCP_RX_SEG_SIZE": "256k",
+}
 
 _LINK_STATUSES = frozenset({-3, -6, -10, -13, -14, -16, -17, -23, -24, -25})
 _PARAM_STATUSES = frozenset({-5, -7, -9, -11, -19})
