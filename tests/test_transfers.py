@@ -41,7 +41,6 @@ from aio_datadist import (
     TransferWithCacheKeyConfig,
 )
 from aio_datadist._routes.ucx import worker as ucx
-from aio_datadist._transport import tcp
 from aio_datadist._transport.pending import Request
 from aio_datadist.status import NotYetLinkError, ParamInvalidError
 from tests.conftest import Face, make_options, pool_cfg, push_blocks
@@ -365,25 +364,17 @@ async def test_small_pulls_and_pushes_of_blocks_are_answered_natively_over_tcp(
 
 @pytest.mark.parametrize("transport", ["tcp"], indirect=True)
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)
-async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
+async def test_the_links_pump_completes_the_small_answers_a_loop_awaits_over_tcp(
     make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     readers: list[str] = []  # the thread that completed each request
     complete = Request.complete
-    take_answer = tcp.sock_take_answer
 
     def spy(req: Request) -> None:
         readers.append(threading.current_thread().name)
         complete(req)
 
-    def spy_take(*args: Any, **kwargs: Any) -> bool:
-        taken = take_answer(*args, **kwargs)
-        if taken:  # an exchange took its answer whole in the call
-            readers.append(threading.current_thread().name)
-        return taken
-
     monkeypatch.setattr(Request, "complete", spy)
-    monkeypatch.setattr(tcp, "sock_take_answer", spy_take)
     pair = await make_pair(same_host=False, remote_accessible=True)
     desc = CacheDesc(2, [8, 256], DataType.DT_FLOAT, Placement.DEVICE)
     p_arrays = pair.arrays(2, 8, 256, seed=4)
@@ -397,11 +388,13 @@ async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
         await push_blocks(pair.decoder, BlocksCacheKey(1, 0), d_cache, [i % 8], [i % 8])
     for p, d in zip(p_arrays, d_cache.as_numpy(), strict=True):
         np.testing.assert_array_equal(d.view(np.float32).reshape(8, 256), p)
-    # The loop read the answers itself (a pull's payload straight into its rows, in the
-    # call or at its readiness): all but the few the reader thread met first while the
-    # loop was not watching yet.
+    # The link's one reader took every answer (a pull's payload straight into its rows) and
+    # completed it; only a push whose acknowledgement came before its sender was done with
+    # it completes in that sender (the loop), when its send returns.
     loop_thread = threading.current_thread().name
-    assert len(readers) == 40 and readers.count(loop_thread) >= 30, readers
+    assert len(readers) == 40, readers
+    pump = [name for name in readers if name.startswith("aio-dd-tcp-read-")]
+    assert len(pump) >= 20 and len(pump) + readers.count(loop_thread) == 40, readers
     await pair.decoder.cm.deallocate_blocks_cache(d_cache)
 
 

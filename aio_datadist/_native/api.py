@@ -63,7 +63,6 @@ __all__ = (
     "sock_send",
     "sock_send_bytes",
     "sock_sendv",
-    "sock_take_answer",
     "sock_tune",
     "sock_wait_readable",
     "ucx_find",
@@ -1298,53 +1297,6 @@ def sock_wait_readable(fd: int, deadline_ns: int = 0, *, spin_ns: int = 0) -> bo
         code = ffi.errno
         raise OSError(code, f"sock_wait_readable: {os.strerror(code)}")
     _check(rc, "sock_wait_readable")
-    return True
-
-
-def sock_take_answer(
-    fd: int,
-    kind: int,
-    request_id: int,
-    iov: npt.NDArray[np.uint64],
-    nbytes: int,
-    *,
-    spin_ns: int,
-    deadline_ns: int = 0,
-) -> bool:
-    """Read a blocking caller's answer in the caller: busy-poll up to ``spin_ns`` for the
-    next frame's header; when it is the frame of ``kind`` answering ``request_id`` with
-    exactly ``nbytes`` of payload (the sum of the rows ``iov``), take it and receive the
-    payload into ``iov`` by ``deadline_ns`` (GIL released).
-
-    Returns True when taken; False when no header came within the spin or another frame
-    comes first (nothing was consumed).
-
-    Raises:
-        TypeError, ValueError: ``iov`` is not a C-contiguous ``(n, 2)`` uint64 array.
-        ParamInvalidError: a bad argument, or rows that do not add up to ``nbytes``.
-        NetTimeout: the payload stopped at the deadline (``transferred`` payload bytes in).
-        PeerClosed, OSError: as for ``sock_recvv``.
-    """
-    _fd(fd)
-    _deadline(deadline_ns)
-    iov = _iov(iov)
-    if isinstance(spin_ns, bool) or not isinstance(spin_ns, int):
-        raise TypeError(f"spin_ns must be an int, got {type(spin_ns).__name__}")
-    done = ffi.new("uint64_t *")
-    rc = lib.dd_sock_take_answer(
-        fd,
-        spin_ns,
-        deadline_ns,
-        kind,
-        _u64(request_id, "request_id"),
-        ffi.from_buffer("uint64_t[]", iov),
-        iov.shape[0],
-        _u64(nbytes, "nbytes"),
-        done,
-    )
-    if rc == lib.DD_ANSWER_ELSEWHERE:
-        return False
-    _net_check(rc, int(done[0]), f"sock_take_answer of {nbytes} bytes")
     return True
 
 

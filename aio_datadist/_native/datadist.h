@@ -197,18 +197,6 @@ int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint6
  * The first check never sleeps, even with spin_ns 0 and a deadline in the past. Returns
  * DD_OK, DD_ETIMEDOUT, DD_EINVAL (fd < 0 or spin_ns < 0) or DD_ESYS (errno set). */
 int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns);
-/* A blocking caller's answer, read in the caller: busy-poll up to spin_ns (never past
- * deadline_ns) for a frame header; when it is the answer of kind to request_id, carrying
- * exactly nbytes of payload (the sum of iov), take the header and receive the payload into
- * iov by deadline_ns. Returns DD_OK (taken), DD_ANSWER_ELSEWHERE (no header within the
- * spin, or another frame first: nothing was consumed), DD_ETIMEDOUT (the payload stopped
- * at the deadline after *done bytes), DD_ECLOSED_PEER, DD_ESYS or DD_EINVAL. */
-enum {
-    DD_ANSWER_ELSEWHERE = 2
-};
-int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned kind,
-                        uint64_t request_id, const uint64_t *iov, size_t n, uint64_t nbytes,
-                        uint64_t *done);
 /* CLOCK_MONOTONIC now, in ns: the clock of deadline_ns. */
 int64_t dd_monotonic_ns(void);
 /* TCP_NODELAY when nodelay >= 0 (ignored by non-TCP sockets); SO_SNDBUF / SO_RCVBUF when
@@ -267,6 +255,62 @@ void dd_serve_unpin(dd_serve_table *t, void *pin);
  * waits to send. */
 int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spin_ns,
                       uint64_t *rows, size_t cap, dd_serve_out *out);
+
+/* ---- pump.c: the one reader of a link's socket, and its requests awaiting answers ----
+ *
+ * dd_pump_run reads the link's frames in its reader thread: answers of requests entered in
+ * the table complete there; it returns for anything else. dd_pump_wait is a blocking
+ * waiter's: it claims a request and takes its outcome once done. */
+
+enum {
+    DD_PUMP_FRAME = 1,   /* a frame for the caller: its header is in header, the rest unread */
+    DD_PUMP_PEER = 2,    /* one of the peer's requests waits at the socket, nothing taken */
+    DD_PUMP_DONE = 3,    /* unclaimed requests completed: take them (dd_pump_take_done) */
+    DD_PUMP_STALLED = 4  /* the peer stalled mid-frame for the stall time */
+};
+/* A request's outcome. */
+enum {
+    DD_PUMP_OK = 0,
+    DD_PUMP_LATE = 1,   /* its deadline passed mid-payload after `moved` bytes */
+    DD_PUMP_BROKEN = 2  /* the link failed (or closed) before it was answered */
+};
+
+typedef struct dd_pump dd_pump;
+
+typedef struct {
+    uint64_t request_id;
+    int64_t outcome; /* DD_PUMP_OK, DD_PUMP_LATE, DD_PUMP_BROKEN */
+    uint64_t moved;  /* payload bytes that landed */
+} dd_pump_outcome;
+
+/* A pump for socket fd; stall_ns: the longest a frame may go without a byte. */
+int dd_pump_new(int fd, int64_t stall_ns, dd_pump **out);
+/* No call may use the pump during or after this. */
+void dd_pump_free(dd_pump *p);
+/* Enter request rid (before it is sent), answered by a frame of kind (PULL_DATA or
+ * PUSH_ACK) with nbytes of payload into the rows (nrows (addr, len) pairs that must stay
+ * valid until its outcome is taken). DD_EAGAIN: the table cannot hold it (the caller's
+ * Python then takes its answer); DD_ECLOSED: the pump closed; DD_EINVAL: bad rows. */
+int dd_pump_enter(dd_pump *p, uint64_t rid, unsigned kind, const uint64_t *rows, size_t nrows,
+                  uint64_t nbytes, int64_t deadline_ns);
+/* Take rid out of the table unless the pump holds it: DD_OK (nothing touches its rows from
+ * now on; also when it was never there), or DD_EAGAIN (its payload is moving, or it is done
+ * and its outcome not yet taken: whoever takes that completes it). */
+int dd_pump_forget(dd_pump *p, uint64_t rid);
+/* Wait for rid: busy-poll for spin_ns, then sleep until until_ns (absolute). DD_OK with the
+ * outcome in out; DD_ETIMEDOUT (still pending: the pump lists it once done); DD_EINVAL (not
+ * in the table: whoever took it out completes it). */
+int dd_pump_wait(dd_pump *p, uint64_t rid, int64_t spin_ns, int64_t until_ns,
+                 dd_pump_outcome *out);
+/* Take up to cap outcomes of completed requests nobody claimed; *taken: how many. */
+int dd_pump_take_done(dd_pump *p, dd_pump_outcome *out, size_t cap, size_t *taken);
+/* Read frames until one is the caller's (see DD_PUMP_*), idle_ns passed with nothing to read
+ * (DD_ETIMEDOUT; <= 0: never), or the socket failed (DD_ECLOSED_PEER, DD_ESYS, ...). While
+ * answers are due it busy-polls spin_ns after each; spin_first: from the start too. */
+int dd_pump_run(dd_pump *p, int64_t spin_ns, int spin_first, int64_t idle_ns, uint8_t *header);
+/* The reader stops: every request still in the table completes with DD_PUMP_BROKEN, and
+ * later entries are refused (DD_ECLOSED). */
+int dd_pump_close(dd_pump *p);
 
 /* ---- ucx_batch.c: batches of UCP RMA requests (UCX reached through the given calls) ---- */
 
@@ -374,6 +418,12 @@ int dd_ucx_lane_stop(dd_ucx_lane *lane);
 
 /* A short pause between two polls of a busy-polling wait (about a microsecond). */
 void dd_cpu_relax(void);
+/* net.c for pump.c: receive the rows' bytes from skip bytes in (busy-polling until
+ * spin_end, then sleeping until deadline_ns), as dd_sock_recvv; whether fd is readable
+ * (or failed) now: 1, 0, or -1 (errno set). */
+int dd_net_recv_rows(int fd, const uint64_t *iov, size_t n, uint64_t skip, int64_t deadline_ns,
+                     int64_t spin_end, uint64_t *done);
+int dd_net_ready_now(int fd);
 
 #ifdef __cplusplus
 }

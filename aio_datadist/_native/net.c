@@ -171,11 +171,12 @@ static int validate(int fd, const uint64_t *iov, size_t n)
 }
 
 static int spin_ready(int fd, short events, int64_t spin_end);
+static int ready_now(int fd, short events);
 
 /* Move the rows through fd by the deadline. While the clock is before spin_end, a socket
  * that has nothing (or no room) is busy-polled instead of slept on. */
 static int transfer(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done,
-                    int sending, int64_t spin_end)
+                    int sending, int64_t spin_end, uint64_t skip)
 {
     uint64_t moved = 0;
     if (done != NULL)
@@ -189,6 +190,15 @@ static int transfer(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, 
     w.n = n;
     w.row = 0;
     w.off = 0;
+    while (skip > 0 && w.row < n) { /* start skip bytes in (the rest of a frame) */
+        uint64_t len = iov[2 * w.row + 1];
+        if (skip < len) {
+            w.off = skip;
+            break;
+        }
+        skip -= len;
+        w.row++;
+    }
     w.cap = window_size();
     w.head = w.tail = 0;
     w.bytes = 0;
@@ -250,24 +260,35 @@ static int transfer(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, 
 
 int dd_sock_sendv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done)
 {
-    return transfer(fd, iov, n, deadline_ns, done, 1, 0);
+    return transfer(fd, iov, n, deadline_ns, done, 1, 0, 0);
 }
 
 int dd_sock_recvv(int fd, const uint64_t *iov, size_t n, int64_t deadline_ns, uint64_t *done)
 {
-    return transfer(fd, iov, n, deadline_ns, done, 0, 0);
+    return transfer(fd, iov, n, deadline_ns, done, 0, 0, 0);
+}
+
+int dd_net_recv_rows(int fd, const uint64_t *iov, size_t n, uint64_t skip, int64_t deadline_ns,
+                     int64_t spin_end, uint64_t *done)
+{
+    return transfer(fd, iov, n, deadline_ns, done, 0, spin_end, skip);
+}
+
+int dd_net_ready_now(int fd)
+{
+    return ready_now(fd, POLLIN);
 }
 
 int dd_sock_send(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done)
 {
     const uint64_t row[2] = {addr, len};
-    return transfer(fd, row, 1, deadline_ns, done, 1, 0);
+    return transfer(fd, row, 1, deadline_ns, done, 1, 0, 0);
 }
 
 int dd_sock_recv(int fd, uint64_t addr, uint64_t len, int64_t deadline_ns, uint64_t *done)
 {
     const uint64_t row[2] = {addr, len};
-    return transfer(fd, row, 1, deadline_ns, done, 0, 0);
+    return transfer(fd, row, 1, deadline_ns, done, 0, 0, 0);
 }
 
 /* A short pause between polls, leaving the core's other hardware thread its share. */
@@ -336,63 +357,6 @@ int dd_sock_wait_readable(int fd, int64_t spin_ns, int64_t deadline_ns)
     if (deadline_ns > 0 && dd_monotonic_ns() >= deadline_ns)
         return DD_ETIMEDOUT;
     return wait_ready(fd, POLLIN, deadline_ns);
-}
-
-int dd_sock_take_answer(int fd, int64_t spin_ns, int64_t deadline_ns, unsigned kind,
-                        uint64_t request_id, const uint64_t *iov, size_t n, uint64_t nbytes,
-                        uint64_t *done)
-{
-    if (done != NULL)
-        *done = 0;
-    if (spin_ns < 0 || kind > UINT16_MAX)
-        return DD_EINVAL;
-    int rc = validate(fd, iov, n);
-    if (rc != DD_OK)
-        return rc;
-    uint64_t total = 0;
-    for (size_t i = 0; i < n; i++)
-        total += iov[2 * i + 1];
-    if (total != nbytes)
-        return DD_EINVAL;
-    int64_t spin_end = dd_monotonic_ns() + spin_ns;
-    if (deadline_ns > 0 && deadline_ns < spin_end)
-        spin_end = deadline_ns;
-    uint8_t h[DD_HDR_SIZE];
-    /* Poll until bytes are there, then look at them. */
-    for (;;) {
-        if (spin_ready(fd, POLLIN, spin_end) <= 0)
-            return DD_ANSWER_ELSEWHERE;
-        ssize_t r = recv(fd, h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
-        if (r == (ssize_t)sizeof h)
-            break;
-        if (r < 0 && errno == EINTR)
-            continue;
-        /* EOF, an error or a header still arriving: the general reader deals with it. */
-        if (r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK) || r > 0)
-            return DD_ANSWER_ELSEWHERE;
-    }
-    dd_frame_header f;
-    dd_frame_header_read(h, &f);
-    if (f.magic != DD_WIRE_MAGIC || f.version != DD_WIRE_VERSION || f.kind != kind ||
-        f.request_id != request_id || f.status != 0 || f.body_len != 0 || f.flags != 0 ||
-        f.payload_len != nbytes)
-        return DD_ANSWER_ELSEWHERE;
-    /* Ours: take the header (all of it is there), then the payload by the deadline. */
-    for (;;) {
-        ssize_t r = recv(fd, h, sizeof h, MSG_DONTWAIT);
-        if (r == (ssize_t)sizeof h)
-            break;
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r == 0 || (r < 0 && (errno == ECONNRESET)))
-            return DD_ECLOSED_PEER;
-        if (r >= 0)
-            errno = EPROTO; /* the kernel showed a whole header, then gave fewer bytes */
-        return DD_ESYS;
-    }
-    /* The payload follows the header within microseconds: keep polling for it rather than
-     * sleep on it, until the busy-poll time runs out. */
-    return transfer(fd, iov, n, deadline_ns, done, 0, spin_end);
 }
 
 int dd_sock_tune(int fd, int nodelay, int sndbuf, int rcvbuf)

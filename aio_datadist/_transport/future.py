@@ -37,6 +37,9 @@ _log = logging.getLogger("concurrent.futures")
 class RequestFuture(Future[None]):
     """A running, uncancellable future completed once by the transport."""
 
+    #: The id of the request it completes (0: none); a waiter finds the request by it.
+    request_id = 0
+
     def __init__(self) -> None:  # no Condition: see the module docstring
         self._state = _RUNNING
         self._result: None = None

@@ -1,13 +1,16 @@
 """The requests one end of a link awaits answers to: by id, each with its deadline.
 
-A request's answer may be read by any of the link's readers, and its deadline is watched by
+A request's answer is read by the link's pump, and its deadline is watched by
 the process-wide reaper (``deadlines``) through one timer per link, set at the earliest
 pending deadline (not one per request: a link may hold tens of thousands). Whoever ends a
 request takes it out of the table first, so each request ends exactly once: answered, failed
 by the peer, overdue (``LLM_TIMEOUT``) or failed with the link.
 
 A request whose payload is still being sent (``busy``) is completed by its sender: whoever
-settles it meanwhile only records the outcome (:meth:`PendingRequests.sent`).
+settles it meanwhile only records the outcome (:meth:`PendingRequests.sent`). A request the
+link's pump holds (its payload moving into its rows, or its outcome not yet taken) is ended
+only by whoever takes that outcome: neither its deadline nor the link failing ends it
+meanwhile (``held``).
 """
 
 from __future__ import annotations
@@ -64,7 +67,8 @@ class Request:
         self.nbytes = nbytes
         self.deadline_ns = deadline_ns
         self.commit = commit
-        self.future = new_future()
+        self.future = RequestFuture()
+        self.future.request_id = rid
         # While busy (a push still sending its payload) the sender completes the future;
         # whoever settles it meanwhile only records the outcome.
         self.busy = busy
@@ -85,7 +89,9 @@ class PendingRequests:
 
     It shares ``lock`` with the link's own state: ``taking()``, asked under it, says
     whether the link takes new requests, so none slips in after the link stopped taking
-    them; ``failure()`` is the failure of a request the link no longer takes.
+    them; ``failure()`` is the failure of a request the link no longer takes; ``held(rid)``
+    (never called under ``lock``) says whether someone else ends request ``rid`` (its
+    transport still moves it), which otherwise it forgets.
     """
 
     def __init__(
@@ -93,8 +99,10 @@ class PendingRequests:
         lock: threading.Lock,
         taking: Callable[[], bool],
         failure: Callable[[], LLMException],
+        held: Callable[[int], bool] | None = None,
     ) -> None:
         self._lock = lock
+        self._held = held
         self._taking = taking
         self._failure = failure
         self._by_id: dict[int, Request] = {}
@@ -185,11 +193,18 @@ class PendingRequests:
 
     def fail_all(self) -> int:
         """The link broke: fail every pending request with ``failure()`` (a busy one when
-        its sender is done with it), take no new one and set no more timers. Returns how
-        many were pending."""
+        its sender is done with it; a held one stays for whoever holds it), take no new one
+        and set no more timers. Returns how many were pending."""
         with self._lock:
             self._ended = True
+            rids = list(self._by_id)
+        held = self._held
+        kept = {rid for rid in rids if held(rid)} if held is not None else set()
+        with self._lock:
             pending, self._by_id = self._by_id, {}
+            for rid in kept:
+                if rid in pending:
+                    self._by_id[rid] = pending.pop(rid)
             self._deadlines.clear()
             self._expiry_at = 0
             timer, self._timer = self._timer, None
@@ -242,7 +257,10 @@ class PendingRequests:
                 due.append(heapq.heappop(heap)[1])
             self._expiry_at = heap[0][0] if heap else 0
             nxt = self._expiry_at
+        held = self._held
         for rid in due:
+            if held is not None and held(rid):
+                continue  # whoever holds it ends it (its deadline bounds the payload)
             self.settle(
                 rid,
                 LLMException(
