@@ -569,7 +569,10 @@ int dd_pump_run(dd_pump *p, int64_t spin_ns, int spin_first, int64_t idle_ns, ui
             int64_t window = dd_monotonic_ns() + spin_ns;
             rc = answer(p, &f, window);
             if (rc == DD_OK) {
-                spin_end = window; /* more answers may follow at once */
+                pthread_mutex_lock(&p->lock);
+                due = p->due;
+                pthread_mutex_unlock(&p->lock);
+                spin_end = due > 0 ? window : 0; /* more answers due: they may follow at once */
                 continue;
             }
             if (rc != NOT_OURS)

@@ -726,7 +726,9 @@ class TcpChannel(Channel):
         rid = getattr(future, "request_id", 0)
         if not rid:
             return
-        pump, spin = self._pump, self._spin_ns
+        # The pump busy-polls the socket; the waiter sleeps at once (two threads spinning
+        # for one answer would take both cores of a small machine from the peer).
+        pump, spin = self._pump, 0
         while not future.done():
             now = now_ns()
             if 0 < deadline_ns <= now:
