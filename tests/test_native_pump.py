@@ -288,3 +288,83 @@ def test_answers_and_other_frames_in_any_order_and_pieces(
     assert pongs == [900 + i for i in range(len(sizes)) if others[i]]
     for buf, payload in zip(bufs, expected, strict=True):
         np.testing.assert_array_equal(buf, payload)
+
+
+# -- whoever waits reads: blocking waiters and event loops drive the pump ---------------------
+
+
+def test_a_waiter_reads_its_own_answer_without_the_reader_thread(
+    link: tuple[socket.socket, socket.socket, FramePump],
+) -> None:
+    peer, _, pump = link
+    dst = np.zeros(KiB, np.uint8)
+    assert pump.enter(1, PULL_DATA, rows_of(dst, [(0, KiB)]), KiB, deadline())
+    threading.Timer(0.01, peer.sendall, (header(PULL_DATA, 1, KiB) + b"\x03" * KiB,)).start()
+    # Nobody runs the reader here: the waiter reads while it spins.
+    assert pump.wait(1, 5 * SEC, deadline()) == Outcome(1, OK, KiB)
+    assert (dst == 3).all()
+
+
+def test_a_payload_a_waiter_began_is_finished_by_the_reader_thread(
+    link: tuple[socket.socket, socket.socket, FramePump],
+) -> None:
+    peer, _, pump = link
+    n = 64 * KiB
+    dst = np.zeros(n, np.uint8)
+    payload = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
+    assert pump.enter(1, PULL_DATA, rows_of(dst, [(0, n)]), n, deadline())
+    peer.sendall(header(PULL_DATA, 1, n) + payload[:1000].tobytes())
+    # The waiter's time ends mid-payload: the pump keeps where the frame is.
+    assert pump.wait(1, SEC // 20, api.monotonic_ns() + SEC // 20) is True
+    peer.sendall(payload[1000:].tobytes())
+    assert run(pump)[0] is PumpEvent.DONE
+    assert pump.take_done() == [Outcome(1, OK, n)]
+    np.testing.assert_array_equal(dst, payload)
+
+
+def test_a_loop_reads_without_waiting_and_resumes_mid_payload(
+    link: tuple[socket.socket, socket.socket, FramePump],
+) -> None:
+    peer, mine, pump = link
+    n = 48 * KiB
+    dst = np.zeros(n, np.uint8)
+    payload = np.random.default_rng(6).integers(0, 256, n, dtype=np.uint8)
+    assert pump.enter(2, PULL_DATA, rows_of(dst, [(0, n)]), n, deadline())
+    wire = header(PULL_DATA, 2, n) + payload.tobytes()
+    for cut in (3, 30, 20000, len(wire)):  # a header in pieces, then the payload in two
+        peer.sendall(wire[:cut])
+        wire = wire[cut:]
+        deadline_s = time.monotonic() + 10
+        while api.sock_wait_readable(mine.fileno(), 1) and time.monotonic() < deadline_s:
+            assert pump.poll()  # never waits; nothing for the reader thread
+            if not wire:
+                break
+        if not wire:
+            break
+    outcomes: list[Outcome] = []
+    limit = time.monotonic() + 10
+    while not outcomes and time.monotonic() < limit:
+        pump.poll()
+        outcomes = pump.take_done()
+    assert outcomes == [Outcome(2, OK, n)]
+    np.testing.assert_array_equal(dst, payload)
+
+
+@pytest.mark.parametrize("driver", ["waiter", "loop"])
+def test_a_frame_for_python_goes_to_the_reader_thread(
+    link: tuple[socket.socket, socket.socket, FramePump], driver: str
+) -> None:
+    peer, mine, pump = link
+    dst = np.zeros(10, np.uint8)
+    assert pump.enter(1, PULL_DATA, rows_of(dst, [(0, 10)]), 10, deadline())
+    refusal = header(int(FrameKind.ERROR), 1, body=5)
+    peer.sendall(refusal + b"nope!")
+    if driver == "waiter":
+        assert pump.wait(1, SEC // 10, api.monotonic_ns() + SEC // 10) is True
+    else:
+        limit = time.monotonic() + 10
+        while pump.poll() and time.monotonic() < limit:
+            pass  # (until it met the refusal)
+    # The refusal's header is parked for the reader thread, its body still on the socket.
+    assert run(pump) == (PumpEvent.FRAME, refusal)
+    assert mine.recv(16) == b"nope!"

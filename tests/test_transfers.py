@@ -364,7 +364,7 @@ async def test_small_pulls_and_pushes_of_blocks_are_answered_natively_over_tcp(
 
 @pytest.mark.parametrize("transport", ["tcp"], indirect=True)
 @pytest.mark.parametrize("face_kind", ["async"], indirect=True)
-async def test_the_links_pump_completes_the_small_answers_a_loop_awaits_over_tcp(
+async def test_the_event_loop_reads_the_small_answers_it_awaits_over_tcp(
     make_pair: PairFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     readers: list[str] = []  # the thread that completed each request
@@ -388,13 +388,11 @@ async def test_the_links_pump_completes_the_small_answers_a_loop_awaits_over_tcp
         await push_blocks(pair.decoder, BlocksCacheKey(1, 0), d_cache, [i % 8], [i % 8])
     for p, d in zip(p_arrays, d_cache.as_numpy(), strict=True):
         np.testing.assert_array_equal(d.view(np.float32).reshape(8, 256), p)
-    # The link's one reader took every answer (a pull's payload straight into its rows) and
-    # completed it; only a push whose acknowledgement came before its sender was done with
-    # it completes in that sender (the loop), when its send returns.
+    # The loop read the answers itself through the link's pump (a pull's payload straight
+    # into its rows, in the call or at its readiness) and completed them: all but the few
+    # the reader thread met first.
     loop_thread = threading.current_thread().name
-    assert len(readers) == 40, readers
-    pump = [name for name in readers if name.startswith("aio-dd-tcp-read-")]
-    assert len(pump) >= 20 and len(pump) + readers.count(loop_thread) == 40, readers
+    assert len(readers) == 40 and readers.count(loop_thread) >= 30, readers
     await pair.decoder.cm.deallocate_blocks_cache(d_cache)
 
 

@@ -256,11 +256,12 @@ void dd_serve_unpin(dd_serve_table *t, void *pin);
 int dd_serve_requests(dd_serve_table *t, int fd, uint64_t max_bytes, int64_t spin_ns,
                       uint64_t *rows, size_t cap, dd_serve_out *out);
 
-/* ---- pump.c: the one reader of a link's socket, and its requests awaiting answers ----
+/* ---- pump.c: the one parser of a link's frames, and its requests awaiting answers ----
  *
- * dd_pump_run reads the link's frames in its reader thread: answers of requests entered in
- * the table complete there; it returns for anything else. dd_pump_wait is a blocking
- * waiter's: it claims a request and takes its outcome once done. */
+ * Whoever waits reads, one at a time: a blocking waiter while it spins (dd_pump_wait), an
+ * event loop from its selector (dd_pump_poll), else the link's reader thread
+ * (dd_pump_run), which takes every frame that needs Python. Answers of requests entered
+ * in the table complete in C. */
 
 enum {
     DD_PUMP_FRAME = 1,   /* a frame for the caller: its header is in header, the rest unread */
@@ -297,17 +298,27 @@ int dd_pump_enter(dd_pump *p, uint64_t rid, unsigned kind, const uint64_t *rows,
  * now on; also when it was never there), or DD_EAGAIN (its payload is moving, or it is done
  * and its outcome not yet taken: whoever takes that completes it). */
 int dd_pump_forget(dd_pump *p, uint64_t rid);
-/* Wait for rid: busy-poll for spin_ns, then sleep until until_ns (absolute). DD_OK with the
- * outcome in out; DD_ETIMEDOUT (still pending: the pump lists it once done); DD_EINVAL (not
- * in the table: whoever took it out completes it). */
+/* Wait for rid: for spin_ns read the socket here when nobody else does (else busy-poll),
+ * then sleep until until_ns (absolute) while the reader thread reads. DD_OK with the
+ * outcome in out; DD_ETIMEDOUT (still pending: it is listed once done); DD_EINVAL (not in
+ * the table: whoever took it out completes it). */
 int dd_pump_wait(dd_pump *p, uint64_t rid, int64_t spin_ns, int64_t until_ns,
                  dd_pump_outcome *out);
 /* Take up to cap outcomes of completed requests nobody claimed; *taken: how many. */
 int dd_pump_take_done(dd_pump *p, dd_pump_outcome *out, size_t cap, size_t *taken);
-/* Read frames until one is the caller's (see DD_PUMP_*), idle_ns passed with nothing to read
- * (DD_ETIMEDOUT; <= 0: never), or the socket failed (DD_ECLOSED_PEER, DD_ESYS, ...). While
- * answers are due it busy-polls spin_ns after each; spin_first: from the start too. */
+/* The reader thread: read frames until one is Python's (DD_PUMP_FRAME, with its header;
+ * DD_PUMP_PEER: the peer's request, unread; the thread holds the socket until its next call),
+ * outcomes wait to be taken (DD_PUMP_DONE), idle_ns passed with nothing to read
+ * (DD_ETIMEDOUT; <= 0: never), or the socket failed (DD_ECLOSED_PEER, DD_ESYS, ...).
+ * spin_first: busy-poll spin_ns for the next frame first (after the peer's requests). */
 int dd_pump_run(dd_pump *p, int64_t spin_ns, int spin_first, int64_t idle_ns, uint8_t *header);
+/* An event loop: read what the socket holds now, never waiting. DD_OK; DD_EAGAIN (another
+ * driver reads); DD_PUMP_FRAME (a frame is the reader thread's now: it was woken). Outcomes
+ * completed are listed (dd_pump_take_done). */
+int dd_pump_poll(dd_pump *p);
+/* A driver other than the reader thread will read soon (an event loop watching the
+ * socket): the reader thread stays off it for the next 5 ms. */
+void dd_pump_expect(dd_pump *p);
 /* The reader stops: every request still in the table completes with DD_PUMP_BROKEN, and
  * later entries are refused (DD_ECLOSED). */
 int dd_pump_close(dd_pump *p);

@@ -1,26 +1,31 @@
-/* pump.c: the one reader of a link's socket, and the table of the requests awaiting answers.
+/* pump.c: the one parser of a link's frames, the table of the requests awaiting answers,
+ * and the role that says who reads the socket now.
  *
- * Every frame that arrives on a link is read by its pump, which runs in the link's reader
- * thread with the GIL released (dd_pump_run). A request of this side is entered in the
- * pump's table before it is sent (dd_pump_enter): its id, the frame kind that answers it,
- * the rows its payload lands in and its deadline. The pump then completes it without
- * Python: a PULL_DATA payload goes straight into the rows, a PUSH_ACK completes a push.
- * Everything else (the peer's requests, an ERROR, an answer the table does not hold or
- * that does not match it, BYE...) is handed back to the reader thread's Python, which
- * reads the rest of that frame itself and calls dd_pump_run again: the socket passes
- * between them by call and return, never by a lock.
+ * A request of this side is entered in the pump's table before it is sent (dd_pump_enter):
+ * its id, the frame kind that answers it, the rows its payload lands in and its deadline.
+ * Whoever reads completes it without Python: a PULL_DATA payload goes straight into the
+ * rows, a PUSH_ACK completes a push. Everything else (the peer's requests, an ERROR, an
+ * answer the table does not hold or that does not match it, BYE...) goes to the link's
+ * reader thread, whose Python reads the rest of that frame.
  *
- * A completed request is taken by its waiter. A blocking caller waits in dd_pump_wait: it
- * claims the request, busy-polls the completion count for a while, then sleeps on it
- * (futex); the pump wakes it and it takes the outcome itself. A request nobody claimed is
- * listed as done, and dd_pump_run returns DD_PUMP_DONE so the reader thread takes the list
- * (dd_pump_take_done) and completes their futures. A slot stays taken until its outcome is
- * taken, so whoever gives up on a request (dd_pump_forget: its deadline, the link closing)
- * learns whether the pump still holds it.
+ * Three kinds of driver read, one at a time (the role, taken and let go at frame
+ * boundaries, or mid-frame with the stream's state kept here for the next driver):
+ *  - a blocking waiter, while its spin lasts (dd_pump_wait): its answer costs no thread
+ *    hand-over when it comes within the spin; then it sleeps on the completion count
+ *    (futex) and the reader thread reads for it;
+ *  - an event loop, from its selector (dd_pump_poll): it never waits; a payload still
+ *    arriving stays the pump's current frame;
+ *  - the reader thread (dd_pump_run), when nobody else does: it stays off the socket while
+ *    others drove within the last 5 ms (asleep on the role's word, looking each tick, so a
+ *    frame nobody takes waits at most a tick), and takes every frame for Python.
+ * A driver that meets a frame for Python parks its header here (or leaves a request of the
+ * peer's unread on the socket, for the native server's peek) and wakes the reader thread;
+ * no other driver reads until the reader thread took it.
  *
- * While answers are due the pump busy-polls the socket after each frame for spin_ns
- * before it sleeps; a request entered while it sleeps kicks it awake (an eventfd), so its
- * wake-up overlaps the round trip instead of following it.
+ * A completed request is taken by its waiter if one claimed it; otherwise it is listed as
+ * done, for whoever drives to complete its future (dd_pump_take_done). A slot stays taken
+ * until its outcome is taken, so whoever gives up on a request (dd_pump_forget: its
+ * deadline, the link closing) learns whether the pump still holds it.
  */
 #define _GNU_SOURCE
 #include "datadist.h"
@@ -34,8 +39,8 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/eventfd.h>
 #include <sys/socket.h>
+#include <sys/eventfd.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -66,8 +71,6 @@ typedef struct {
 
 struct dd_pump {
     int fd;
-    int kick_fd;          /* eventfd: a request entered while the pump sleeps (made once
-                             the pump first sleeps with answers due; -1 until then) */
     int64_t stall_ns;
     pthread_mutex_t lock; /* the slots, the done list, closed */
     slot_t *chunks[CHUNKS];
@@ -77,9 +80,19 @@ struct dd_pump {
     int closed;
     _Atomic uint32_t seq; /* completions so far: the futex word of waiters */
     _Atomic int sleepers; /* waiters asleep on seq */
-    _Atomic int asleep;   /* the pump sleeps in poll */
-    _Atomic uint64_t entered; /* requests entered so far */
-    uint64_t owed;        /* payload bytes of an abandoned answer still to discard */
+    /* The socket's reader: one driver at a time (the role), and where the stream is. */
+    _Atomic int driver;           /* 1 while someone reads */
+    _Atomic uint32_t role_seq;    /* bumped as the role is let go: the parked reader's word */
+    _Atomic int reader_asleep;    /* the reader thread sleeps in poll: wake it through wake_fd */
+    int wake_fd;                  /* eventfd (-1 once closed, under lock) */
+    _Atomic int64_t others_until; /* others drive until then: the reader stays off */
+    int reader_holds;             /* the reader thread holds the role (Python reads a frame) */
+    _Atomic int handoff;          /* p->hdr holds a frame for the reader thread */
+    uint8_t hdr[DD_HDR_SIZE];     /* the header being read, or handed off */
+    size_t hdr_have;              /* its bytes taken so far (0: at a frame's start) */
+    slot_t *cur;                  /* the answer whose payload is arriving */
+    uint64_t cur_moved;
+    uint64_t owed;                /* payload bytes of an abandoned answer still to discard */
     unsigned char *scratch;
 };
 
@@ -152,7 +165,7 @@ int dd_pump_new(int fd, int64_t stall_ns, dd_pump **out)
         return DD_ENOMEM;
     p->fd = fd;
     p->stall_ns = stall_ns;
-    p->kick_fd = -1;
+    p->wake_fd = -1; /* made by the reader thread as it starts: a link never started has none */
     if (pthread_mutex_init(&p->lock, NULL) != 0) {
         free(p);
         return DD_ENOMEM;
@@ -169,8 +182,8 @@ void dd_pump_free(dd_pump *p)
         free(p->chunks[i]);
     free(p->done);
     free(p->scratch);
-    if (p->kick_fd >= 0)
-        close(p->kick_fd);
+    if (p->wake_fd >= 0)
+        close(p->wake_fd);
     pthread_mutex_destroy(&p->lock);
     free(p);
 }
@@ -220,12 +233,6 @@ int dd_pump_enter(dd_pump *p, uint64_t rid, unsigned kind, const uint64_t *rows,
     s->claimed = s->listed = 0;
     s->state = WAITING;
     p->due++;
-    atomic_fetch_add(&p->entered, 1);
-    if (p->kick_fd >= 0 && atomic_load(&p->asleep)) {
-        uint64_t one = 1;
-        ssize_t w = write(p->kick_fd, &one, sizeof one);
-        (void)w; /* a full counter already kicks */
-    }
 out:
     pthread_mutex_unlock(&p->lock);
     return rc;
@@ -273,6 +280,60 @@ int dd_pump_take_done(dd_pump *p, dd_pump_outcome *out, size_t cap, size_t *take
     return DD_OK;
 }
 
+/* ---- driving: who reads the socket ---- */
+
+enum {
+    READER = 0, /* the link's reader thread: may block; frames for Python come back to it */
+    WAITER = 1, /* a blocking waiter, while its spin lasts */
+    LOOP = 2    /* an event loop: never waits */
+};
+
+/* advance() results besides DD_PUMP_FRAME / DD_PUMP_PEER / DD_PUMP_STALLED and errors. */
+enum {
+    ADV_IDLE = 100,   /* nothing to read now, at a frame's start */
+    ADV_OWN = 101,    /* the waiter's request completed */
+    ADV_BOUND = 102,  /* the driver's time ran out mid-frame: the state stays for the next */
+    ADV_HANDOFF = 103 /* the next frame is the reader thread's (parked, or left unread) */
+};
+
+#define TICK_NS 1000000           /* a parked reader looks this often ... */
+#define TICK_MAX_NS 100000000     /* ... backing off to this while nothing comes */
+#define OTHERS_NS 5000000         /* after another driver read, the reader stays off this long */
+
+static int acquire(dd_pump *p, int reader)
+{
+    int free_ = 0;
+    if (!atomic_compare_exchange_strong(&p->driver, &free_, 1))
+        return 0;
+    if (!reader && p->handoff) { /* the stream is the reader thread's until it took that */
+        atomic_store(&p->driver, 0);
+        return 0;
+    }
+    return 1;
+}
+
+/* Let the socket go; wake a parked reader thread when it must read now. */
+static void wake_reader(dd_pump *p)
+{
+    if (!atomic_load(&p->reader_asleep))
+        return;
+    pthread_mutex_lock(&p->lock);
+    if (p->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t w = write(p->wake_fd, &one, sizeof one);
+        (void)w; /* a full counter wakes it already */
+    }
+    pthread_mutex_unlock(&p->lock);
+}
+
+static void let_go(dd_pump *p, int wake)
+{
+    atomic_store(&p->driver, 0);
+    atomic_fetch_add(&p->role_seq, 1);
+    if (wake)
+        wake_reader(p);
+}
+
 static int64_t futex_wait(_Atomic uint32_t *word, uint32_t seen, int64_t until_ns)
 {
     int64_t left = until_ns - dd_monotonic_ns();
@@ -280,6 +341,222 @@ static int64_t futex_wait(_Atomic uint32_t *word, uint32_t seen, int64_t until_n
         return 0;
     struct timespec ts = {.tv_sec = left / 1000000000, .tv_nsec = left % 1000000000};
     return syscall(SYS_futex, word, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+}
+
+static int is_peer_request(unsigned kind)
+{
+    return kind == DD_FRAME_PULL || kind == DD_FRAME_PUSH || kind == DD_FRAME_PING;
+}
+
+/* How long a driver in `mode` may wait for bytes mid-frame: the reader until the stall
+ * time, a waiter until its bound, a loop not at all (a deadline in the past). */
+static int64_t mid_frame_until(dd_pump *p, int mode, int64_t bound)
+{
+    if (mode == LOOP)
+        return 1;
+    if (mode == WAITER)
+        return bound;
+    return dd_monotonic_ns() + p->stall_ns;
+}
+
+/* Discard what is owed of an abandoned payload: DD_OK, ADV_BOUND, or a failure. */
+static int drain(dd_pump *p, int mode, int64_t bound)
+{
+    if (p->scratch == NULL && (p->scratch = malloc(SCRATCH)) == NULL)
+        return DD_ENOMEM;
+    while (p->owed > 0) {
+        uint64_t step = p->owed < SCRATCH ? p->owed : SCRATCH, got = 0;
+        const uint64_t row[2] = {(uint64_t)(uintptr_t)p->scratch, step};
+        int64_t until = mid_frame_until(p, mode, bound);
+        int rc = dd_net_recv_rows(p->fd, row, 1, 0, until, mode == WAITER ? until : 0, &got);
+        p->owed -= got;
+        if (rc == DD_ETIMEDOUT) {
+            if (mode != READER)
+                return ADV_BOUND;
+            if (got > 0)
+                continue; /* slow, not stalled */
+            return DD_PUMP_STALLED;
+        }
+        if (rc != DD_OK)
+            return rc;
+    }
+    return DD_OK;
+}
+
+/* Go on receiving the payload in progress: DD_OK (complete), ADV_BOUND, DD_PUMP_LATE (its
+ * deadline passed: the rest is owed), or a failure of the socket. */
+static int receive_more(dd_pump *p, int mode, int64_t bound)
+{
+    slot_t *s = p->cur;
+    for (;;) {
+        int64_t until = mid_frame_until(p, mode, bound);
+        if (s->deadline_ns > 0 && s->deadline_ns < until && mode == READER)
+            until = s->deadline_ns;
+        uint64_t got = 0;
+        int rc = dd_net_recv_rows(p->fd, s->rows, s->nrows, p->cur_moved, until,
+                                  mode == WAITER ? until : 0, &got);
+        p->cur_moved += got;
+        if (rc != DD_ETIMEDOUT)
+            return rc;
+        if (s->deadline_ns > 0 && dd_monotonic_ns() >= s->deadline_ns) {
+            p->owed = s->nbytes - p->cur_moved;
+            return DD_PUMP_LATE;
+        }
+        if (mode != READER)
+            return ADV_BOUND;
+        if (got == 0)
+            return DD_PUMP_STALLED;
+    }
+}
+
+/* Finish the payload in progress with rc (receive_more's). */
+static int finish_cur(dd_pump *p, int rc)
+{
+    slot_t *s = p->cur;
+    int outcome = rc == DD_OK ? DD_PUMP_OK : rc == DD_PUMP_LATE ? DD_PUMP_LATE : DD_PUMP_BROKEN;
+    pthread_mutex_lock(&p->lock);
+    int done = complete(p, s, outcome, p->cur_moved);
+    pthread_mutex_unlock(&p->lock);
+    p->cur = NULL;
+    p->cur_moved = 0;
+    if (rc == DD_OK || rc == DD_PUMP_LATE)
+        return done;
+    return rc;
+}
+
+/* Whether request own (0: none) is done (lock taken). */
+static int own_done(dd_pump *p, uint64_t own)
+{
+    if (own == 0)
+        return 0;
+    pthread_mutex_lock(&p->lock);
+    slot_t *s = find(p, own);
+    int done = s == NULL || s->state == DONE;
+    pthread_mutex_unlock(&p->lock);
+    return done;
+}
+
+/* The header in p->hdr is whole: take the answer it starts if the table holds it
+ * (DD_OK: completed, or its payload now in progress); NOT_OURS otherwise. */
+static int begin_answer(dd_pump *p)
+{
+    dd_frame_header f;
+    dd_frame_header_read(p->hdr, &f);
+    if (f.magic != DD_WIRE_MAGIC || f.version != DD_WIRE_VERSION ||
+        (f.kind != DD_FRAME_PULL_DATA && f.kind != DD_FRAME_PUSH_ACK))
+        return NOT_OURS;
+    pthread_mutex_lock(&p->lock);
+    slot_t *s = find(p, f.request_id);
+    if (s == NULL || s->state != WAITING || s->kind != f.kind || f.status != 0 ||
+        f.body_len != 0 || f.flags != 0 || f.payload_len != s->nbytes) {
+        pthread_mutex_unlock(&p->lock);
+        return NOT_OURS; /* Python reads it: a refusal, a mismatch, an id nobody waits for */
+    }
+    int rc = DD_OK;
+    if (f.kind == DD_FRAME_PUSH_ACK || s->nbytes == 0) {
+        rc = complete(p, s, DD_PUMP_OK, 0);
+    } else {
+        s->state = MOVING;
+        p->cur = s;
+        p->cur_moved = 0;
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+/* Read what the socket holds, with the driver role, in `mode`: complete the answers the
+ * table holds, and stop at what is not this driver's to read (see ADV_* and DD_PUMP_*).
+ * The reader thread gets a frame for Python's header in `header` (DD_PUMP_FRAME); another
+ * driver parks it in p->hdr for the reader thread (ADV_HANDOFF). */
+static int advance(dd_pump *p, int mode, int64_t bound, uint64_t own, uint8_t *header)
+{
+    int64_t nap_ns = PEEK_SLEEP_NS, short_since = 0;
+    for (;;) {
+        if (p->owed > 0) {
+            int rc = drain(p, mode, bound);
+            if (rc != DD_OK)
+                return rc;
+        }
+        if (p->cur != NULL) {
+            int rc = receive_more(p, mode, bound);
+            if (rc == ADV_BOUND)
+                return rc;
+            rc = finish_cur(p, rc);
+            if (rc != DD_OK)
+                return rc;
+        }
+        if (own_done(p, own))
+            return ADV_OWN;
+        if (p->hdr_have == 0) {
+            int r = dd_net_ready_now(p->fd);
+            if (r < 0)
+                return DD_ESYS;
+            if (r == 0)
+                return ADV_IDLE;
+            uint8_t h[DD_HDR_SIZE];
+            ssize_t n = recv(p->fd, h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+            if (n == 0)
+                return DD_ECLOSED_PEER;
+            if (n < 0) {
+                if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
+                    continue;
+                return errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
+            }
+            if ((size_t)n >= DD_HDR_KIND_OFF + DD_HDR_KIND_SIZE) {
+                unsigned kind =
+                    (unsigned)h[DD_HDR_KIND_OFF] | ((unsigned)h[DD_HDR_KIND_OFF + 1] << 8);
+                if (is_peer_request(kind)) /* left on the socket, for the serve table */
+                    return mode == READER ? DD_PUMP_PEER : ADV_HANDOFF;
+            } else if (mode != LOOP) {
+                /* Too little to tell whose frame it is: the rest follows within
+                 * microseconds, unless the peer stalled. */
+                int64_t now = dd_monotonic_ns();
+                if (mode == WAITER && now >= bound)
+                    return ADV_BOUND;
+                if (short_since == 0)
+                    short_since = now;
+                else if (now - short_since >= p->stall_ns)
+                    return DD_PUMP_STALLED;
+                if (mode == WAITER) {
+                    dd_cpu_relax();
+                } else {
+                    struct timespec ts = {0, nap_ns};
+                    nanosleep(&ts, NULL);
+                    nap_ns = nap_ns * 2 < PEEK_SLEEP_MAX_NS ? nap_ns * 2 : PEEK_SLEEP_MAX_NS;
+                }
+                continue;
+            }
+        }
+        /* Take the header's bytes: as far as they came (the next driver goes on). */
+        uint64_t got = 0;
+        const uint64_t row[2] = {(uint64_t)(uintptr_t)(p->hdr + p->hdr_have),
+                                 DD_HDR_SIZE - p->hdr_have};
+        int64_t until = mid_frame_until(p, mode, bound);
+        int rc = dd_net_recv_rows(p->fd, row, 1, 0, until, mode == WAITER ? until : 0, &got);
+        p->hdr_have += (size_t)got;
+        if (rc == DD_ETIMEDOUT) {
+            if (mode != READER)
+                return p->hdr_have > 0 && mode == LOOP ? ADV_IDLE : ADV_BOUND;
+            if (got == 0)
+                return DD_PUMP_STALLED;
+            continue;
+        }
+        if (rc != DD_OK)
+            return rc;
+        p->hdr_have = 0; /* whole: p->hdr holds it */
+        short_since = 0;
+        rc = begin_answer(p);
+        if (rc == DD_OK)
+            continue;
+        if (rc != NOT_OURS)
+            return rc;
+        if (mode == READER) {
+            memcpy(header, p->hdr, DD_HDR_SIZE);
+            return DD_PUMP_FRAME;
+        }
+        p->handoff = 1;
+        return ADV_HANDOFF;
+    }
 }
 
 int dd_pump_wait(dd_pump *p, uint64_t rid, int64_t spin_ns, int64_t until_ns,
@@ -291,16 +568,14 @@ int dd_pump_wait(dd_pump *p, uint64_t rid, int64_t spin_ns, int64_t until_ns,
         pthread_mutex_unlock(&p->lock);
         return DD_EINVAL;
     }
-    if (s->state == DONE) {
-        take(p, s, out);
-        pthread_mutex_unlock(&p->lock);
-        return DD_OK;
-    }
     s->claimed = 1;
     pthread_mutex_unlock(&p->lock);
     int64_t spin_end = dd_monotonic_ns() + spin_ns;
+    if (spin_end > until_ns)
+        spin_end = until_ns;
+    int told = 0; /* the reader thread was told to read for this wait */
     for (;;) {
-        uint32_t seen = atomic_load_explicit(&p->seq, memory_order_acquire);
+        uint32_t seen = atomic_load(&p->seq);
         pthread_mutex_lock(&p->lock);
         s = find(p, rid);
         if (s == NULL) {
@@ -313,32 +588,56 @@ int dd_pump_wait(dd_pump *p, uint64_t rid, int64_t spin_ns, int64_t until_ns,
             return DD_OK;
         }
         int64_t now = dd_monotonic_ns();
-        if (now >= until_ns) { /* give it back: the pump lists it once done */
+        if (now >= until_ns) { /* give it back: the reader lists it once done */
             s->claimed = 0;
             pthread_mutex_unlock(&p->lock);
             return DD_ETIMEDOUT;
         }
         pthread_mutex_unlock(&p->lock);
         if (now < spin_end) {
-            while (atomic_load_explicit(&p->seq, memory_order_acquire) == seen &&
-                   dd_monotonic_ns() < spin_end)
+            if (acquire(p, 0)) {
+                atomic_store(&p->others_until, now + OTHERS_NS);
+                int rc = advance(p, WAITER, spin_end, rid, NULL);
+                /* A frame for the reader thread, or a failure it reports: it reads now. */
+                int wake = rc == ADV_HANDOFF || rc < 0 || rc == DD_PUMP_STALLED;
+                let_go(p, wake);
+            } else {
                 dd_cpu_relax();
+            }
             continue;
         }
-        atomic_fetch_add_explicit(&p->sleepers, 1, memory_order_acq_rel);
+        if (!told) { /* nobody may be reading: the reader thread goes back to the socket */
+            told = 1;
+            atomic_store(&p->others_until, 0);
+            atomic_fetch_add(&p->role_seq, 1);
+            wake_reader(p);
+        }
+        atomic_fetch_add(&p->sleepers, 1);
         futex_wait(&p->seq, seen, until_ns);
-        atomic_fetch_sub_explicit(&p->sleepers, 1, memory_order_acq_rel);
+        atomic_fetch_sub(&p->sleepers, 1);
     }
+}
+
+void dd_pump_expect(dd_pump *p)
+{
+    atomic_store(&p->others_until, dd_monotonic_ns() + OTHERS_NS);
+}
+
+int dd_pump_poll(dd_pump *p)
+{
+    if (!acquire(p, 0))
+        return DD_EAGAIN;
+    atomic_store(&p->others_until, dd_monotonic_ns() + OTHERS_NS);
+    int rc = advance(p, LOOP, 1, 0, NULL);
+    int handoff = rc == ADV_HANDOFF || rc < 0 || rc == DD_PUMP_STALLED;
+    let_go(p, handoff);
+    return handoff ? DD_PUMP_FRAME : DD_OK;
 }
 
 int dd_pump_close(dd_pump *p)
 {
     pthread_mutex_lock(&p->lock);
     p->closed = 1;
-    if (p->kick_fd >= 0) { /* (the reader closes it: nothing polls it any more) */
-        close(p->kick_fd);
-        p->kick_fd = -1;
-    }
     int rc = DD_OK;
     for (int c = 0; c < CHUNKS; c++) {
         if (p->chunks[c] == NULL)
@@ -350,137 +649,76 @@ int dd_pump_close(dd_pump *p)
                     rc = DD_ENOMEM;
         }
     }
+    p->cur = NULL;
+    if (p->wake_fd >= 0) { /* (the reader closes it: it polls it no more) */
+        close(p->wake_fd);
+        p->wake_fd = -1;
+    }
     pthread_mutex_unlock(&p->lock);
     return rc;
 }
 
-/* Discard what is owed of an abandoned payload. */
-static int drain(dd_pump *p)
+/* The reader thread sleeps until the socket is readable (socket: 1) or it is woken (a
+ * driver handed it a frame, or a waiter stopped reading), or until `until`. With socket 0
+ * it stays off the socket (others drive): it sleeps on its wake-up only. DD_OK,
+ * DD_ETIMEDOUT (until passed), DD_ESYS. */
+static int reader_sleep(dd_pump *p, int socket, int64_t until)
 {
-    if (p->scratch == NULL && (p->scratch = malloc(SCRATCH)) == NULL)
-        return DD_ENOMEM;
-    while (p->owed > 0) {
-        uint64_t step = p->owed < SCRATCH ? p->owed : SCRATCH, got = 0;
-        const uint64_t row[2] = {(uint64_t)(uintptr_t)p->scratch, step};
-        int rc = dd_net_recv_rows(p->fd, row, 1, 0, dd_monotonic_ns() + p->stall_ns, 0, &got);
-        p->owed -= got;
-        if (rc == DD_ETIMEDOUT && got > 0)
-            continue; /* slow, not stalled */
-        if (rc != DD_OK)
-            return rc == DD_ETIMEDOUT ? DD_PUMP_STALLED : rc;
+    int ms = -1;
+    if (until > 0) {
+        int64_t left = until - dd_monotonic_ns();
+        if (left <= 0)
+            return DD_ETIMEDOUT;
+        int64_t lms = (left + 999999) / 1000000;
+        ms = lms > INT_MAX ? INT_MAX : (int)lms;
     }
-    return DD_OK;
+    if (ms < 0 || ms > 100)
+        ms = 100; /* (a wake-up missed by a hair costs at most this) */
+    struct pollfd f[2] = {{.fd = p->wake_fd, .events = POLLIN}, {.fd = p->fd, .events = POLLIN}};
+    atomic_store(&p->reader_asleep, 1);
+    if (atomic_load(&p->handoff)) { /* handed over as it fell asleep */
+        atomic_store(&p->reader_asleep, 0);
+        return DD_OK;
+    }
+    int r = poll(f, socket ? 2 : 1, ms);
+    atomic_store(&p->reader_asleep, 0);
+    if (r < 0 && errno != EINTR)
+        return DD_ESYS;
+    if (r > 0 && (f[0].revents & POLLIN)) {
+        uint64_t n;
+        ssize_t got = read(p->wake_fd, &n, sizeof n);
+        (void)got;
+    }
+    if (r > 0 && socket && (f[1].revents & POLLNVAL)) {
+        errno = EBADF;
+        return DD_ESYS;
+    }
+    return r == 0 ? DD_ETIMEDOUT : DD_OK;
 }
 
-/* Receive slot s's payload (s is MOVING; no lock held): DD_OK, DD_PUMP_LATE (its deadline
- * passed: the rest is owed), or why the link cannot go on. */
-static int receive(dd_pump *p, slot_t *s, int64_t spin_end, uint64_t *moved)
+/* The reader thread stays off the socket while others drive, looking each tick: it reads
+ * again when woken, when the others stopped, or when a frame waited a whole tick with
+ * nobody coming to it. Returns once it should try the socket. */
+static void park(dd_pump *p, int64_t idle_until)
 {
-    *moved = 0;
+    int64_t tick = TICK_NS;
     for (;;) {
-        int64_t now = dd_monotonic_ns(), until = now + p->stall_ns;
-        if (s->deadline_ns > 0 && s->deadline_ns < until)
-            until = s->deadline_ns;
-        uint64_t got = 0;
-        int64_t spin_until = spin_end < until ? spin_end : until;
-        int rc = dd_net_recv_rows(p->fd, s->rows, s->nrows, *moved, until, spin_until, &got);
-        *moved += got;
+        int64_t now = dd_monotonic_ns();
+        if (now >= atomic_load(&p->others_until) || (idle_until > 0 && now >= idle_until))
+            return;
+        uint32_t seen = atomic_load(&p->role_seq);
+        int rc = reader_sleep(p, 0, now + tick);
         if (rc != DD_ETIMEDOUT)
-            return rc;
-        if (s->deadline_ns > 0 && dd_monotonic_ns() >= s->deadline_ns) {
-            p->owed = s->nbytes - *moved;
-            return DD_PUMP_LATE;
+            return; /* woken: a frame is its, or a waiter stopped reading */
+        if (atomic_load(&p->role_seq) != seen) {
+            tick = TICK_NS;
+            continue; /* someone drove: stay off */
         }
-        if (got == 0)
-            return DD_PUMP_STALLED;
+        /* A whole tick with nobody at the socket: a frame waiting now is the reader's. */
+        if (dd_net_ready_now(p->fd) != 0)
+            return;
+        tick = tick * 2 < TICK_MAX_NS ? tick * 2 : TICK_MAX_NS;
     }
-}
-
-/* Take an answer the table holds, whose header h was just read; NOT_OURS when it is not one. */
-static int answer(dd_pump *p, const dd_frame_header *h, int64_t spin_end)
-{
-    pthread_mutex_lock(&p->lock);
-    slot_t *s = find(p, h->request_id);
-    if (s == NULL || s->state != WAITING || s->kind != h->kind || h->status != 0 ||
-        h->body_len != 0 || h->flags != 0 || h->payload_len != s->nbytes) {
-        pthread_mutex_unlock(&p->lock);
-        return NOT_OURS; /* Python reads it: a refusal, a mismatch, an id nobody waits for */
-    }
-    if (h->kind == DD_FRAME_PUSH_ACK || s->nbytes == 0) {
-        int rc = complete(p, s, DD_PUMP_OK, 0);
-        pthread_mutex_unlock(&p->lock);
-        return rc;
-    }
-    s->state = MOVING;
-    pthread_mutex_unlock(&p->lock);
-    uint64_t moved = 0;
-    int rc = receive(p, s, spin_end, &moved);
-    pthread_mutex_lock(&p->lock);
-    int outcome = rc == DD_OK ? DD_PUMP_OK : rc == DD_PUMP_LATE ? DD_PUMP_LATE : DD_PUMP_BROKEN;
-    int done = complete(p, s, outcome, moved);
-    pthread_mutex_unlock(&p->lock);
-    if (rc == DD_OK || rc == DD_PUMP_LATE)
-        return done;
-    return rc;
-}
-
-static int is_peer_request(unsigned kind)
-{
-    return kind == DD_FRAME_PULL || kind == DD_FRAME_PUSH || kind == DD_FRAME_PING;
-}
-
-/* Sleep until the socket is readable, a request is entered (*kicked), or idle_until passes:
- * DD_OK, DD_ETIMEDOUT, or DD_ESYS. A request entered since *entered_seen kicks at once. */
-static int sleep_readable(dd_pump *p, int64_t idle_until, uint64_t *entered_seen, int *kicked)
-{
-    *kicked = 0;
-    pthread_mutex_lock(&p->lock);
-    if (p->kick_fd < 0 && p->due > 0) /* none: the answer's arrival wakes the pump */
-        p->kick_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    int kick_fd = p->kick_fd;
-    pthread_mutex_unlock(&p->lock);
-    atomic_store(&p->asleep, 1);
-    uint64_t entered = atomic_load(&p->entered);
-    int rc = DD_OK;
-    while (entered == *entered_seen) {
-        int ms = -1;
-        if (idle_until > 0) {
-            int64_t left = idle_until - dd_monotonic_ns();
-            if (left <= 0) {
-                rc = DD_ETIMEDOUT;
-                break;
-            }
-            int64_t lms = (left + 999999) / 1000000;
-            ms = lms > INT_MAX ? INT_MAX : (int)lms;
-        }
-        struct pollfd f[2] = {{.fd = p->fd, .events = POLLIN}, {.fd = kick_fd, .events = POLLIN}};
-        int r = poll(f, kick_fd >= 0 ? 2 : 1, ms);
-        if (r < 0 && errno == EINTR)
-            continue;
-        if (r < 0) {
-            rc = DD_ESYS;
-            break;
-        }
-        if (r == 0)
-            continue; /* the clock at the top decides */
-        if (kick_fd >= 0 && (f[1].revents & POLLIN)) {
-            uint64_t n;
-            ssize_t got = read(kick_fd, &n, sizeof n);
-            (void)got;
-        }
-        if (f[0].revents & POLLNVAL) {
-            errno = EBADF;
-            rc = DD_ESYS;
-        }
-        break;
-    }
-    atomic_store(&p->asleep, 0);
-    entered = atomic_load(&p->entered);
-    if (entered != *entered_seen) {
-        *entered_seen = entered;
-        *kicked = 1;
-    }
-    return rc;
 }
 
 int dd_pump_run(dd_pump *p, int64_t spin_ns, int spin_first, int64_t idle_ns, uint8_t *header)
@@ -488,97 +726,79 @@ int dd_pump_run(dd_pump *p, int64_t spin_ns, int spin_first, int64_t idle_ns, ui
     int64_t now = dd_monotonic_ns();
     int64_t spin_end = spin_first ? now + spin_ns : 0;
     int64_t idle_until = idle_ns > 0 ? now + idle_ns : 0;
-    int64_t short_since = 0; /* a header too short to tell its kind, seen since then */
-    int64_t nap_ns = PEEK_SLEEP_NS;
-    uint64_t entered_seen = atomic_load(&p->entered);
-    for (;;) {
-        int r = dd_net_ready_now(p->fd);
-        if (r < 0)
+    if (p->wake_fd < 0) {
+        pthread_mutex_lock(&p->lock);
+        if (!p->closed)
+            p->wake_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+        int made = p->wake_fd >= 0;
+        pthread_mutex_unlock(&p->lock);
+        if (!made)
             return DD_ESYS;
+    }
+    for (;;) {
+        if (!p->reader_holds) {
+            if (!acquire(p, 1)) {
+                park(p, idle_until);
+                if (idle_until > 0 && dd_monotonic_ns() >= idle_until)
+                    return DD_ETIMEDOUT;
+                continue;
+            }
+            p->reader_holds = 1;
+            if (p->handoff) { /* a frame another driver parked */
+                p->handoff = 0;
+                memcpy(header, p->hdr, DD_HDR_SIZE);
+                return DD_PUMP_FRAME;
+            }
+        }
         pthread_mutex_lock(&p->lock);
         size_t ndone = p->ndone;
-        uint64_t due = p->due;
         pthread_mutex_unlock(&p->lock);
-        /* Outcomes go to their futures before the pump waits on anything: bytes still to
-         * come, a payload owed, or a batch of answers grown long. */
-        if (ndone > 0 && (r == 0 || p->owed > 0 || ndone >= 64))
+        int rc;
+        if (ndone > 0 && p->cur == NULL && p->owed == 0 && p->hdr_have == 0 &&
+            (ndone >= 64 || dd_net_ready_now(p->fd) == 0)) {
+            rc = ADV_IDLE; /* outcomes first, at a frame's start */
+        } else {
+            rc = advance(p, READER, 0, 0, header);
+        }
+        if (rc == DD_PUMP_FRAME || rc == DD_PUMP_PEER) {
+            pthread_mutex_lock(&p->lock);
+            ndone = p->ndone;
+            pthread_mutex_unlock(&p->lock);
+            if (rc == DD_PUMP_PEER && ndone > 0) {
+                p->reader_holds = 0;
+                let_go(p, 0);
+                return DD_PUMP_DONE; /* outcomes first: the frame may depend on them */
+            }
+            return rc; /* the reader thread keeps the socket for the rest of the frame */
+        }
+        if (rc != ADV_IDLE) { /* the link cannot go on */
+            p->reader_holds = 0;
+            let_go(p, 0);
+            return rc;
+        }
+        pthread_mutex_lock(&p->lock);
+        ndone = p->ndone;
+        pthread_mutex_unlock(&p->lock);
+        if (ndone > 0) {
+            p->reader_holds = 0;
+            let_go(p, 0);
             return DD_PUMP_DONE;
-        if (p->owed > 0) {
-            int rc = drain(p);
-            if (rc != DD_OK)
-                return rc;
+        }
+        now = dd_monotonic_ns();
+        if (now < spin_end) { /* after the peer's requests: the next follows at once */
+            dd_cpu_relax();
             continue;
         }
-        if (r == 0) {
-            now = dd_monotonic_ns();
-            if (now < spin_end) {
-                dd_cpu_relax();
-                continue;
-            }
-            if (due > 0 && atomic_load(&p->entered) != entered_seen) {
-                entered_seen = atomic_load(&p->entered); /* a new request: its answer is due */
-                spin_end = now + spin_ns;
-                continue;
-            }
-            int kicked = 0;
-            int rc = sleep_readable(p, idle_until, &entered_seen, &kicked);
-            if (rc != DD_OK)
+        p->reader_holds = 0;
+        let_go(p, 0);
+        if (now < atomic_load(&p->others_until)) {
+            park(p, idle_until);
+        } else {
+            rc = reader_sleep(p, 1, idle_until);
+            if (rc == DD_ESYS)
                 return rc;
-            if (kicked)
-                spin_end = dd_monotonic_ns() + spin_ns;
-            continue;
+            if (idle_until > 0 && dd_monotonic_ns() >= idle_until)
+                return DD_ETIMEDOUT;
         }
-        uint8_t h[DD_HDR_SIZE];
-        ssize_t n = recv(p->fd, h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
-        if (n == 0)
-            return DD_ECLOSED_PEER;
-        if (n < 0) {
-            if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
-                continue;
-            return errno == ECONNRESET ? DD_ECLOSED_PEER : DD_ESYS;
-        }
-        if ((size_t)n < DD_HDR_KIND_OFF + DD_HDR_KIND_SIZE) {
-            /* Too little to tell whose frame it is: the rest follows within microseconds,
-             * unless the peer stalled. */
-            now = dd_monotonic_ns();
-            if (short_since == 0)
-                short_since = now;
-            else if (now - short_since >= p->stall_ns)
-                return DD_PUMP_STALLED;
-            struct timespec ts = {0, nap_ns};
-            nanosleep(&ts, NULL);
-            nap_ns = nap_ns * 2 < PEEK_SLEEP_MAX_NS ? nap_ns * 2 : PEEK_SLEEP_MAX_NS;
-            continue;
-        }
-        short_since = 0;
-        nap_ns = PEEK_SLEEP_NS;
-        unsigned kind = (unsigned)h[DD_HDR_KIND_OFF] | ((unsigned)h[DD_HDR_KIND_OFF + 1] << 8);
-        if (ndone > 0 && kind != DD_FRAME_PULL_DATA && kind != DD_FRAME_PUSH_ACK)
-            return DD_PUMP_DONE; /* outcomes first: the frame may depend on them (limits) */
-        if (is_peer_request(kind))
-            return DD_PUMP_PEER; /* left on the socket, for the native server or Python */
-        const uint64_t row[2] = {(uint64_t)(uintptr_t)h, sizeof h};
-        uint64_t got = 0;
-        int rc = dd_net_recv_rows(p->fd, row, 1, 0, dd_monotonic_ns() + p->stall_ns, 0, &got);
-        if (rc != DD_OK)
-            return rc == DD_ETIMEDOUT ? DD_PUMP_STALLED : rc;
-        dd_frame_header f;
-        dd_frame_header_read(h, &f);
-        if (f.magic == DD_WIRE_MAGIC && f.version == DD_WIRE_VERSION &&
-            (kind == DD_FRAME_PULL_DATA || kind == DD_FRAME_PUSH_ACK)) {
-            int64_t window = dd_monotonic_ns() + spin_ns;
-            rc = answer(p, &f, window);
-            if (rc == DD_OK) {
-                pthread_mutex_lock(&p->lock);
-                due = p->due;
-                pthread_mutex_unlock(&p->lock);
-                spin_end = due > 0 ? window : 0; /* more answers due: they may follow at once */
-                continue;
-            }
-            if (rc != NOT_OURS)
-                return rc;
-        }
-        memcpy(header, h, sizeof h);
-        return DD_PUMP_FRAME;
     }
 }

@@ -1,11 +1,11 @@
-"""Typed wrapper over ``pump.c``: the one reader of a link's socket and the table of the
+"""Typed wrapper over ``pump.c``: the one parser of a link's frames and the table of the
 requests awaiting its answers.
 
-A link's reader thread runs :meth:`FramePump.run` (GIL released): answers of requests
-entered with :meth:`FramePump.enter` complete in C, and the call returns for every frame
-that needs Python. A blocking caller takes its own request's outcome with
-:meth:`FramePump.wait`; outcomes nobody claimed are taken by the reader thread
-(:meth:`FramePump.take_done`).
+Whoever waits reads the socket, one at a time, through the pump (GIL released): a blocking
+caller in :meth:`FramePump.wait`, an event loop in :meth:`FramePump.poll`, else the link's
+reader thread in :meth:`FramePump.run`, which also takes every frame that needs Python.
+Answers of requests entered with :meth:`FramePump.enter` complete in C; outcomes nobody
+claimed are taken with :meth:`FramePump.take_done`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class FramePump:
     """The pump of one link's socket ``fd`` (see the module docstring); freed with its last
     reference, so a waiter holding the link never meets a freed pump."""
 
-    __slots__ = ("_header", "_held", "_outs", "_ptr")
+    __slots__ = ("_header", "_held", "_ptr")
 
     def __init__(self, fd: int, stall_s: float) -> None:
         _fd(fd)
@@ -69,8 +69,6 @@ class FramePump:
         self._header = ffi.new("uint8_t[40]")
         # The row tables of the requests in the table, kept alive while C may write by them.
         self._held: dict[int, object] = {}
-        # (The reader thread's alone: run and take_done are its calls.)
-        self._outs = ffi.new("dd_pump_outcome[]", _TAKE)
 
     def enter(
         self,
@@ -110,7 +108,8 @@ class FramePump:
         return True
 
     def wait(self, rid: int, spin_ns: int, until_ns: int) -> Outcome | bool:
-        """Wait for ``rid``'s outcome: busy-poll ``spin_ns``, then sleep until ``until_ns``.
+        """Wait for ``rid``'s outcome: for ``spin_ns`` read the socket here when nobody else
+        does, then sleep until ``until_ns`` while the reader thread reads.
         The outcome; True when it is still pending (the reader thread takes it once done);
         False when the table does not hold it (whoever took it out ends it)."""
         one = ffi.new("dd_pump_outcome *")  # (waiters on other threads have their own)
@@ -123,7 +122,7 @@ class FramePump:
     def take_done(self) -> list[Outcome]:
         """The outcomes of completed requests nobody claimed."""
         taken = ffi.new("size_t *")
-        outs = self._outs
+        outs = ffi.new("dd_pump_outcome[]", _TAKE)  # (the reader thread and loops take)
         done: list[Outcome] = []
         while True:
             lib.dd_pump_take_done(self._ptr, outs, _TAKE, taken)
@@ -135,6 +134,17 @@ class FramePump:
                 done.append(Outcome(rid, int(o.outcome), int(o.moved)))
             if n < _TAKE:
                 return done
+
+    def poll(self) -> bool:
+        """An event loop reads what the socket holds now (never waiting); False when the next
+        frame is the reader thread's (it was woken): the loop stops watching until its next
+        request. Outcomes completed meanwhile are listed (:meth:`take_done`)."""
+        return bool(lib.dd_pump_poll(self._ptr) != lib.DD_PUMP_FRAME)
+
+    def expect(self) -> None:
+        """Another driver (an event loop watching the socket) reads soon: the reader
+        thread stays off the socket meanwhile, so the answers are that driver's to take."""
+        lib.dd_pump_expect(self._ptr)
 
     def run(self, spin_ns: int, spin_first: bool, idle_ns: int) -> tuple[PumpEvent, bytes]:
         """Read frames until one needs Python (see :class:`PumpEvent`); with the header of a

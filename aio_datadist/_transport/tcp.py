@@ -60,9 +60,11 @@ touches its memory rows.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import itertools
+import os
 import socket
 import struct
 import threading
@@ -306,6 +308,11 @@ class TcpChannel(Channel):
         self._native: ServeWorker | None = None if table is None else table.worker()
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
+        # An event loop reading the link through the pump (see watch); touched on that
+        # loop's thread only.
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._watchers = 0
+        self._loop_fd = -1  # a duplicate of the socket's descriptor, in the loop's selector
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -445,6 +452,31 @@ class TcpChannel(Channel):
         self._sent(req, failure, broke)
         return req.future
 
+    def exchange(
+        self,
+        kind: RequestKind,
+        body: bytes,
+        local: Payload,
+        nbytes: int,
+        deadline_ns: int,
+        *,
+        on_loop: bool = False,
+    ) -> Future[None] | None:
+        """Start a request whose caller waits for it next, and read the link for it in the
+        calling thread for up to the busy-poll time (an event loop too: it never waits
+        longer, and an answer still to come then completes at its selector's readiness)."""
+        future = super().exchange(kind, body, local, nbytes, deadline_ns, on_loop=on_loop)
+        rid = getattr(future, "request_id", 0)
+        if future is None or future.done() or not rid or self._spin_ns <= 0:
+            return future
+        until = now_ns() + self._spin_ns
+        if 0 < deadline_ns < until:
+            until = deadline_ns
+        got = self._pump.wait(rid, self._spin_ns, until)
+        if got is not True and got is not False:
+            self._settle(got)
+        return future
+
     def _sent(self, req: Request, failure: LLMException | None, broke: str) -> None:
         """A busy request's frame went out (or failed): unless it failed, it now waits for
         its answer like any other."""
@@ -495,6 +527,7 @@ class TcpChannel(Channel):
         bye = int(LLMStatusCode.LLM_ENGINE_FINALIZED) if finalizing else 0
         told = self._close(notify_peer, limit, deadline, bye)
         self._join(deadline)
+        self._end_watch()
         return told
 
     def _join(self, deadline_ns: int) -> None:
@@ -616,6 +649,8 @@ class TcpChannel(Channel):
         self._bye_wake.set()
         self._outbox.stop()
         failed = self._pending.fail_all()
+        if self._reader is None:  # no reader thread ever ran: the pump's descriptor goes now
+            self._pump.close()
         if local or self._peer_knows:
             self._log.info("tcp.closed", reason=reason, failed_requests=failed)
         else:
@@ -721,14 +756,13 @@ class TcpChannel(Channel):
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Wait in this thread for ``future`` (a request of this link) until it completed or
-        its deadline passed: the pump wakes this thread when its answer landed (after a short
-        busy-poll, a futex), and this thread completes it; no reader-thread hand-over."""
+        its deadline passed: for the busy-poll time this thread reads the link through the
+        pump when nobody else does (its answer then costs no hand-over), then it sleeps until
+        the reader thread's read wakes it; it completes its request itself."""
         rid = getattr(future, "request_id", 0)
         if not rid:
             return
-        # The pump busy-polls the socket; the waiter sleeps at once (two threads spinning
-        # for one answer would take both cores of a small machine from the peer).
-        pump, spin = self._pump, 0
+        pump, spin = self._pump, self._spin_ns
         while not future.done():
             now = now_ns()
             if 0 < deadline_ns <= now:
@@ -743,6 +777,78 @@ class TcpChannel(Channel):
                 self._settle(got)
                 return
             spin = 0
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
+        """Let ``loop`` (running in the calling thread) read the link through the pump while
+        it awaits requests; the returned call ends this wait's part in it.
+
+        The loop's selector watches (a duplicate of) the socket; at each readiness the loop
+        reads what is there without waiting, completing answers (its own among them) on the
+        loop. It keeps watching between its requests; the first frame for the reader thread
+        (the peer's requests, refusals, ...) ends the watch until its next request.
+        """
+        if self._watch_loop is not None and self._watch_loop is not loop:
+            return None  # another loop watches this link; this one waits as usual
+        if self._loop_fd < 0 and not self._start_watching(loop):
+            return None
+        self._watch_loop = loop
+        self._watchers += 1
+        self._pump.expect()
+        return self._unwatch
+
+    def _start_watching(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Put (a duplicate of) the socket in ``loop``'s selector; False once broken."""
+        with self._lock:  # the descriptor closes only after _broken is set, under _lock
+            if self._broken:
+                return False
+            fd = os.dup(self._fd)
+        try:
+            loop.add_reader(fd, self._loop_read)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._loop_fd = fd
+        return True
+
+    def _loop_read(self) -> None:
+        """(On the watching loop, at the socket's readiness.)"""
+        mine = self._pump.poll()
+        self._settle_done()
+        if not mine:
+            self._stop_watching()
+
+    def _unwatch(self) -> None:
+        self._watchers -= 1
+        if self._watchers == 0 and self._loop_fd < 0:
+            self._watch_loop = None
+
+    def _stop_watching(self) -> None:
+        """Take the socket out of the loop's selector (on the loop's thread)."""
+        fd, self._loop_fd = self._loop_fd, -1
+        loop = self._watch_loop
+        if self._watchers == 0:
+            self._watch_loop = None
+        if fd >= 0:
+            try:
+                if loop is not None and not loop.is_closed():
+                    loop.remove_reader(fd)
+            finally:
+                os.close(fd)
+
+    def _end_watch(self) -> None:
+        """Let the watching loop's descriptor go with the link (its loop may be gone)."""
+        loop = self._watch_loop
+        if self._loop_fd < 0 or loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop or loop.is_closed():
+            self._stop_watching()
+            return
+        with contextlib.suppress(RuntimeError):  # closed meanwhile: the selector went with it
+            loop.call_soon_threadsafe(self._stop_watching)
 
     def _read_frame(self, header: bytes | None) -> str | None:
         """Read and handle the frame whose header the pump handed back (None: read the
