@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import itertools
 import os
 import socket
@@ -82,18 +81,15 @@ from aio_datadist._native.api import (
     sock_sendv,
 )
 from aio_datadist._native.pump import BROKEN, LATE, FramePump, Outcome, PumpEvent
-from aio_datadist._native.serve import ServeWorker
 from aio_datadist._transport import DEFAULT_BUSY_POLL_US
 from aio_datadist._transport._wire import (
     HEADER,
-    MAX_PAYLOAD,
     PULL_NBYTES,
     FrameHeader,
     FrameKind,
     WireError,
     decode_error_text,
     decode_header,
-    encode_error_text,
     pack_header,
     status_from_wire,
 )
@@ -106,20 +102,21 @@ from aio_datadist._transport.base import (
     Payload,
     RequestHandler,
     RequestKind,
-    Served,
     ServeLimits,
 )
 from aio_datadist._transport.deadlines import after_s, now_ns
 from aio_datadist._transport.pending import PendingRequests, Request, new_future
 from aio_datadist._transport.tcp_io import (
     IO_ERRORS,
-    iov_skip,
+    iov_problem,
     move_payload,
     recv_view,
     recvv_all,
     sendv_all,
 )
 from aio_datadist._transport.tcp_send import Outbox, OutFrame
+from aio_datadist._transport.tcp_serve import PeerServer
+from aio_datadist._transport.tcp_watch import LoopWatch
 from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("SERVE_LIMITS", "STALL_TIMEOUT", "TcpChannel")
@@ -128,8 +125,6 @@ __all__ = ("SERVE_LIMITS", "STALL_TIMEOUT", "TcpChannel")
 STALL_TIMEOUT = 30.0
 #: Seconds ``close(notify_peer=True)`` waits for BYE_ACK when no timeout is given.
 BYE_TIMEOUT = 5.0
-#: Served pulls waiting for their PULL_DONE; beyond this the oldest is forgotten.
-MAX_UNCOMMITTED = 4096
 #: How long an idle pump sleeps in one native call (it just calls again).
 _IDLE_NS = 60_000_000_000
 #: A blocking waiter sleeps on its request at most this long at a time (then looks again,
@@ -138,16 +133,7 @@ _WAIT_SLICE_NS = 100_000_000
 #: How much of the peer's work each link made from now on may hold (a process may set its
 #: own limits before it links).
 SERVE_LIMITS = ServeLimits()
-#: An answer's payload rows are copied behind its header, so that one call (inline in the
-#: reader, when the socket takes it all) sends both, up to this many rows; a bigger table is
-#: sent as it is, by the sender thread.
-_COPY_ROWS = 1 << 16
 
-
-#: Row tables up to this many rows are summed as Python ints (:func:`_iov_problem`).
-_FEW_ROWS = 16
-#: Scratch buffer for draining unwanted payloads.
-_SCRATCH = 1 << 20
 
 _HEADER_SIZE = HEADER.size
 _NO_BODY = (
@@ -196,25 +182,6 @@ def _request_ctl(kind: RequestKind, rid: int, body: bytes, nbytes: int) -> bytes
     return _frame(FrameKind.PUSH, rid, body_len=len(body), payload_len=nbytes) + body
 
 
-def _iov_problem(iov: object, nbytes: int) -> str | None:
-    """None when ``iov`` is well-formed rows (or segments) that add up to ``nbytes``; else
-    what is wrong."""
-    if not isinstance(iov, np.ndarray) and hasattr(iov, "segments"):
-        size = getattr(iov, "nbytes", None)
-        return None if size == nbytes else f"segments hold {size} bytes, not {nbytes}"
-    if not isinstance(iov, np.ndarray) or iov.dtype != np.uint64:
-        return "memory rows must be a uint64 numpy array"
-    if iov.ndim != 2 or iov.shape[1] != 2:
-        return f"memory rows must have shape (n, 2), not {iov.shape}"
-    if not (iov.flags.c_contiguous and iov.flags.aligned):
-        return "memory rows must be C-contiguous"
-    # (A few rows add up faster as Python ints than through numpy.)
-    total = sum(iov[:, 1].tolist()) if iov.shape[0] <= _FEW_ROWS else int(iov[:, 1].sum())
-    if total != nbytes:
-        return f"memory rows add up to {total} bytes, not {nbytes}"
-    return None
-
-
 class _CutFrame(Exception):
     """A frame stopped after some of it was sent: the link cannot carry on."""
 
@@ -222,17 +189,6 @@ class _CutFrame(Exception):
         super().__init__(reason)
         self.failure = failure
         self.reason = reason
-
-
-class _Commit:
-    """A served pull whose commit waits for the requester's PULL_DONE."""
-
-    __slots__ = ("asked", "fn", "sent")
-
-    def __init__(self, fn: Callable[[], None]) -> None:
-        self.fn = fn
-        self.sent: bool | None = None  # None while the payload is still being sent
-        self.asked = False  # PULL_DONE arrived before the send finished
 
 
 class TcpChannel(Channel):
@@ -278,7 +234,6 @@ class TcpChannel(Channel):
         self._pending = PendingRequests(
             self._lock, self._taking, self._link_failed, held=self._held_by_pump
         )
-        self._commits: dict[int, _Commit] = {}
         self._callbacks: list[Callable[[Channel], None]] = []
         self._broken = False
         # Why it closes: set by the peer's BYE as it arrives (the link breaks once BYE_ACK
@@ -302,17 +257,20 @@ class TcpChannel(Channel):
             awaiting=lambda: bool(self._pending),
         )
         self._hdr = bytearray(_HEADER_SIZE)
-        self._scratch: bytearray | None = None
-        # Small pulls and pushes of blocks the reader thread answers in native code.
-        table = handler.serve_table
-        self._native: ServeWorker | None = None if table is None else table.worker()
+        self._server = PeerServer(
+            self._fd,
+            peer,
+            handler,
+            self._outbox,
+            self._slock,
+            stall_s=stall_timeout,
+            spin_ns=self._spin_ns,
+            broken=lambda: self._broken,
+            log=self._log,
+        )
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
-        # An event loop reading the link through the pump (see watch); touched on that
-        # loop's thread only.
-        self._watch_loop: asyncio.AbstractEventLoop | None = None
-        self._watchers = 0
-        self._loop_fd = -1  # a duplicate of the socket's descriptor, in the loop's selector
+        self._watch = LoopWatch(self._pump, self._settle_done, self._dup_fd)
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -381,7 +339,7 @@ class TcpChannel(Channel):
     def pull(
         self, body: bytes, dst: Payload, nbytes: int, deadline_ns: int, *, commit: bool = False
     ) -> Future[None]:
-        problem = _iov_problem(dst, nbytes)
+        problem = iov_problem(dst, nbytes)
         if problem is not None:
             return _failed(new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"pull: {problem}")
         rid = next(self._ids)
@@ -411,7 +369,7 @@ class TcpChannel(Channel):
         return req.future
 
     def push(self, body: bytes, src: Payload, nbytes: int, deadline_ns: int) -> Future[None]:
-        problem = _iov_problem(src, nbytes)
+        problem = iov_problem(src, nbytes)
         if problem is not None:
             return _failed(new_future(), LLMStatusCode.LLM_PARAM_INVALID, f"push: {problem}")
         rid = next(self._ids)
@@ -527,7 +485,7 @@ class TcpChannel(Channel):
         bye = int(LLMStatusCode.LLM_ENGINE_FINALIZED) if finalizing else 0
         told = self._close(notify_peer, limit, deadline, bye)
         self._join(deadline)
-        self._end_watch()
+        self._watch.end()
         return told
 
     def _join(self, deadline_ns: int) -> None:
@@ -641,7 +599,6 @@ class TcpChannel(Channel):
                 self._reason = reason
             local = self._local_close
             callbacks, self._callbacks = ([] if local else self._callbacks), []
-            self._commits.clear()
             # Wakes the reader and any sender; the reader closes the descriptor on its way out.
             if shutdown:
                 with contextlib.suppress(OSError):
@@ -649,6 +606,7 @@ class TcpChannel(Channel):
         self._bye_wake.set()
         self._outbox.stop()
         failed = self._pending.fail_all()
+        self._server.forget()
         if self._reader is None:  # no reader thread ever ran: the pump's descriptor goes now
             self._pump.close()
         if local or self._peer_knows:
@@ -663,11 +621,6 @@ class TcpChannel(Channel):
                 self._log.warning("tcp.on_close_failed", exc_info=True)
 
     # -- sending answers ---------------------------------------------------------------------
-    def _reply_error(self, rid: int, status: LLMStatusCode, message: str) -> None:
-        body = encode_error_text(message)
-        ctl = _frame(FrameKind.ERROR, rid, status=int(status), body_len=len(body)) + body
-        self._outbox.send_or_queue(OutFrame(ctl, answer=True))
-
     # -- reading: the pump -------------------------------------------------------------------
     def _read_loop(self) -> None:
         """The reader thread: the pump reads every frame; this thread takes what it hands back
@@ -716,43 +669,10 @@ class TcpChannel(Channel):
         if self._outbox.over_limits():
             self._outbox.pause()  # the peer's request waits; TCP flow control holds the peer
             return None
-        served = self._answer_natively()
+        served = self._server.answer_natively()
         if isinstance(served, str):
             return served
         return None if served else self._read_frame(None)
-
-    def _answer_natively(self) -> bool | str:
-        """Answer the small pulls and pushes of blocks waiting on the socket in native code;
-        whether it answered any (else the first frame is one for :meth:`_read_frame`), or
-        why the channel must break.
-
-        Only while the sender thread is idle and the send lock free, as for any answer the
-        reader sends; the rest of an answer the kernel took in part goes to the sender.
-        """
-        native = self._native
-        if native is None or not self._outbox.idle() or not self._slock.acquire(blocking=False):
-            return False
-        handed_over = False
-        try:
-            if self._broken:
-                return True
-            result = native.serve(self._fd, MAX_PAYLOAD, self._spin_ns)
-            partial = result.partial
-            if partial is None:
-                return result.served > 0
-            kind = FrameKind(partial.kind)
-            ctl = _frame(kind, partial.request_id, payload_len=partial.nbytes)
-            rows = partial.rows if len(partial.rows) else None
-            job = OutFrame(ctl, rows, partial.release, answer=True)
-            job.iov = iov_skip(job.iov, partial.sent)
-            job.lock_held = handed_over = True
-            self._outbox.enqueue(job)
-            return True
-        except (PeerClosed, OSError) as exc:
-            return f"send failed: {exc}"
-        finally:
-            if not handed_over:
-                self._slock.release()
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Wait in this thread for ``future`` (a request of this link) until it completed or
@@ -780,75 +700,13 @@ class TcpChannel(Channel):
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in the calling thread) read the link through the pump while
-        it awaits requests; the returned call ends this wait's part in it.
+        it awaits requests (:class:`~aio_datadist._transport.tcp_watch.LoopWatch`)."""
+        return self._watch.watch(loop)
 
-        The loop's selector watches (a duplicate of) the socket; at each readiness the loop
-        reads what is there without waiting, completing answers (its own among them) on the
-        loop. It keeps watching between its requests; the first frame for the reader thread
-        (the peer's requests, refusals, ...) ends the watch until its next request.
-        """
-        if self._watch_loop is not None and self._watch_loop is not loop:
-            return None  # another loop watches this link; this one waits as usual
-        if self._loop_fd < 0 and not self._start_watching(loop):
-            return None
-        self._watch_loop = loop
-        self._watchers += 1
-        self._pump.expect()
-        return self._unwatch
-
-    def _start_watching(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Put (a duplicate of) the socket in ``loop``'s selector; False once broken."""
+    def _dup_fd(self) -> int | None:
+        """A duplicate of the socket's descriptor, for a loop's selector; None once broken."""
         with self._lock:  # the descriptor closes only after _broken is set, under _lock
-            if self._broken:
-                return False
-            fd = os.dup(self._fd)
-        try:
-            loop.add_reader(fd, self._loop_read)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._loop_fd = fd
-        return True
-
-    def _loop_read(self) -> None:
-        """(On the watching loop, at the socket's readiness.)"""
-        mine = self._pump.poll()
-        self._settle_done()
-        if not mine:
-            self._stop_watching()
-
-    def _unwatch(self) -> None:
-        self._watchers -= 1
-        if self._watchers == 0 and self._loop_fd < 0:
-            self._watch_loop = None
-
-    def _stop_watching(self) -> None:
-        """Take the socket out of the loop's selector (on the loop's thread)."""
-        fd, self._loop_fd = self._loop_fd, -1
-        loop = self._watch_loop
-        if self._watchers == 0:
-            self._watch_loop = None
-        if fd >= 0:
-            try:
-                if loop is not None and not loop.is_closed():
-                    loop.remove_reader(fd)
-            finally:
-                os.close(fd)
-
-    def _end_watch(self) -> None:
-        """Let the watching loop's descriptor go with the link (its loop may be gone)."""
-        loop = self._watch_loop
-        if self._loop_fd < 0 or loop is None:
-            return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop or loop.is_closed():
-            self._stop_watching()
-            return
-        with contextlib.suppress(RuntimeError):  # closed meanwhile: the selector went with it
-            loop.call_soon_threadsafe(self._stop_watching)
+            return None if self._broken else os.dup(self._fd)
 
     def _read_frame(self, header: bytes | None) -> str | None:
         """Read and handle the frame whose header the pump handed back (None: read the
@@ -871,24 +729,6 @@ class TcpChannel(Channel):
             return "internal error in the reader"
         return None
 
-    def _read_body(self, n: int) -> bytearray:
-        buf = bytearray(n)
-        if n:
-            recv_view(self._fd, memoryview(buf), self._stall_s)
-        return buf
-
-    def _drain(self, n: int) -> None:
-        """Read and discard ``n`` payload bytes."""
-        if n <= 0:
-            return
-        if self._scratch is None:
-            self._scratch = bytearray(_SCRATCH)
-        view = memoryview(self._scratch)
-        while n > 0:
-            step = min(n, _SCRATCH)
-            recv_view(self._fd, view[:step], self._stall_s)
-            n -= step
-
     def _dispatch(self, h: FrameHeader) -> None:
         kind = h.kind
         if h.payload_len and kind not in (FrameKind.PULL_DATA, FrameKind.PUSH):
@@ -901,13 +741,13 @@ class TcpChannel(Channel):
         elif kind is FrameKind.PUSH_ACK:
             self._end(rid, None, RequestKind.PUSH)
         elif kind is FrameKind.ERROR:
-            self._on_error(h, self._read_body(h.body_len))
+            self._on_error(h, self._server.read_body(h.body_len))
         elif kind is FrameKind.PULL:
-            self._on_pull(h, self._read_body(h.body_len))
+            self._server.on_pull(h, self._server.read_body(h.body_len))
         elif kind is FrameKind.PUSH:
-            self._on_push(h, self._read_body(h.body_len))
+            self._server.on_push(h, self._server.read_body(h.body_len))
         elif kind is FrameKind.PULL_DONE:
-            self._on_pull_done(rid)
+            self._server.on_pull_done(rid)
         elif kind is FrameKind.PING:
             self._outbox.send_or_queue(OutFrame(_frame(FrameKind.PONG, rid), answer=True))
         elif kind is FrameKind.BYE:
@@ -928,7 +768,7 @@ class TcpChannel(Channel):
             else self._pending.claim(h.request_id, RequestKind.PULL)
         )
         if req is None:  # abandoned (deadline) or unknown: keep the stream in sync
-            self._drain(h.payload_len)
+            self._server.drain(h.payload_len)
             return
         if h.payload_len != req.nbytes:
             req.outcome = _error(
@@ -936,7 +776,7 @@ class TcpChannel(Channel):
                 f"the peer answered {h.payload_len} bytes for a pull of {req.nbytes}",
             )
             req.complete()
-            self._drain(h.payload_len)
+            self._server.drain(h.payload_len)
             return
         assert req.dst is not None
 
@@ -966,7 +806,7 @@ class TcpChannel(Channel):
             raise error
         if error is not None:
             req.complete()
-            self._drain(h.payload_len - moved)
+            self._server.drain(h.payload_len - moved)
             return
         req.outcome = None
         self._landed(req)
@@ -1008,129 +848,3 @@ class TcpChannel(Channel):
         )
 
     # -- serving the peer's requests ---------------------------------------------------------
-    def _serve(self, kind: RequestKind, rid: int, body: bytes, nbytes: int) -> Served | None:
-        """The handler's answer, or None after answering ERROR."""
-        try:
-            served = self._handler.serve(self.peer, kind, body, nbytes, stream=True)
-        except LLMException as exc:
-            self._reply_error(rid, exc.status_code, str(exc))
-            return None
-        except Exception as exc:
-            self._log.warning("tcp.serve_failed", kind=kind.value, exc_info=True)
-            self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"serving failed: {exc!r}")
-            return None
-        problem = (
-            f"served {served.nbytes} bytes for a request of {nbytes}"
-            if served.nbytes != nbytes
-            else _iov_problem(served.iov if served.stream is None else served.stream, nbytes)
-        )
-        if problem is not None:
-            self._call_done(served.done, False)
-            self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, problem)
-            return None
-        return served
-
-    def _call_done(self, done: Callable[[bool], None], ok: bool) -> str | None:
-        """Tell the handler the transport is done with what it served (``Served.done``); why
-        finishing failed, if it did."""
-        try:
-            done(ok)
-        except Exception as exc:
-            self._log.warning("tcp.done_failed", exc_info=True)
-            return str(exc)
-        return None
-
-    def _call_commit(self, fn: Callable[[], None]) -> None:
-        try:
-            fn()
-        except Exception:
-            self._log.warning("tcp.commit_failed", exc_info=True)
-
-    def _on_pull(self, h: FrameHeader, body: bytearray) -> None:
-        if len(body) < PULL_NBYTES.size:
-            raise WireError("PULL body lacks its byte count")
-        nbytes = int(PULL_NBYTES.unpack_from(body)[0])
-        rid = h.request_id
-        if nbytes > MAX_PAYLOAD:  # the frame itself was whole: refuse the request only
-            message = f"a pull of {nbytes} bytes exceeds {MAX_PAYLOAD}"
-            self._reply_error(rid, LLMStatusCode.LLM_PARAM_INVALID, message)
-            return
-        request = bytes(memoryview(body)[PULL_NBYTES.size :])
-        served = self._serve(RequestKind.PULL, rid, request, nbytes)
-        if served is None:
-            return
-        commit: _Commit | None = None
-        if served.commit is not None:
-            commit = _Commit(served.commit)
-            with self._lock:
-                if len(self._commits) >= MAX_UNCOMMITTED:
-                    oldest = next(iter(self._commits))
-                    del self._commits[oldest]
-                    self._log.warning("tcp.commit_forgotten", request_id=oldest)
-                self._commits[rid] = commit
-        ctl = _frame(FrameKind.PULL_DATA, rid, payload_len=nbytes)
-        # The answer keeps the handler's ``done``, not ``served``: a queued answer holds one
-        # row table (the frame's copy, or a big one as the handler made it), never two.
-        after = functools.partial(self._pull_sent, rid, served.done, commit)
-        rows = len(served.iov)
-        if served.stream is not None:  # the stream holds the handler's rows
-            job = OutFrame(ctl, after=after, stream=served.stream, answer=True, stream_rows=rows)
-        elif rows > _COPY_ROWS:
-            job = OutFrame(ctl, after=after, tail=served.iov, answer=True)
-        else:
-            job = OutFrame(ctl, served.iov, after, answer=True)
-        self._outbox.send_or_queue(job)
-
-    def _pull_sent(
-        self, rid: int, done: Callable[[bool], None], commit: _Commit | None, ok: bool
-    ) -> None:
-        self._call_done(done, ok)
-        if commit is None:
-            return
-        with self._lock:
-            commit.sent = ok
-            run = ok and commit.asked
-            if (run or not ok) and self._commits.get(rid) is commit:
-                del self._commits[rid]
-        if run:
-            self._call_commit(commit.fn)
-
-    def _on_pull_done(self, rid: int) -> None:
-        with self._lock:
-            commit = self._commits.get(rid)
-            if commit is None:
-                return
-            if commit.sent is None:
-                commit.asked = True
-                return
-            del self._commits[rid]
-        if commit.sent:
-            self._call_commit(commit.fn)
-
-    def _on_push(self, h: FrameHeader, body: bytearray) -> None:
-        rid, nbytes = h.request_id, h.payload_len
-        served = self._serve(RequestKind.PUSH, rid, bytes(body), nbytes)
-        if served is None:
-            self._drain(nbytes)
-            return
-        payload = served.iov if served.stream is None else served.stream
-        try:
-            moved, error = move_payload(
-                lambda iov: recvv_all(self._fd, iov, self._stall_s), payload
-            )
-        except BaseException:
-            self._call_done(served.done, False)
-            raise
-        if isinstance(error, LLMException):  # rows refused, or staging failed part way
-            self._call_done(served.done, False)
-            self._drain(nbytes - moved)
-            self._reply_error(rid, error.status_code, f"push not stored: {error}")
-            return
-        if error is not None:
-            self._call_done(served.done, False)
-            raise error
-        failure = self._call_done(served.done, True)
-        if failure is not None:
-            self._reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
-            return
-        self._outbox.send_or_queue(OutFrame(_frame(FrameKind.PUSH_ACK, rid), answer=True))

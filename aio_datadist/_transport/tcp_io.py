@@ -15,6 +15,7 @@ from aio_datadist.status import LLMException
 
 __all__ = (
     "IO_ERRORS",
+    "iov_problem",
     "iov_skip",
     "move_payload",
     "recv_view",
@@ -107,3 +108,26 @@ def recv_view(fd: int, view: memoryview, stall_s: float) -> None:
             if exc.transferred == 0:
                 raise
             view = view[exc.transferred :]
+
+
+#: Row tables up to this many rows are summed as Python ints (:func:`iov_problem`).
+_FEW_ROWS = 16
+
+
+def iov_problem(iov: object, nbytes: int) -> str | None:
+    """None when ``iov`` is well-formed rows (or segments) that add up to ``nbytes``; else
+    what is wrong."""
+    if not isinstance(iov, np.ndarray) and hasattr(iov, "segments"):
+        size = getattr(iov, "nbytes", None)
+        return None if size == nbytes else f"segments hold {size} bytes, not {nbytes}"
+    if not isinstance(iov, np.ndarray) or iov.dtype != np.uint64:
+        return "memory rows must be a uint64 numpy array"
+    if iov.ndim != 2 or iov.shape[1] != 2:
+        return f"memory rows must have shape (n, 2), not {iov.shape}"
+    if not (iov.flags.c_contiguous and iov.flags.aligned):
+        return "memory rows must be C-contiguous"
+    # (A few rows add up faster as Python ints than through numpy.)
+    total = sum(iov[:, 1].tolist()) if iov.shape[0] <= _FEW_ROWS else int(iov[:, 1].sum())
+    if total != nbytes:
+        return f"memory rows add up to {total} bytes, not {nbytes}"
+    return None
