@@ -39,6 +39,14 @@ def deadline(s: float = 10.0) -> int:
     return api.monotonic_ns() + int(s * SEC)
 
 
+def entered_pull(pump: FramePump, rid: int, n: int, seed: int) -> tuple[U8, U8]:
+    """A pull of ``n`` bytes entered in ``pump``: its rows, and the payload its answer brings."""
+    dst = np.zeros(n, np.uint8)
+    payload = np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+    assert pump.enter(rid, PULL_DATA, rows_of(dst, [(0, n)]), n, deadline())
+    return dst, payload
+
+
 @pytest.fixture
 def link() -> Iterator[tuple[socket.socket, socket.socket, FramePump]]:
     """A TCP pair: the peer's end, this end, and this end's pump (stall time 1 s)."""
@@ -137,9 +145,7 @@ def test_a_payload_arriving_in_pieces_lands_whole(
 ) -> None:
     peer, _, pump = link
     n = 64 * KiB
-    dst = np.zeros(n, np.uint8)
-    payload = np.random.default_rng(7).integers(0, 256, n, dtype=np.uint8)
-    assert pump.enter(4, PULL_DATA, rows_of(dst, [(0, n)]), n, deadline())
+    dst, payload = entered_pull(pump, 4, n, 7)
 
     def send_in_pieces() -> None:
         peer.sendall(header(PULL_DATA, 4, n) + payload[:1000].tobytes())
@@ -310,9 +316,7 @@ def test_a_payload_a_waiter_began_is_finished_by_the_reader_thread(
 ) -> None:
     peer, _, pump = link
     n = 64 * KiB
-    dst = np.zeros(n, np.uint8)
-    payload = np.random.default_rng(5).integers(0, 256, n, dtype=np.uint8)
-    assert pump.enter(1, PULL_DATA, rows_of(dst, [(0, n)]), n, deadline())
+    dst, payload = entered_pull(pump, 1, n, 5)
     peer.sendall(header(PULL_DATA, 1, n) + payload[:1000].tobytes())
     # The waiter's time ends mid-payload: the pump keeps where the frame is.
     assert pump.wait(1, SEC // 20, api.monotonic_ns() + SEC // 20) is True
@@ -327,9 +331,7 @@ def test_a_loop_reads_without_waiting_and_resumes_mid_payload(
 ) -> None:
     peer, mine, pump = link
     n = 48 * KiB
-    dst = np.zeros(n, np.uint8)
-    payload = np.random.default_rng(6).integers(0, 256, n, dtype=np.uint8)
-    assert pump.enter(2, PULL_DATA, rows_of(dst, [(0, n)]), n, deadline())
+    dst, payload = entered_pull(pump, 2, n, 6)
     wire = header(PULL_DATA, 2, n) + payload.tobytes()
     for cut in (3, 30, 20000, len(wire)):  # a header in pieces, then the payload in two
         peer.sendall(wire[:cut])
