@@ -370,3 +370,23 @@ def test_a_frame_for_python_goes_to_the_reader_thread(
     # The refusal's header is parked for the reader thread, its body still on the socket.
     assert run(pump) == (PumpEvent.FRAME, refusal)
     assert mine.recv(16) == b"nope!"
+
+
+def test_once_closed_nobody_reads_the_socket(
+    link: tuple[socket.socket, socket.socket, FramePump],
+) -> None:
+    """Closing takes the driver role for good (the socket may go next, and its number be
+    reused): a loop stops watching, a spinning waiter gets its request failed, and bytes
+    that arrive are read by nobody."""
+    peer, mine, pump = link
+    dst = np.zeros(KiB, np.uint8)
+    assert pump.enter(1, PULL_DATA, rows_of(dst, [(0, KiB)]), KiB, deadline())
+    got: list[Outcome | bool] = []
+    waiter = threading.Thread(target=lambda: got.append(pump.wait(1, 2 * SEC, deadline())))
+    waiter.start()
+    pump.close()
+    waiter.join(10)
+    assert got == [Outcome(1, BROKEN, 0)]
+    peer.sendall(header(PULL_DATA, 1, KiB) + b"\x01" * KiB)
+    assert not pump.poll()  # the loop stops watching
+    assert len(mine.recv(64)) > 0 and not dst.any()  # nothing of it was read

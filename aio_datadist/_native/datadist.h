@@ -313,14 +313,15 @@ int dd_pump_take_done(dd_pump *p, dd_pump_outcome *out, size_t cap, size_t *take
  * spin_first: busy-poll spin_ns for the next frame first (after the peer's requests). */
 int dd_pump_run(dd_pump *p, int64_t spin_ns, int spin_first, int64_t idle_ns, uint8_t *header);
 /* An event loop: read what the socket holds now, never waiting. DD_OK; DD_EAGAIN (another
- * driver reads); DD_PUMP_FRAME (a frame is the reader thread's now: it was woken). Outcomes
- * completed are listed (dd_pump_take_done). */
+ * driver reads); DD_PUMP_FRAME (a frame is the reader thread's now: it was woken; or the
+ * pump closed). Outcomes completed are listed (dd_pump_take_done). */
 int dd_pump_poll(dd_pump *p);
 /* A driver other than the reader thread will read soon (an event loop watching the
  * socket): the reader thread stays off it for the next 5 ms. */
 void dd_pump_expect(dd_pump *p);
-/* The reader stops: every request still in the table completes with DD_PUMP_BROKEN, and
- * later entries are refused (DD_ECLOSED). */
+/* The reader stops: it takes the driver role for good (a driver reading now ends its
+ * bounded turn first), every request still in the table completes with DD_PUMP_BROKEN, and
+ * later entries are refused (DD_ECLOSED). Only then may the socket close. */
 int dd_pump_close(dd_pump *p);
 
 /* ---- ucx_batch.c: batches of UCP RMA requests (UCX reached through the given calls) ---- */

@@ -82,6 +82,7 @@ struct dd_pump {
     _Atomic int sleepers; /* waiters asleep on seq */
     /* The socket's reader: one driver at a time (the role), and where the stream is. */
     _Atomic int driver;           /* 1 while someone reads */
+    _Atomic int shut;             /* closed: the role is taken for good */
     _Atomic uint32_t role_seq;    /* bumped as the role is let go: the parked reader's word */
     _Atomic int reader_asleep;    /* the reader thread sleeps in poll: wake it through wake_fd */
     int wake_fd;                  /* eventfd (-1 once closed, under lock) */
@@ -305,7 +306,9 @@ static int acquire(dd_pump *p, int reader)
     int free_ = 0;
     if (!atomic_compare_exchange_strong(&p->driver, &free_, 1))
         return 0;
-    if (!reader && p->handoff) { /* the stream is the reader thread's until it took that */
+    /* The stream is the reader thread's until it took a frame handed to it; once the pump
+     * closed, nobody reads (its descriptor is about to go, and its number may be reused). */
+    if ((!reader && p->handoff) || atomic_load(&p->shut)) {
         atomic_store(&p->driver, 0);
         return 0;
     }
@@ -625,8 +628,8 @@ void dd_pump_expect(dd_pump *p)
 
 int dd_pump_poll(dd_pump *p)
 {
-    if (!acquire(p, 0))
-        return DD_EAGAIN;
+    if (!acquire(p, 0)) /* closed: the loop stops watching (its descriptor hangs up) */
+        return atomic_load(&p->shut) ? DD_PUMP_FRAME : DD_EAGAIN;
     atomic_store(&p->others_until, dd_monotonic_ns() + OTHERS_NS);
     int rc = advance(p, LOOP, 1, 0, NULL);
     int handoff = rc == ADV_HANDOFF || rc < 0 || rc == DD_PUMP_STALLED;
@@ -636,6 +639,18 @@ int dd_pump_poll(dd_pump *p)
 
 int dd_pump_close(dd_pump *p)
 {
+    /* Take the role for good: a driver reading now finishes its bounded turn first (a
+     * waiter's spin, a loop's look), and none starts after. */
+    atomic_store(&p->shut, 1);
+    if (!p->reader_holds) {
+        int free_ = 0;
+        while (!atomic_compare_exchange_weak(&p->driver, &free_, 1)) {
+            free_ = 0;
+            struct timespec ts = {0, 50000};
+            nanosleep(&ts, NULL);
+        }
+        p->reader_holds = 1;
+    }
     pthread_mutex_lock(&p->lock);
     p->closed = 1;
     int rc = DD_OK;
