@@ -76,7 +76,6 @@ from aio_datadist._log import get_logger
 from aio_datadist._native.api import (
     NetTimeout,
     PeerClosed,
-    sock_recvv,
     sock_send_bytes,
     sock_sendv,
 )
@@ -88,10 +87,8 @@ from aio_datadist._transport._wire import (
     FrameHeader,
     FrameKind,
     WireError,
-    decode_error_text,
     decode_header,
     pack_header,
-    status_from_wire,
 )
 from aio_datadist._transport.base import (
     Channel,
@@ -106,12 +103,12 @@ from aio_datadist._transport.base import (
 )
 from aio_datadist._transport.deadlines import after_s, now_ns
 from aio_datadist._transport.pending import PendingRequests, Request, new_future
+from aio_datadist._transport.tcp_answers import PythonAnswers
 from aio_datadist._transport.tcp_io import (
     IO_ERRORS,
     iov_problem,
     move_payload,
     recv_view,
-    recvv_all,
     sendv_all,
 )
 from aio_datadist._transport.tcp_send import Outbox, OutFrame
@@ -271,6 +268,17 @@ class TcpChannel(Channel):
         self._reader: threading.Thread | None = None
         self._sender: threading.Thread | None = None
         self._watch = LoopWatch(self._pump, self._settle_done, self._dup_fd)
+        self._answers = PythonAnswers(
+            self._fd,
+            stall_timeout,
+            self._pending,
+            self._outbox,
+            held=self._held_by_pump,
+            end=self._end,
+            drain=self._server.drain,
+            link_failed=self._link_failed,
+            log=self._log,
+        )
 
     def __repr__(self) -> str:
         state = "closed" if self.closed else "open"
@@ -737,11 +745,11 @@ class TcpChannel(Channel):
             raise WireError(f"{kind.name} frame with a body")
         rid = h.request_id
         if kind is FrameKind.PULL_DATA:
-            self._on_pull_data(h)
+            self._answers.on_pull_data(h)
         elif kind is FrameKind.PUSH_ACK:
             self._end(rid, None, RequestKind.PUSH)
         elif kind is FrameKind.ERROR:
-            self._on_error(h, self._server.read_body(h.body_len))
+            self._answers.on_error(h, self._server.read_body(h.body_len))
         elif kind is FrameKind.PULL:
             self._server.on_pull(h, self._server.read_body(h.body_len))
         elif kind is FrameKind.PUSH:
@@ -761,77 +769,6 @@ class TcpChannel(Channel):
             raise WireError(f"unexpected {kind.name} frame on an established link")
 
     # -- answers to our requests -------------------------------------------------------------
-    def _on_pull_data(self, h: FrameHeader) -> None:
-        req = (
-            None
-            if self._held_by_pump(h.request_id)
-            else self._pending.claim(h.request_id, RequestKind.PULL)
-        )
-        if req is None:  # abandoned (deadline) or unknown: keep the stream in sync
-            self._server.drain(h.payload_len)
-            return
-        if h.payload_len != req.nbytes:
-            req.outcome = _error(
-                LLMStatusCode.LLM_FAILED,
-                f"the peer answered {h.payload_len} bytes for a pull of {req.nbytes}",
-            )
-            req.complete()
-            self._server.drain(h.payload_len)
-            return
-        assert req.dst is not None
-
-        def recv(iov: Iov) -> None:
-            if req.deadline_ns > 0:
-                sock_recvv(self._fd, iov, req.deadline_ns)
-            else:
-                recvv_all(self._fd, iov, self._stall_s)
-
-        try:
-            moved, error = move_payload(recv, req.dst)
-        except BaseException as exc:
-            req.outcome = self._link_failed(f"receive failed: {exc!r}")
-            req.complete()
-            raise
-        if isinstance(error, NetTimeout):
-            # dst is no longer touched: fail the request now, then drain the rest.
-            req.outcome = _error(
-                LLMStatusCode.LLM_TIMEOUT,
-                f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
-            )
-        elif isinstance(error, LLMException):  # rows the native layer refused, or staging
-            req.outcome = error
-        elif error is not None:
-            req.outcome = self._link_failed(f"receive failed: {error!r}")
-            req.complete()
-            raise error
-        if error is not None:
-            req.complete()
-            self._server.drain(h.payload_len - moved)
-            return
-        req.outcome = None
-        self._landed(req)
-
-    def _landed(self, req: Request) -> None:
-        """Every byte of pull ``req`` landed: complete it. A pull that asked the peer to
-        commit (drop the key it named) sends PULL_DONE first, and completes once that frame
-        is out: the caller's next request follows it on the link, so a pull of the same key
-        meets the key dropped."""
-        if not req.commit:
-            req.complete()
-            return
-        self._outbox.send_or_queue(
-            OutFrame(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: req.complete())
-        )
-
-    def _on_error(self, h: FrameHeader, body: bytearray) -> None:
-        message = decode_error_text(body)
-        if h.request_id == 0:
-            self._log.warning(
-                "tcp.peer_error", status=str(status_from_wire(h.status)), message=message
-            )
-            return
-        self._end(h.request_id, _error(status_from_wire(h.status), message))
-
     def _on_bye(self, status: int) -> None:
         finalized = status == LLMStatusCode.LLM_ENGINE_FINALIZED
         reason = _PEER_FINALIZED if finalized else _PEER_UNLINKED
