@@ -74,7 +74,6 @@ struct dd_pump {
     int64_t stall_ns;
     pthread_mutex_t lock; /* the slots, the done list, closed */
     slot_t *chunks[CHUNKS];
-    uint64_t due;         /* slots WAITING or MOVING */
     uint64_t *done;       /* ids of unclaimed completions, for dd_pump_take_done */
     size_t ndone, cap_done;
     int closed;
@@ -120,8 +119,6 @@ static void wake_waiters(dd_pump *p)
 
 static void release(dd_pump *p, slot_t *s)
 {
-    if (s->state == WAITING || s->state == MOVING)
-        p->due--;
     s->state = FREE;
     s->rows = NULL;
     s->claimed = s->listed = 0;
@@ -132,7 +129,6 @@ static void release(dd_pump *p, slot_t *s)
  * lost, which the caller reports as a broken link). */
 static int complete(dd_pump *p, slot_t *s, int32_t outcome, uint64_t moved)
 {
-    p->due--;
     s->state = DONE;
     s->outcome = outcome;
     s->moved = moved;
@@ -233,7 +229,6 @@ int dd_pump_enter(dd_pump *p, uint64_t rid, unsigned kind, const uint64_t *rows,
     s->outcome = DD_PUMP_OK;
     s->claimed = s->listed = 0;
     s->state = WAITING;
-    p->due++;
 out:
     pthread_mutex_unlock(&p->lock);
     return rc;

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import enum
 import os
+import threading
 from typing import NamedTuple
 
 import numpy as np
@@ -23,8 +24,10 @@ from .api import _check, _fd
 __all__ = ("FramePump", "Outcome", "PumpEvent")
 
 _U64_MAX = (1 << 64) - 1
-#: Outcomes one :meth:`FramePump.take_done` takes at most.
+#: Outcomes one native call of :meth:`FramePump.take_done` takes at most.
 _TAKE = 256
+#: Each thread's buffers for :meth:`FramePump.take_done` (made once, not per call).
+_BUFFERS = threading.local()
 
 
 class PumpEvent(enum.IntEnum):
@@ -121,8 +124,11 @@ class FramePump:
 
     def take_done(self) -> list[Outcome]:
         """The outcomes of completed requests nobody claimed."""
-        taken = ffi.new("size_t *")
-        outs = ffi.new("dd_pump_outcome[]", _TAKE)  # (the reader thread and loops take)
+        buffers = _BUFFERS.__dict__  # (the reader thread and loops take: one each)
+        if not buffers:
+            buffers["taken"] = ffi.new("size_t *")
+            buffers["outs"] = ffi.new("dd_pump_outcome[]", _TAKE)
+        taken, outs = buffers["taken"], buffers["outs"]
         done: list[Outcome] = []
         while True:
             lib.dd_pump_take_done(self._ptr, outs, _TAKE, taken)

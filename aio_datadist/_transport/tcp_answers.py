@@ -26,14 +26,6 @@ from aio_datadist.status import LLMException, LLMStatusCode
 __all__ = ("PythonAnswers",)
 
 
-def _error(status: LLMStatusCode, message: str) -> LLMException:
-    return LLMException(message, status_code=status)
-
-
-def _frame(kind: FrameKind, rid: int) -> bytes:
-    return pack_header(kind, rid)
-
-
 class PythonAnswers:
     """Takes one link's answers that come to Python, in its reader thread. ``held(rid)``:
     the pump holds request ``rid`` (else it is out of its table from now on); ``end(rid,
@@ -73,9 +65,9 @@ class PythonAnswers:
             self._drain(h.payload_len)
             return
         if h.payload_len != req.nbytes:
-            req.outcome = _error(
-                LLMStatusCode.LLM_FAILED,
+            req.outcome = LLMException(
                 f"the peer answered {h.payload_len} bytes for a pull of {req.nbytes}",
+                status_code=LLMStatusCode.LLM_FAILED,
             )
             req.complete()
             self._drain(h.payload_len)
@@ -96,9 +88,9 @@ class PythonAnswers:
             raise
         if isinstance(error, NetTimeout):
             # dst is no longer touched: fail the request now, then drain the rest.
-            req.outcome = _error(
-                LLMStatusCode.LLM_TIMEOUT,
+            req.outcome = LLMException(
                 f"pull {req.rid}: deadline passed after {moved} of {req.nbytes} bytes",
+                status_code=LLMStatusCode.LLM_TIMEOUT,
             )
         elif isinstance(error, LLMException):  # rows the native layer refused, or staging
             req.outcome = error
@@ -122,7 +114,7 @@ class PythonAnswers:
             req.complete()
             return
         self._outbox.send_or_queue(
-            OutFrame(_frame(FrameKind.PULL_DONE, req.rid), after=lambda ok: req.complete())
+            OutFrame(pack_header(FrameKind.PULL_DONE, req.rid), after=lambda ok: req.complete())
         )
 
     def on_error(self, h: FrameHeader, body: bytearray) -> None:
@@ -132,4 +124,4 @@ class PythonAnswers:
                 "tcp.peer_error", status=str(status_from_wire(h.status)), message=message
             )
             return
-        self._end(h.request_id, _error(status_from_wire(h.status), message))
+        self._end(h.request_id, LLMException(message, status_code=status_from_wire(h.status)))

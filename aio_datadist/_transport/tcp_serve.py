@@ -45,12 +45,6 @@ _COPY_ROWS = 1 << 16
 _SCRATCH = 1 << 20
 
 
-def _frame(
-    kind: FrameKind, rid: int = 0, *, status: int = 0, body_len: int = 0, payload_len: int = 0
-) -> bytes:
-    return pack_header(kind, rid, status=status, body_len=body_len, payload_len=payload_len)
-
-
 class _Commit:
     """A served pull whose commit waits for the requester's PULL_DONE."""
 
@@ -120,7 +114,7 @@ class PeerServer:
             if partial is None:
                 return result.served > 0
             kind = FrameKind(partial.kind)
-            ctl = _frame(kind, partial.request_id, payload_len=partial.nbytes)
+            ctl = pack_header(kind, partial.request_id, payload_len=partial.nbytes)
             rows = partial.rows if len(partial.rows) else None
             job = OutFrame(ctl, rows, partial.release, answer=True)
             job.iov = iov_skip(job.iov, partial.sent)
@@ -193,7 +187,7 @@ class PeerServer:
                     del self._commits[oldest]
                     self._log.warning("tcp.commit_forgotten", request_id=oldest)
                 self._commits[rid] = commit
-        ctl = _frame(FrameKind.PULL_DATA, rid, payload_len=nbytes)
+        ctl = pack_header(FrameKind.PULL_DATA, rid, payload_len=nbytes)
         # The answer keeps the handler's ``done``, not ``served``: a queued answer holds one
         # row table (the frame's copy, or a big one as the handler made it), never two.
         after = functools.partial(self._pull_sent, rid, served.done, commit)
@@ -258,11 +252,11 @@ class PeerServer:
         if failure is not None:
             self.reply_error(rid, LLMStatusCode.LLM_FAILED, f"push not stored: {failure}")
             return
-        self._outbox.send_or_queue(OutFrame(_frame(FrameKind.PUSH_ACK, rid), answer=True))
+        self._outbox.send_or_queue(OutFrame(pack_header(FrameKind.PUSH_ACK, rid), answer=True))
 
     def reply_error(self, rid: int, status: LLMStatusCode, message: str) -> None:
         body = encode_error_text(message)
-        ctl = _frame(FrameKind.ERROR, rid, status=int(status), body_len=len(body)) + body
+        ctl = pack_header(FrameKind.ERROR, rid, status=int(status), body_len=len(body)) + body
         self._outbox.send_or_queue(OutFrame(ctl, answer=True))
 
     def read_body(self, n: int) -> bytearray:
