@@ -38,7 +38,6 @@ from aio_datadist._engine.offload import run_native
 from aio_datadist._engine.plan import CopyPlan
 from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.request import Completion, Plan
-from aio_datadist._engine.routes import Waiting
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
 from aio_datadist.enums import LLMRole, Placement, RegisterMemStatus
@@ -274,13 +273,23 @@ class _Driver:
                 if op is None:
                     return
             if isinstance(op, Start) and not op.offloaded():
-                if self._watch(op) and op.waiting is Waiting.LOOP_EXCHANGE and not _loop_idle():
-                    op.waiting = Waiting.LOOP  # others are ready to run: never busy-poll
+                self._watch(op)
                 self._reply = op.begin()
-            elif isinstance(op, Wait) and op.completion.done():
+            elif isinstance(op, Wait) and self._completed(op.completion):
                 self._error = op.completion.exception()  # type: ignore[assignment]
             else:
                 self._op = op
+
+    def _completed(self, completion: Completion) -> bool:
+        """True when ``completion`` is done, or got done while this thread drove it for the
+        busy-poll time: done only if the call has no other request and the loop nothing
+        else to run (a payload still arriving then arrives on the loop)."""
+        if completion.done():
+            return True
+        if len(self._plan.transfers) != 1 or not _loop_idle():
+            return False
+        completion.spin()
+        return completion.done()
 
     async def finish(self) -> None:
         """Run the call to its end on the loop."""
@@ -291,8 +300,7 @@ class _Driver:
                 if op is None:
                     return
                 try:
-                    if isinstance(op, Start):
-                        op.waiting = Waiting.LOOP  # moved on a worker thread
+                    if isinstance(op, Start):  # moved on a worker thread
                         self._watch(op)
                         self._reply = await run_native(op.begin, nbytes=op.nbytes)
                     elif isinstance(op, Wait):  # (as _wait, without a coroutine of its own)
@@ -388,7 +396,7 @@ class AsyncCacheManager(_LoopBound):
         """Run a pull or push call inline as far as it goes; the caller awaits ``finish()``
         of the driver returned, if any (no coroutine of its own: thousands of awaited calls
         in flight each hold one object less)."""
-        return _advance(run_call(plan, self._links, Waiting.LOOP), plan, self._overdue)
+        return _advance(run_call(plan, self._links), plan, self._overdue)
 
     async def _run(self, plan: CopyPlan) -> None:
         try:
@@ -920,9 +928,7 @@ class AsyncCacheManager(_LoopBound):
             tensor_num_per_layer,
         )
         task = CacheTask(1, self._loop)
-        driver = _advance(
-            settle(run_call(plan, self._links, Waiting.LOOP), task), plan, self._overdue
-        )
+        driver = _advance(settle(run_call(plan, self._links), task), plan, self._overdue)
         if driver is not None:
             self._spawn(driver.finish())
         return task
@@ -1004,7 +1010,7 @@ class AsyncCacheManager(_LoopBound):
         cancelled = asyncio.Event()
         loop = self._bound_loop
         task._on_cancel(lambda: _call_soon(loop, cancelled.set))
-        call = run_layers(job, task, self._links, Waiting.LOOP)
+        call = run_layers(job, task, self._links)
         self._spawn(_Driver(call, job.plan, self._overdue, job.synchronizer, cancelled).finish())
         return task
 

@@ -20,7 +20,6 @@ from aio_datadist._engine.layerwise import LayerJob
 from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.planner import Planner
 from aio_datadist._engine.request import Plan
-from aio_datadist._engine.routes import Waiting
 from aio_datadist._log import get_logger
 from aio_datadist.cache import Cache
 from aio_datadist.cluster import LinkResults
@@ -73,7 +72,7 @@ class CacheManager:
         self._links = links
 
     def _run(self, plan: Plan) -> None:
-        drive(run_call(plan, self._links, Waiting.CALLER))
+        drive(run_call(plan, self._links))
 
     def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
         """Allocate a batch cache from the memory pool of its placement, one key per row.
@@ -568,7 +567,7 @@ class CacheManager:
         )
         job = LayerJob(self._planner, planned)
         task = CacheTask(len(job.configs))
-        call = run_layers(job, task, self._links, Waiting.CALLER)
+        call = run_layers(job, task, self._links)
         threading.Thread(
             target=drive, args=(call, job.synchronizer), name="aio_datadist-layers", daemon=True
         ).start()

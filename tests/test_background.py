@@ -34,10 +34,11 @@ async def _copy_each(src: np.ndarray, dsts: list[np.ndarray]) -> None:
         )
 
     try:
-        futures = [start_on_loop(begin(dst), verdicts.append) for dst in dsts]
+        started = [start_on_loop(begin(dst), verdicts.append, 0) for dst in dsts]
     except PermissionError as exc:
         pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
-    assert all(f is not None and not f.done() for f in futures)  # the loop completes them
+    assert all(c is not None and not c.done() for c in started)  # the loop completes them
+    futures = [c.future for c in started if c is not None]
     await asyncio.wait_for(asyncio.gather(*(asyncio.wrap_future(f) for f in futures)), 20)
     assert verdicts == [None] * len(dsts)
     for dst in dsts:
@@ -59,17 +60,18 @@ async def test_a_fault_while_completing_is_the_futures_failure() -> None:
         raise RuntimeError("a fault of the verdict itself")
 
     try:
-        future = start_on_loop(
+        started = start_on_loop(
             lambda signal: api.vm_copy_batch(
                 os.getpid(), _rows(dst, src), write=False, signal=signal
             ),
             finish,
+            0,
         )
     except PermissionError as exc:
         pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
-    assert future is not None
+    assert started is not None
     with pytest.raises(RuntimeError, match="verdict itself"):
-        await asyncio.wait_for(asyncio.wrap_future(future), 10)
+        await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
 
 
 async def test_a_copy_that_fails_hands_its_error_to_the_verdict() -> None:
@@ -77,14 +79,15 @@ async def test_a_copy_that_fails_hands_its_error_to_the_verdict() -> None:
     rows = np.array([[dst.ctypes.data, 4096, dst.nbytes]], dtype=np.uint64)  # unmapped source
     verdicts: list[OSError | None] = []
     try:
-        future = start_on_loop(
+        started = start_on_loop(
             lambda signal: api.vm_copy_batch(os.getpid(), rows, write=False, signal=signal),
             verdicts.append,
+            0,
         )
     except PermissionError as exc:
         pytest.skip(f"the kernel refuses cross-process memory access here: {exc}")
-    assert future is not None
-    await asyncio.wait_for(asyncio.wrap_future(future), 10)
+    assert started is not None
+    await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
     assert len(verdicts) == 1 and isinstance(verdicts[0], OSError)
 
 

@@ -18,7 +18,6 @@ from aio_datadist._engine.routes import (
     LinkRoute,
     Route,
     Staged,
-    Waiting,
     link_routes,
     placed,
     start_on,
@@ -27,7 +26,7 @@ from aio_datadist._routes.hccl.domain import CommRoute
 from aio_datadist._routes.hccl.route import CommunicatorRoute
 from aio_datadist._routes.samehost.route import DeviceIpcRoute, SameHostRoute
 from aio_datadist._transport.base import RequestKind
-from aio_datadist.aio import _advance, _Driver, _Overdue, _wait
+from aio_datadist.aio import _advance, _Overdue, _wait
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.sync import drive
 
@@ -49,13 +48,21 @@ def transfer(cluster_id: int = 1, *, device: bool = False) -> Transfer:
 
 
 class FakePump:
-    """A pump the loop may watch (and that counts the watches)."""
+    """A pump the loop may watch (and that counts the watches); a waiter that drives it
+    (blocking, or a loop's busy-poll) reads the answer of the request it waits for."""
 
     def __init__(self) -> None:
         self.watching = 0
+        self.read: list[Future[None]] = []
+        self.spun: list[Future[None]] = []
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
-        pass
+        self.read.append(future)
+        future.set_result(None)
+
+    def spin(self, future: Future[None], deadline_ns: int) -> None:
+        self.spun.append(future)
+        future.set_result(None)
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Any:
         self.watching += 1
@@ -67,8 +74,9 @@ class FakePump:
 
 
 class Recorded(Route):
-    """A route that records what it started and answers as told; with ``pump``, one whose
-    requests cross a link the loop may watch."""
+    """A route that records what it started and answers as told (``"pending"``: a new
+    future each time, in :attr:`futures`); with ``pump``, one whose requests cross a link
+    the loop may watch."""
 
     def __init__(
         self, name: str, *, takes: bool = True, outcome: Any = "done", pump: bool = False
@@ -78,7 +86,7 @@ class Recorded(Route):
         self.outcome = outcome
         self.pump = FakePump() if pump else None
         self.started: list[Transfer] = []
-        self.waiting: list[Waiting] = []
+        self.futures: list[Future[None]] = []
 
     def link(self) -> Any:
         return self.pump
@@ -86,15 +94,17 @@ class Recorded(Route):
     def accepts(self, t: Transfer) -> bool:
         return self.takes
 
-    def start(self, t: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, t: Transfer, deadline_ns: int) -> Completion | None:
         self.started.append(t)
-        self.waiting.append(waiting)
         if self.outcome == "decline":
             return None
         if isinstance(self.outcome, LLMException):
             raise self.outcome
         if isinstance(self.outcome, Future):
             return Completion(self.outcome, deadline_ns)
+        if self.outcome == "pending":
+            self.futures.append(Future())
+            return Completion(self.futures[-1], deadline_ns, self.pump)
         return DONE
 
 
@@ -163,7 +173,7 @@ def test_the_first_route_that_takes_a_transfer_moves_it_and_a_decline_falls_thro
     take = Recorded("take")
     after = Recorded("after")
     t = transfer()
-    assert start_on([skip, decline, take, after], t, 0, Waiting.CALLER) == (take, DONE)
+    assert start_on([skip, decline, take, after], t, 0) == (take, DONE)
     assert (skip.started, decline.started, take.started, after.started) == ([], [t], [t], [])
 
 
@@ -175,7 +185,7 @@ def test_a_call_starts_every_request_and_raises_the_first_failure_once_all_ended
     plan = Plan([transfer(), transfer(404), transfer()], 10**18, lambda _: released.append(True))
     # The async face's view: a start crossing a pump is yielded (the loop watches it); the
     # missing link's has nothing for the loop to do, so the call starts it itself.
-    call = run_call(plan, Links(routes), Waiting.LOOP)  # type: ignore[arg-type]
+    call = run_call(plan, Links(routes))  # type: ignore[arg-type]
     ops = []
     op = next(call)
     while isinstance(op, Start):
@@ -197,47 +207,57 @@ def test_the_blocking_face_drives_a_call_to_its_end() -> None:
     released: list[bool] = []
     route = Recorded("a")
     plan = Plan([transfer(), transfer()], 10**18, lambda _: released.append(True))
-    drive(run_call(plan, Links([route]), Waiting.CALLER))  # type: ignore[arg-type]
+    drive(run_call(plan, Links([route])))  # type: ignore[arg-type]
     assert len(route.started) == 2 and released == [True]
     refused = Recorded("b", outcome=LLMException("x", status_code=S.LLM_PARAM_INVALID))
     plan = Plan([transfer()], 10**18, lambda _: released.append(True))
     with pytest.raises(LLMException) as info:
-        drive(run_call(plan, Links([refused]), Waiting.CALLER))  # type: ignore[arg-type]
+        drive(run_call(plan, Links([refused])))  # type: ignore[arg-type]
     assert info.value.status_code == S.LLM_PARAM_INVALID and released == [True, True]
 
 
-def test_a_blocking_call_of_one_request_runs_its_round_trip_in_the_caller() -> None:
-    route = Recorded("a")
-    for n, waiting in ((1, Waiting.EXCHANGE), (2, Waiting.CALLER)):
+def test_a_blocking_caller_drives_the_pump_of_each_request_it_waits_for() -> None:
+    route = Recorded("a", outcome="pending", pump=True)
+    assert route.pump is not None
+    for n in (1, 3):
         plan = Plan([transfer() for _ in range(n)], 10**18, lambda _: None)
-        drive(run_call(plan, Links([route]), Waiting.CALLER))  # type: ignore[arg-type]
-        assert route.waiting[-n:] == [waiting] * n
+        drive(run_call(plan, Links([route])))  # type: ignore[arg-type]
+        assert route.pump.read == route.futures[-n:]  # each answer read in the caller
+        route.pump.read.clear()
+    assert route.pump.spun == []  # a blocking caller never busy-polls for a loop
 
 
 async def test_the_loop_busy_polls_only_for_a_lone_request_with_nothing_else_ready() -> None:
+    route = Recorded("a", outcome="pending", pump=True)
+    pump = route.pump
+    assert pump is not None
+
     async def call(n: int) -> None:
         plan = Plan([transfer() for _ in range(n)], 10**18, lambda _: None)
         overdue = _Overdue(asyncio.get_running_loop())
-        await _Driver(run_call(plan, Links([route]), Waiting.LOOP), plan, overdue).finish()  # type: ignore[arg-type]
+        driver = _advance(run_call(plan, Links([route])), plan, overdue)  # type: ignore[arg-type]
+        for future in route.futures[-n:]:  # what no busy-poll read arrives later
+            if not future.done():
+                future.set_result(None)
+        if driver is not None:
+            await driver.finish()
 
-    route = Recorded("a", pump=True)
     await call(1)
+    assert pump.spun == route.futures[-1:]  # read in the busy-poll: the call ended inline
     await call(2)
-    assert route.waiting == [Waiting.LOOP_EXCHANGE, Waiting.LOOP, Waiting.LOOP]
-    route.waiting.clear()
+    assert len(pump.spun) == 1  # two requests: the loop never busy-polls
     # Another task ready to run: this one never holds the loop to busy-poll.
     other = asyncio.get_running_loop().create_task(asyncio.sleep(0))
     await call(1)
     await other
-    assert route.waiting == [Waiting.LOOP]
-    assert route.pump is not None and route.pump.watching == 0  # every watch ended
-    # A route with nothing for the loop to watch is started by the call itself, and
-    # never told to busy-poll (the loop was not asked whether it is idle).
+    assert len(pump.spun) == 1 and pump.read == []
+    assert pump.watching == 0  # every watch ended
+    # A route with nothing for the loop to watch is started by the call itself.
     plain = Recorded("b")
     plan = Plan([transfer()], 10**18, lambda _: None)
     overdue = _Overdue(asyncio.get_running_loop())
-    assert _advance(run_call(plan, Links([plain]), Waiting.LOOP), plan, overdue) is None  # type: ignore[arg-type]
-    assert plain.waiting == [Waiting.LOOP]
+    assert _advance(run_call(plan, Links([plain])), plan, overdue) is None  # type: ignore[arg-type]
+    assert len(plain.started) == 1
 
 
 async def test_an_awaited_request_the_transport_never_ends_times_out_and_waits_share_a_timer(

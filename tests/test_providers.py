@@ -25,7 +25,7 @@ from aio_datadist import (
 from aio_datadist._engine import engine as engine_module
 from aio_datadist._engine.access import Access, Target, encode_access
 from aio_datadist._engine.request import Completion, Transfer
-from aio_datadist._engine.routes import LinkRoute, Route, Waiting, placed
+from aio_datadist._engine.routes import LinkRoute, Route, placed
 from aio_datadist._routes.catalog import PROVIDERS
 from aio_datadist._routes.provider import LinkHandle, Opening, ProviderSpec, RouteProvider
 from aio_datadist._transport._wire import HelloExtension
@@ -60,9 +60,9 @@ class ProbeRoute(Route):
     def in_caller(self, transfer: Transfer) -> bool:
         return self.inner.in_caller(transfer)
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         self.started += 1
-        return self.inner.start(transfer, deadline_ns, waiting)
+        return self.inner.start(transfer, deadline_ns)
 
 
 @dataclass

@@ -174,24 +174,52 @@ async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
         local = np.array([[dst[0].ctypes.data, row_bytes], [dst[1].ctypes.data, row_bytes]])
         local = local.astype(np.uint64)
         kind = onesided.RequestKind.PULL
-        first = peer.transfer(kind, access, local, 0, on_loop=True)
+        first = peer.transfer(kind, access, local, 0)
         assert first is not None and first.done() and peer.proven  # in the caller
         dst[...] = 0
-        started = peer.transfer(kind, access, local, 0, on_loop=True)
+        started = peer.transfer(kind, access, local, 0)
         assert started is not None and not started.done()  # the loop completes it
         await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
         np.testing.assert_array_equal(dst, src[[3, 1]])
         # small copies never leave the caller
         small = np.array([[dst[0].ctypes.data, 4096]], dtype=np.uint64)
         tiny = _blocks_access(4096, [0])
-        done = peer.transfer(kind, tiny, small, 0, on_loop=True)
+        done = peer.transfer(kind, tiny, small, 0)
         assert done is not None and done.done()
         # the cache released while the copy ran: the transfer fails as such
-        started = peer.transfer(kind, access, local, 0, on_loop=True)
+        started = peer.transfer(kind, access, local, 0)
         assert started is not None
         board.publish([])
         with pytest.raises(onesided.KvCacheNotExistError):
             await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
+        peer.close()
+    finally:
+        board.close()
+
+
+async def test_a_blocking_wait_in_the_loops_thread_completes_its_copy_itself() -> None:
+    # A blocking call made inside a loop's callback holds the loop, which cannot complete
+    # the copy it started in the background: the blocking wait does, in the loop's thread.
+    board = RegionBoard()
+    try:
+        rows, row_bytes = 2, 1 << 20
+        src = np.random.default_rng(4).integers(0, 256, (rows, row_bytes), dtype=np.uint8)
+        board.publish([BoardEntry(1, 5, row_bytes, rows, src.nbytes, (int(src.ctypes.data),))])
+        staging = Staging(HostRuntime(0))
+        peer = onesided.PeerMemory(os.getpid(), RegionView(board.fd), staging, _QuietLog())
+        peer.proven = True  # as after a first copy went through
+        dst = np.zeros((2, row_bytes), dtype=np.uint8)
+        local = np.array([[dst[0].ctypes.data, row_bytes], [dst[1].ctypes.data, row_bytes]])
+        fds = len(os.listdir("/proc/self/fd"))
+        started = peer.transfer(
+            onesided.RequestKind.PULL, _blocks_access(row_bytes, [1, 0]), local.astype(np.uint64), 0
+        )
+        assert started is not None and not started.done()  # on the copy workers
+        assert len(os.listdir("/proc/self/fd")) == fds + 1  # the loop's signal
+        started.wait()  # the loop is held here: no await
+        np.testing.assert_array_equal(dst, src[[1, 0]])
+        assert len(os.listdir("/proc/self/fd")) == fds  # the signal given up
+        await asyncio.sleep(0)  # the loop, let go, has nothing left to complete
         peer.close()
     finally:
         board.close()
@@ -221,7 +249,6 @@ async def test_a_loop_that_cannot_watch_a_descriptor_copies_in_the_caller(
                 _blocks_access(1 << 20, [1, 0]),
                 local.astype(np.uint64),
                 0,
-                on_loop=True,
             )
             assert done is not None and done.done()
             np.testing.assert_array_equal(dst, src[[1, 0]])
@@ -395,11 +422,11 @@ async def test_a_mapped_arena_outlives_the_board_until_its_copy_ended() -> None:
         local = np.array([[dst[0].ctypes.data, 1 << 20], [dst[1].ctypes.data, 1 << 20]])
         access = _blocks_access(1 << 20, [3, 0])
         kind = onesided.RequestKind.PULL
-        started = shared.peer.transfer(kind, access, local.astype(np.uint64), 0, on_loop=True)
+        started = shared.peer.transfer(kind, access, local.astype(np.uint64), 0)
         assert started is not None and not started.done() and shared.peer.proven
         await asyncio.wait_for(asyncio.wrap_future(started.future), 10)
         np.testing.assert_array_equal(dst, shared.src[[3, 0]])
-        started = shared.peer.transfer(kind, access, local.astype(np.uint64), 0, on_loop=True)
+        started = shared.peer.transfer(kind, access, local.astype(np.uint64), 0)
         assert started is not None and not started.done()
         shared.board.publish([])
         shared.peer.transfer(kind, access, local.astype(np.uint64), 0)  # sweeps the board

@@ -12,7 +12,9 @@ A loop that cannot watch a descriptor (``add_reader`` not implemented), or a mom
 descriptor left for the signal, has its copies run in the caller instead. A copy is never
 abandoned: a task collected before it was reaped (its loop went away) waits for its copy to
 end (``api.CopyTask``), and the signal's fd stays open until the last copy started with it
-posted.
+posted. A blocking wait in the loop's own thread (a blocking call inside one of its
+callbacks, which holds the loop) reaps its copy itself: the completion's pump is the loop's
+copies.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from aio_datadist._engine.request import Completion
 from aio_datadist._native import api
 from aio_datadist._transport.future import RequestFuture
 
@@ -39,16 +42,18 @@ Begin = Callable[[api.CopySignal | None], api.CopyTask | None]
 
 
 class _LoopCopies:
-    """The running background copies of one event loop, and the signal it reads."""
+    """The running background copies of one event loop, and the signal it reads; the
+    :class:`~aio_datadist._engine.request.Pump` of their completions."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._signal: api.CopySignal | None = None
-        self._running: dict[api.CopyTask, tuple[RequestFuture, Finish]] = {}
+        #: The running copies by their futures, oldest first.
+        self._running: dict[Future[None], tuple[api.CopyTask, Finish]] = {}
         #: False for a loop that cannot watch a descriptor: its copies run in the caller.
         self.watchable = True
 
-    def start(self, begin: Begin, finish: Finish) -> Future[None] | None:
+    def start(self, begin: Begin, finish: Finish, deadline_ns: int) -> Completion | None:
         signal = self._signal
         if signal is None:
             signal = self._open()
@@ -64,8 +69,31 @@ class _LoopCopies:
         if task is None:
             return None
         future = RequestFuture()
-        self._running[task] = (future, finish)
-        return future
+        self._running[future] = (task, finish)
+        return Completion(future, deadline_ns, self)
+
+    def read_for(self, future: Future[None], deadline_ns: int) -> None:
+        """A blocking wait for ``future`` in the loop's own thread, which holds the loop:
+        wait for its copy here and complete it (a copy is never cut short, so the wait
+        outlasts ``deadline_ns`` if the copy does). In any other thread, nothing: the loop
+        completes it."""
+        if asyncio._get_running_loop() is not self._loop:
+            return
+        entry = self._running.pop(future, None)
+        if entry is None:
+            return
+        task, finish = entry
+        _complete(task, future, finish, wait=True)
+        if not self._running:
+            self._idle()
+
+    def spin(self, future: Future[None], deadline_ns: int) -> None:
+        """Nothing: a background copy is large, so no busy-poll would see it end."""
+        return
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """None: the loop reads the copies' signal whenever one runs."""
+        return None
 
     def _open(self) -> api.CopySignal | None:
         """A signal the loop reads; None when none can be had (no descriptor left now, or a
@@ -101,11 +129,11 @@ class _LoopCopies:
             with contextlib.suppress(BlockingIOError):
                 posted = int.from_bytes(os.read(signal.fd, 8), sys.byteorder)
         ended = 0
-        for task, (future, finish) in list(self._running.items()):
+        for future, (task, finish) in list(self._running.items()):
             if ended >= posted:
                 break
             if _complete(task, future, finish):
-                del self._running[task]
+                del self._running[future]
                 ended += 1
         if not self._running:
             self._idle()
@@ -119,12 +147,15 @@ class _LoopCopies:
             signal.close()
 
 
-def _complete(task: api.CopyTask, future: RequestFuture, finish: Finish) -> bool:
-    """Complete ``future`` with ``finish``'s verdict once ``task`` ended; False while it runs.
-    Whatever goes wrong is the future's failure, never lost in the loop's callback."""
+def _complete(
+    task: api.CopyTask, future: Future[None], finish: Finish, *, wait: bool = False
+) -> bool:
+    """Complete ``future`` with ``finish``'s verdict once ``task`` ended (``wait``: wait for
+    that); False while it runs. Whatever goes wrong is the future's failure, never lost in
+    the loop's callback."""
     error: OSError | None = None
     try:
-        if not task.reap():
+        if not task.reap(wait=wait):
             return False
     except OSError as exc:
         error = exc
@@ -145,10 +176,10 @@ _loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopCopies] = (
 )
 
 
-def start_on_loop(begin: Begin, finish: Finish) -> Future[None] | None:
+def start_on_loop(begin: Begin, finish: Finish, deadline_ns: int) -> Completion | None:
     """Start a copy in the background of the running event loop: ``begin(signal)`` starts
-    it; None when it was copied in the caller (done), else a future the loop completes when
-    it ended, with ``finish``'s verdict.
+    it; None when it was copied in the caller (done), else its completion (with
+    ``deadline_ns``), which the loop completes when it ended, with ``finish``'s verdict.
 
     :raises: what ``begin`` raises (nothing started).
     """
@@ -156,4 +187,4 @@ def start_on_loop(begin: Begin, finish: Finish) -> Future[None] | None:
     copies = _loops.get(loop)
     if copies is None:
         copies = _loops[loop] = _LoopCopies(loop)
-    return copies.start(begin, finish)
+    return copies.start(begin, finish, deadline_ns)

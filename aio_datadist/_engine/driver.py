@@ -3,10 +3,10 @@
 A call's generator yields what it needs from its face and gets the answer back:
 
 * :class:`Start`: run ``begin()`` (it starts one transfer on its link's routes and returns
-  its :class:`~aio_datadist._engine.request.Completion`), asked only of an event loop and
-  only when it has something to do: watch the pump the request will cross (then begin
-  inline), or run a large payload moved in the caller on a worker thread. Every other
-  start (all of the blocking face's) the call makes itself.
+  its :class:`~aio_datadist._engine.request.Completion`), asked only when a face may have
+  something to do: an event loop watches the pump the request will cross (then begins
+  inline), or runs a large payload moved in the caller on a worker thread; a blocking
+  face begins it at once. Every other start the call makes itself.
 * :class:`Wait`: wait for a completion; a failure is thrown back into the generator.
 * :class:`Synchronize`: ask the layer synchroniser whether layer ``n`` may go (what it
   returned); its exception is thrown back, or :class:`TaskCancelled` when the task was
@@ -33,7 +33,7 @@ from aio_datadist._engine.links import LinkTable
 from aio_datadist._engine.metrics import TransferMetrics
 from aio_datadist._engine.offload import INLINE_BYTES
 from aio_datadist._engine.request import DONE, Completion, Plan, Transfer
-from aio_datadist._engine.routes import Route, Waiting, first_accepting, start_on
+from aio_datadist._engine.routes import Route, first_accepting, start_on
 from aio_datadist._transport.deadlines import now_ns
 from aio_datadist.status import LLMException, LLMStatusCode
 from aio_datadist.task import CacheTask
@@ -54,21 +54,19 @@ class Start:
     """Start one transfer of ``nbytes``: call :meth:`begin` (inline, or on a worker thread
     when :meth:`offloaded`)."""
 
-    __slots__ = ("deadline_ns", "metrics", "nbytes", "route", "routes", "transfer", "waiting")
+    __slots__ = ("deadline_ns", "metrics", "nbytes", "route", "routes", "transfer")
 
     def __init__(
         self,
         routes: Sequence[Route],
         transfer: Transfer,
         deadline_ns: int,
-        waiting: Waiting,
         metrics: TransferMetrics | None,
         route: Route,
     ) -> None:
         self.routes = routes
         self.transfer = transfer
         self.deadline_ns = deadline_ns
-        self.waiting = waiting
         self.metrics = metrics
         self.nbytes = transfer.nbytes
         #: The first of ``routes`` that accepts the transfer.
@@ -92,9 +90,7 @@ class Start:
 
     def begin(self) -> Completion:
         """Start the transfer on the first route that takes it (see :func:`_begin`)."""
-        return _begin(
-            self.routes, self.transfer, self.deadline_ns, self.waiting, self.metrics, self.route
-        )
+        return _begin(self.routes, self.transfer, self.deadline_ns, self.metrics, self.route)
 
 
 class Wait:
@@ -122,17 +118,10 @@ class TaskCancelled(Exception):
 Call = Generator[Start | Wait | Synchronize, Any, None]
 
 
-#: How to wait for a call of a single request (its round trip in the waiting thread).
-_ALONE = {Waiting.CALLER: Waiting.EXCHANGE, Waiting.LOOP: Waiting.LOOP_EXCHANGE}
-#: The blocking face's ways of waiting: it starts every request itself.
-_IN_CALLER = frozenset({Waiting.CALLER, Waiting.EXCHANGE})
-
-
 def _begin(
     routes: Sequence[Route],
     transfer: Transfer,
     deadline_ns: int,
-    waiting: Waiting,
     metrics: TransferMetrics | None,
     accepting: Route | None = None,
 ) -> Completion:
@@ -140,9 +129,9 @@ def _begin(
     ``accepting``: the first that accepts it, when known); the one place where every
     transfer is recorded in ``metrics`` as it ends."""
     if metrics is None:
-        return start_on(routes, transfer, deadline_ns, waiting, accepting)[1]
+        return start_on(routes, transfer, deadline_ns, accepting)[1]
     started = now_ns()
-    route, completion = start_on(routes, transfer, deadline_ns, waiting, accepting)
+    route, completion = start_on(routes, transfer, deadline_ns, accepting)
     if completion is DONE:
         metrics.record(route.name, transfer, started, None)
     elif completion.done():
@@ -167,11 +156,11 @@ def _routes(links: LinkTable, cluster_id: int) -> Sequence[Route]:
         return (_Refused(exc),)
 
 
-def _start(links: LinkTable, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Start:
+def _start(links: LinkTable, transfer: Transfer, deadline_ns: int) -> Start:
     """The start of ``transfer`` on the routes of its link."""
     routes = _routes(links, transfer.cluster_id)
     route = first_accepting(routes, transfer)
-    return Start(routes, transfer, deadline_ns, waiting, links.metrics, route)
+    return Start(routes, transfer, deadline_ns, links.metrics, route)
 
 
 def _offloaded(route: Route, transfer: Transfer) -> bool:
@@ -201,37 +190,24 @@ class _Refused(Route):
     def in_caller(self, transfer: Transfer) -> bool:
         return False
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         raise self.error
 
 
-def run_call(plan: Plan, links: LinkTable, waiting: Waiting) -> Call:
+def run_call(plan: Plan, links: LinkTable) -> Call:
     """A pull or push call: start every transfer of ``plan``, then wait for each; raise
-    the first failure once all ended. A blocking caller starts each request in its own
-    thread (no :class:`Start` is yielded); an event loop gets a :class:`Start` only when
-    it has something to do for it (:func:`_plain`: a pump to watch, or a large payload
-    moved in the caller), and the call starts the others itself. A call of one
-    request may run its round trip in the waiting thread (``Waiting.EXCHANGE``,
-    ``Waiting.LOOP_EXCHANGE``)."""
-    if len(plan.transfers) == 1:
-        waiting = _ALONE.get(waiting, waiting)
+    the first failure once all ended. The call yields a :class:`Start` only where a face
+    may have something to do for it (:func:`_plain`: a pump to watch, or a large payload
+    moved in the caller) and starts the others itself."""
     started: list[Completion] = []
-    inline = waiting in _IN_CALLER  # a blocking caller starts every request itself
     try:
         for transfer in plan.transfers:
             routes = _routes(links, transfer.cluster_id)
-            if inline:
-                completion = _begin(routes, transfer, plan.deadline_ns, waiting, links.metrics)
-            elif _plain(route := first_accepting(routes, transfer), transfer):
-                # Started unseen by the loop, which is not asked whether it is idle: a
-                # route falling through to the link never busy-polls.
-                completion = _begin(
-                    routes, transfer, plan.deadline_ns, Waiting.LOOP, links.metrics, route
-                )
+            route = first_accepting(routes, transfer)
+            if _plain(route, transfer):
+                completion = _begin(routes, transfer, plan.deadline_ns, links.metrics, route)
             else:
-                completion = yield Start(
-                    routes, transfer, plan.deadline_ns, waiting, links.metrics, route
-                )
+                completion = yield Start(routes, transfer, plan.deadline_ns, links.metrics, route)
             if completion is not DONE:  # (DONE: completed in the caller, a one-sided copy)
                 plan.track(completion)
                 started.append(completion)
@@ -263,7 +239,7 @@ def settle(call: Call, task: CacheTask) -> Call:
         task._finish()
 
 
-def run_layers(job: LayerJob, task: CacheTask, links: LinkTable, waiting: Waiting) -> Call:
+def run_layers(job: LayerJob, task: CacheTask, links: LinkTable) -> Call:
     """``transfer_cache_async``: for each layer, once the synchroniser lets it go, start its
     requests without waiting for them (layer k moves while the model finishes layer k+1);
     then wait for every request and fill the task's results. ``task.cancel()`` and failures
@@ -288,7 +264,7 @@ def run_layers(job: LayerJob, task: CacheTask, links: LinkTable, waiting: Waitin
                 job.synchronizer_refused(layer, indices, ready)
                 break
             for i, transfer in job.transfers(layer, indices):
-                completion = yield _start(links, transfer, job.plan.deadline_ns, waiting)
+                completion = yield _start(links, transfer, job.plan.deadline_ns)
                 job.track(task, i, layer, completion)
         for completion in job.completions:
             with contextlib.suppress(LLMException):  # recorded by the job when it completed

@@ -185,6 +185,12 @@ class Pump(Protocol):
         return once it completed or the helping stopped."""
         ...
 
+    def spin(self, future: Future[None], deadline_ns: int) -> None:
+        """Help ``future`` complete in the calling thread, an event loop with nothing else
+        to run, for at most the busy-poll time (never longer: what is still to come then
+        arrives through :meth:`watch`)."""
+        ...
+
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in the calling thread) help complete the requests it awaits
         until the returned call ends the watch; None when it does not."""
@@ -229,6 +235,13 @@ class Completion:
         """Seconds a waiter gives the request: until its deadline, plus :data:`GRACE_S`
         for the transport to report a timeout itself."""
         return max(0.0, (self.deadline_ns - now_ns()) / 1e9) + GRACE_S
+
+    def spin(self) -> None:
+        """Drive the request for at most its pump's busy-poll time in this thread (an event
+        loop with nothing else to run, whose call has no other request); it may still be
+        running after."""
+        if self.pump is not None and not self.future.done():
+            self.pump.spin(self.future, self.deadline_ns)
 
     def wait(self) -> None:
         """Wait in this thread (the blocking face): drive the request here where its pump

@@ -3,7 +3,8 @@
 Each link holds a list of routes in :attr:`Route.rank` order; the first route that
 :meth:`~Route.accepts` a transfer starts it and returns a
 :class:`~aio_datadist._engine.request.Completion`. A route only moves bytes or sends a
-request: sizes, offloading and who waits are the face's (its :class:`Waiting`).
+request: sizes, offloading and how to wait are the face's (it waits on the completion,
+which drives its own :class:`~aio_datadist._engine.request.Pump`).
 
 A new link starts with the link's own routes (:func:`link_routes`); the route providers
 (``aio_datadist._routes``) and a rank-table domain place theirs beside them
@@ -35,7 +36,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from concurrent.futures import Future
-from enum import Enum
 
 from aio_datadist._engine.access import encode_access, encode_blocks_access
 from aio_datadist._engine.request import Completion, Pump, Transfer, completed
@@ -46,38 +46,14 @@ from aio_datadist.status import LLMException
 
 __all__ = (
     "Carrier",
-    "ON_LOOP",
     "LinkRoute",
     "Route",
     "Staged",
-    "Waiting",
     "link_routes",
     "placed",
     "send_request",
     "start_on",
 )
-
-
-class Waiting(Enum):
-    """How the face waits for a call's requests, chosen once per call.
-
-    ``EXCHANGE``: a blocking caller with one request runs its whole round trip in its own
-    thread where the link can (``Channel.exchange``). ``CALLER``: a blocking caller sends,
-    then reads answers itself while it waits (``Channel.read_for``). ``LOOP_EXCHANGE``: an
-    event loop with one small request and nothing else ready to run does as ``EXCHANGE``,
-    busy-polling at most the link's busy-poll time (a payload still arriving then arrives
-    on the loop). ``LOOP``: an event loop awaits, and may read the small answers of a link
-    it watches (``Channel.watch``).
-    """
-
-    # Members are singletons compared by identity: hash them so too (``Enum.__hash__`` is
-    # Python code, and members are dictionary keys and set members on every transfer).
-    __hash__ = object.__hash__
-
-    EXCHANGE = "exchange"
-    CALLER = "caller"
-    LOOP_EXCHANGE = "loop-exchange"
-    LOOP = "loop"
 
 
 class Route(ABC):
@@ -105,16 +81,13 @@ class Route(ABC):
         return True
 
     @abstractmethod
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         """Move ``transfer``'s bytes, or send its request; None when this route declines it
-        after all (nothing moved: the next route takes it).
+        after all (nothing moved: the next route takes it). Who waits for it, and how, is
+        the face's: the completion's pump helps whoever waits.
 
         :raises LLMException: the transfer failed in the calling thread.
         """
-
-
-#: The ways of waiting in which an event loop waits.
-ON_LOOP = frozenset({Waiting.LOOP, Waiting.LOOP_EXCHANGE})
 
 
 def _body(transfer: Transfer) -> bytes:
@@ -135,6 +108,8 @@ def send_request(
     nbytes: int,
     deadline_ns: int,
 ) -> Future[None]:
+    """Send ``transfer``'s request over ``channel`` with ``body`` naming the peer's memory:
+    a pull into ``local`` or a push from it; its future."""
     if transfer.kind is RequestKind.PULL:
         return channel.pull(body, local, nbytes, deadline_ns, commit=transfer.commit)
     return channel.push(body, local, nbytes, deadline_ns)
@@ -186,23 +161,10 @@ class LinkRoute(Carrier):
             channel.pull_in_caller if transfer.kind is RequestKind.PULL else channel.push_in_caller
         )
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
-        body = _body(transfer)
-        if (
-            waiting is Waiting.EXCHANGE or waiting is Waiting.LOOP_EXCHANGE
-        ) and not transfer.commit:
-            future = self.channel.exchange(
-                transfer.kind,
-                body,
-                transfer.rows,
-                transfer.nbytes,
-                deadline_ns,
-                on_loop=waiting is Waiting.LOOP_EXCHANGE,
-            )
-        else:
-            future = send_request(
-                self.channel, transfer, body, transfer.rows, transfer.nbytes, deadline_ns
-            )
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
+        future = send_request(
+            self.channel, transfer, _body(transfer), transfer.rows, transfer.nbytes, deadline_ns
+        )
         return completed(future, deadline_ns, self.channel)
 
     def send(self, transfer: Transfer, local: Payload, deadline_ns: int) -> Future[None]:
@@ -231,7 +193,7 @@ class Staged(Route):
     def accepts(self, transfer: Transfer) -> bool:
         return transfer.device and self.inner.takes(transfer)
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         inner, pull = self.inner, transfer.kind is RequestKind.PULL
         if inner.streams:  # device copies overlap the socket, in bounded memory
             stream = self.staging.stream(transfer.rows, outbound=not pull)
@@ -311,7 +273,6 @@ def start_on(
     routes: Sequence[Route],
     transfer: Transfer,
     deadline_ns: int,
-    waiting: Waiting,
     accepting: Route | None = None,
 ) -> tuple[Route, Completion]:
     """Start ``transfer`` on the first route that accepts it and does not decline: that
@@ -321,7 +282,7 @@ def start_on(
     for route in routes:
         if route is accepting or route.accepts(transfer):
             try:
-                completion = route.start(transfer, deadline_ns, waiting)
+                completion = route.start(transfer, deadline_ns)
             except LLMException as exc:
                 future: Future[None] = Future()
                 future.set_exception(exc)

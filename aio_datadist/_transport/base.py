@@ -265,33 +265,6 @@ class Channel(ABC):
         once the future completed.
         """
 
-    def exchange(
-        self,
-        kind: RequestKind,
-        body: bytes,
-        local: Payload,
-        nbytes: int,
-        deadline_ns: int,
-        *,
-        on_loop: bool = False,
-    ) -> Future[None] | None:
-        """Start a request whose caller waits for it next: :meth:`pull` into ``local`` or
-        :meth:`push` from it.
-
-        Returns None when the request already completed in the calling thread, or its
-        future (then use :meth:`read_for` and wait as usual).
-
-        A transport that can read its own answers (TCP) runs a small request's whole round
-        trip here when nothing else is reading. ``on_loop``: the caller is an event loop
-        that watches this link (:meth:`watch`); it never waits for a payload past the
-        busy-poll time (the rest arrives on the loop). The default just starts the request.
-
-        :raises LLMException: the request failed in the calling thread.
-        """
-        if kind is RequestKind.PULL:
-            return self.pull(body, local, nbytes, deadline_ns)
-        return self.push(body, local, nbytes, deadline_ns)
-
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in the calling thread) help complete the requests it awaits
         until the returned call ends the watch; None when the transport does not.
@@ -308,6 +281,16 @@ class Channel(ABC):
         A transport that can read its own answers (TCP) busy-polls the connection for a
         short while and handles what arrives here, saving the hand-over from its reader
         thread. The default does nothing: the caller then waits as usual.
+        """
+        return
+
+    def spin(self, future: Future[None], deadline_ns: int) -> None:
+        """Help ``future`` (a request of this channel) complete in the calling thread, an
+        event loop with nothing else to run that watches this channel (:meth:`watch`), for
+        at most the busy-poll time; what is still to come then arrives on the loop.
+
+        A transport that can read its own answers (TCP) busy-polls the connection; the
+        default does nothing.
         """
         return
 

@@ -418,30 +418,19 @@ class TcpChannel(Channel):
         self._sent(req, failure, broke)
         return req.future
 
-    def exchange(
-        self,
-        kind: RequestKind,
-        body: bytes,
-        local: Payload,
-        nbytes: int,
-        deadline_ns: int,
-        *,
-        on_loop: bool = False,
-    ) -> Future[None] | None:
-        """Start a request whose caller waits for it next, and read the link for it in the
-        calling thread for up to the busy-poll time (an event loop too: it never waits
-        longer, and an answer still to come then completes at its selector's readiness)."""
-        future = super().exchange(kind, body, local, nbytes, deadline_ns, on_loop=on_loop)
+    def spin(self, future: Future[None], deadline_ns: int) -> None:
+        """Read the link through the pump for ``future`` (a request of this link) in the
+        calling thread, for up to the busy-poll time when nobody else reads it; a payload
+        still arriving then stays the pump's, for the next driver."""
         rid = getattr(future, "request_id", 0)
-        if future is None or future.done() or not rid or self._spin_ns <= 0:
-            return future
+        if future.done() or not rid or self._spin_ns <= 0:
+            return
         until = now_ns() + self._spin_ns
         if 0 < deadline_ns < until:
             until = deadline_ns
         got = self._pump.wait(rid, self._spin_ns, until)
         if got is not True and got is not False:
             self._settle(got)
-        return future
 
     def _sent(self, req: Request, failure: LLMException | None, broke: str) -> None:
         """A busy request's frame went out (or failed): unless it failed, it now waits for

@@ -7,7 +7,7 @@ import dataclasses
 
 from aio_datadist._engine.access import NO_ROWS, encode_access
 from aio_datadist._engine.request import Completion, Transfer, completed
-from aio_datadist._engine.routes import Route, Waiting, send_request
+from aio_datadist._engine.routes import Route, send_request
 from aio_datadist._routes.hccl.domain import CommRoute
 from aio_datadist._transport.base import Channel
 
@@ -35,7 +35,7 @@ class CommunicatorRoute(Route):
     def in_caller(self, transfer: Transfer) -> bool:
         return False
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         body = encode_access(dataclasses.replace(transfer.access, deliver=transfer.rows))
         future = send_request(self.channel, transfer, body, NO_ROWS, 0, deadline_ns)
         return completed(future, deadline_ns, self.channel)

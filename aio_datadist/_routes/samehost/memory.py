@@ -150,15 +150,14 @@ class PeerMemory:
         local: Iov,
         deadline_ns: int,
         *,
-        on_loop: bool = False,
         local_on_device: bool = False,
     ) -> Completion | None:
         """Move one request's bytes one-sided; None when the link must carry it instead.
 
-        ``on_loop``: an event loop waits, so a copy of host rows of at least
-        ``api.BACKGROUND_MIN`` bytes runs on the native copy workers (see :meth:`_copy`) and
-        the completion, with ``deadline_ns``, ends on the loop. ``local_on_device``: the
-        ``local`` rows are device memory of this engine's runtime.
+        In an event loop's thread a copy of host rows of at least ``api.BACKGROUND_MIN``
+        bytes runs on the native copy workers (see :meth:`_copy`) and the completion, with
+        ``deadline_ns``, ends on the loop. ``local_on_device``: the ``local`` rows are
+        device memory of this engine's runtime.
 
         :raises LLMException: ``LLM_PARAM_INVALID`` (outside the peer's cache),
             ``LLM_KV_CACHE_NOT_EXIST`` (released meanwhile), ``LLM_LINK_FAILED`` (the peer
@@ -186,7 +185,6 @@ class PeerMemory:
         write = kind is RequestKind.PUSH
         if not local_on_device:
             ops = paired(kind, local, remote)
-            loop_deadline_ns = deadline_ns if on_loop else None
             nbytes = int(ops[:, 2].sum())
             held = self._hold(regions, entries)
             if held is None:
@@ -197,13 +195,13 @@ class PeerMemory:
                 ops[:, theirs] = _translated(ops[:, theirs], list(spans))
                 args = (0, ops)
             return self._copy(
-                regions, entries, api.vm_copy_batch, args, write, nbytes, loop_deadline_ns, held
+                regions, entries, api.vm_copy_batch, args, write, nbytes, deadline_ns, held
             )
         staged = self._staging.inbound(local) if not write else self._staging.outbound(local)
         done = None
         try:
             ops = paired(kind, staged.iov, remote)
-            done = self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, 0, None)
+            done = self._copy(regions, entries, api.vm_copy_batch, (self.pid, ops), write, 0, 0)
         finally:
             staged.finish(done is not None)
         return done
@@ -214,8 +212,6 @@ class PeerMemory:
         remote: RemoteBlocks,
         local: Blocks,
         deadline_ns: int,
-        *,
-        on_loop: bool = False,
     ) -> Completion | None:
         """:meth:`transfer` of blocks between host blocks caches, in one native call:
         ``remote`` (blocks of the peer's blocks cache ``remote.model_id``) into ``local``
@@ -258,7 +254,7 @@ class PeerMemory:
                 args,
                 push,
                 nbytes,
-                deadline_ns if on_loop else None,
+                deadline_ns,
                 held,
             )
         except ParamInvalidError:
@@ -418,25 +414,24 @@ class PeerMemory:
         args: tuple[Any, ...],
         write: bool,
         nbytes: int,
-        loop_deadline_ns: int | None,
+        deadline_ns: int,
         held: list[_Arena] | None = None,
     ) -> Completion | None:
         """Run ``copy(*args, write=write)`` (``nbytes``) with the peer's host memory: in this
-        thread, or, given ``loop_deadline_ns`` (an event loop in this thread waits; the
-        completion's deadline), a copy of ``api.BACKGROUND_MIN`` bytes or more once a copy
-        with this peer went through (or its memory was mapped here), on the native copy
-        workers (``_engine.background``). ``held``: the peer's arenas the copy uses, mapped
-        here (pid 0), released when it ended. None when the kernel refused (use the link)."""
-        large = nbytes >= api.BACKGROUND_MIN and self.proven
-        deadline_ns = loop_deadline_ns if large else None
+        thread, or, in an event loop's thread, a copy of ``api.BACKGROUND_MIN`` bytes or more
+        once a copy with this peer went through (or its memory was mapped here), on the
+        native copy workers (``_engine.background``; ``deadline_ns`` is its completion's).
+        ``held``: the peer's arenas the copy uses, mapped here (pid 0), released when it
+        ended. None when the kernel refused (use the link)."""
         try:
-            if deadline_ns is not None and _loop_here():
-                future = start_on_loop(
+            if nbytes >= api.BACKGROUND_MIN and self.proven and _loop_here():
+                completion = start_on_loop(
                     partial(_background, copy, args, write),
                     partial(self._ended, regions, entries, held),
+                    deadline_ns,
                 )
-                if future is not None:
-                    return Completion(future, deadline_ns)
+                if completion is not None:
+                    return completion
             else:
                 copy(*args, write=write)
         except BaseException as exc:  # nothing runs on: the arenas are free again

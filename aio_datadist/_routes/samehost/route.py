@@ -4,7 +4,7 @@ region board (:class:`~aio_datadist._routes.samehost.memory.PeerMemory`)."""
 from __future__ import annotations
 
 from aio_datadist._engine.request import Blocks, Completion, Transfer
-from aio_datadist._engine.routes import ON_LOOP, Route, Waiting
+from aio_datadist._engine.routes import Route
 from aio_datadist._routes.samehost.memory import PeerMemory
 
 __all__ = ("DeviceIpcRoute", "SameHostRoute")
@@ -28,20 +28,11 @@ class SameHostRoute(Route):
         # native copy workers (``PeerMemory.transfer``); until then, in the caller.
         return not self.peer.proven
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         remote, local = transfer.remote, transfer.local
-        on_loop = waiting in ON_LOOP
         if remote is not None and local.__class__ is Blocks and remote.seg == local.seg:
-            return self.peer.transfer_blocks(
-                transfer.kind,
-                remote,
-                local,
-                deadline_ns,
-                on_loop=on_loop,
-            )
-        return self.peer.transfer(
-            transfer.kind, transfer.access, transfer.rows, deadline_ns, on_loop=on_loop
-        )
+            return self.peer.transfer_blocks(transfer.kind, remote, local, deadline_ns)
+        return self.peer.transfer(transfer.kind, transfer.access, transfer.rows, deadline_ns)
 
 
 class DeviceIpcRoute(Route):
@@ -57,7 +48,7 @@ class DeviceIpcRoute(Route):
     def accepts(self, transfer: Transfer) -> bool:
         return transfer.device and not transfer.commit and self.peer.serves(transfer.target)
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         return self.peer.transfer(
             transfer.kind, transfer.access, transfer.rows, deadline_ns, local_on_device=True
         )

@@ -40,7 +40,7 @@ import structlog
 
 from aio_datadist._engine.regions import ONE_SIDED_TARGETS, BoardEntry, paired, resolve
 from aio_datadist._engine.request import DONE, Completion, Transfer, completed
-from aio_datadist._engine.routes import Carrier, Waiting
+from aio_datadist._engine.routes import Carrier
 from aio_datadist._routes.ucx.remote import Snapshot, UcxRemote
 from aio_datadist._routes.ucx.worker import Requests, UcxWorker
 from aio_datadist._transport.base import Payload, RequestKind
@@ -55,9 +55,6 @@ _S = LLMStatusCode
 _START_NS = 50_000
 #: The same, in any other thread.
 _START_THREAD_NS = 20_000_000
-#: How long a waiter gives the requests of a batch past its deadline to come back cancelled
-#: before it leaves them to the progress thread (the batch then keeps its local rows).
-_CANCEL_NS = 1_000_000_000
 
 
 class Batch:
@@ -121,15 +118,11 @@ class Batch:
         finally:
             self._lock.release()
 
-    def notify(self, worker: UcxWorker, fd: int = -1) -> None:
+    def notify(self, worker: UcxWorker) -> None:
         """Have the requests other workers progress (the lanes' parts) signal ``worker`` when
-        they complete: whoever waits for the batch sleeps on its event fd. With ``fd`` (the
-        eventfd of the one thread that waits), write to it instead."""
+        they complete: whoever waits for the batch sleeps on its event fd."""
         for requests in self.requests:
-            if fd < 0:
-                requests.notify(worker)
-            else:
-                requests.notify_fd(worker, fd)
+            requests.notify(worker)
 
     def expire(self) -> None:
         """The deadline passed: the batch fails with ``LLM_TIMEOUT`` once its requests are
@@ -187,32 +180,13 @@ class UcxProgress:
         self._thread.start()
 
     # -- batches ----------------------------------------------------------------------------
-    def settle(self, batch: Batch, *, wait: bool) -> Future[None]:
-        """Progress once and see whether ``batch`` completed; else wait for it here (``wait``,
-        until its deadline, then for its cancellation a while) and hand it to whoever
-        progresses next if it still runs. Its future either way."""
-        if self._progress_once(batch):
-            return batch.future
-        # Only now, with a wait ahead, do the lanes' parts signal: a part that completed while
-        # this thread moved its own wakes no one. A thread that waits here is woken through
-        # its own eventfd, so that the progress thread, asleep on the worker's event fd,
-        # sleeps on; a batch left to others signals the worker.
-        waker = None
-        if wait:
-            with contextlib.suppress(OSError):  # (no descriptor for it: the worker's signal)
-                waker = _thread_waker()
-        fd = -1 if waker is None else waker.fd
-        batch.notify(self.worker, fd)
-        if wait:
-            with self._foreground(), contextlib.suppress(LLMException):  # (closed: finalize)
-                if not self.worker.wait_until(batch.poll, batch.deadline_ns, wake_fd=fd):
-                    self._expire(batch)
-                    self.worker.wait_until(batch.poll, time.monotonic_ns() + _CANCEL_NS, wake_fd=fd)
-            if waker is not None:
-                waker.clear()
-        if not batch.future.done():
-            if fd >= 0:
-                batch.notify(self.worker)  # handed on: whoever progresses next hears of it
+    def settle(self, batch: Batch) -> Future[None]:
+        """Progress once and see whether ``batch`` completed; else hand it to whoever
+        progresses next (a waiter, a watching loop, the progress thread), its lanes' parts
+        signalling the worker as they complete (a part that completed while this thread
+        moved its own wakes no one). Its future either way."""
+        if not self._progress_once(batch):
+            batch.notify(self.worker)
             self._add(batch)
         return batch.future
 
@@ -308,6 +282,12 @@ class UcxProgress:
             self.poll()
 
     # -- waiters ----------------------------------------------------------------------------
+    def spin(self, future: Future[None], deadline_ns: int) -> None:
+        """Nothing: starting the batch progressed the worker for the busy-poll time already
+        (:meth:`settle`), and more busy-polling was not measured faster than the loop's
+        watch."""
+        return
+
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Progress the worker in this thread, sleeping on its event fd, until ``future``
         completed or ``deadline_ns`` passed (a blocking face waiting for a completion).
@@ -483,10 +463,9 @@ class UcxRoute(Carrier):
     def accepts(self, transfer: Transfer) -> bool:
         return (not transfer.device or self.cuda) and self.takes(transfer)
 
-    def start(self, transfer: Transfer, deadline_ns: int, waiting: Waiting) -> Completion | None:
+    def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         memory = "cuda" if transfer.device else "host"
-        wait = waiting is Waiting.EXCHANGE  # a blocking caller with one request: wait here
-        future = self.send(transfer, transfer.rows, deadline_ns, local_memory=memory, wait=wait)
+        future = self.send(transfer, transfer.rows, deadline_ns, local_memory=memory)
         if future is None:
             return None
         if future.done() and future.exception() is None:
@@ -500,11 +479,9 @@ class UcxRoute(Carrier):
         deadline_ns: int,
         *,
         local_memory: str = "host",
-        wait: bool = False,
     ) -> Future[None] | None:
         """Start ``transfer``'s bytes between the rows ``local`` and the peer's memory; its
         future, or None when the route declines it (nothing moved; the next route takes it).
-        With ``wait`` the calling thread waits for it here.
 
         :raises LLMException: the peer's table refuses the access (``LLM_PARAM_INVALID``, as
             the serving side would), or the route closed (``LLM_LINK_FAILED``).
@@ -523,7 +500,7 @@ class UcxRoute(Carrier):
         if batch is None:
             remote.end(snap)
             return None
-        return self.progress.settle(batch, wait=wait)
+        return self.progress.settle(batch)
 
     def _batch(
         self, transfer: Transfer, local: Payload, snap: Snapshot, deadline_ns: int, memory: str
