@@ -361,48 +361,15 @@ def _advance(call: Call, plan: Plan, overdue: _Overdue) -> _Driver | None:
     return None if driver.done else driver
 
 
-class AsyncCacheManager(_LoopBound):
-    """The cache manager of an ``AsyncLLMDataDist``: the blocking cache manager's calls, awaited.
-
-    Obtained from ``AsyncLLMDataDist.cache_manager``, never constructed. Every call takes the
-    same arguments and raises the same errors as the blocking one and is a coroutine, except
-    ``push_blocks`` and ``transfer_cache_async``, which return an awaitable ``CacheTask`` at
-    once, and ``pool_stats``. Calls belong to the event loop the engine was initialised on
-    (``RuntimeError`` elsewhere); each method says what runs inline on the loop and what on a
-    worker thread. After ``finalize`` every call raises ``LLMException(LLM_FAILED)``.
+class _CacheMemory(_LoopBound):
+    """The calls of an ``AsyncCacheManager`` that manage its memory: allocate, register and
+    release caches, and their keys (the copies and transfers are the manager's own).
     """
 
-    def __init__(
-        self,
-        service: CacheService,
-        planner: Planner,
-        links: LinkTable,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
+    def __init__(self, service: CacheService, loop: asyncio.AbstractEventLoop) -> None:
         self._service = service
-        self._planner = planner
-        self._links = links
         self._loop = loop
         self._bound_loop = loop
-        self._overdue = _Overdue(loop)
-        self._background: set[asyncio.Task[None]] = set()
-
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = self._bound_loop.create_task(coro)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    def _begin(self, plan: Plan) -> _Driver | None:
-        """Run a pull or push call inline as far as it goes; the caller awaits ``finish()``
-        of the driver returned, if any (no coroutine of its own: thousands of awaited calls
-        in flight each hold one object less)."""
-        return _advance(run_call(plan, self._links), plan, self._overdue)
-
-    async def _run(self, plan: CopyPlan) -> None:
-        try:
-            await run_native(lambda: self._service.execute(plan), nbytes=plan.nbytes)
-        finally:
-            self._service.release(plan)
 
     async def _allocate(self, reservation: Reservation) -> Cache:
         """Commit and zero a reservation's memory (off the loop when large), then make its
@@ -615,6 +582,82 @@ class AsyncCacheManager(_LoopBound):
         if busy is not None:
             await anyio.to_thread.run_sync(self._service.registry.wait_unpinned, busy)
 
+    async def remap_registered_memory(self, mem_infos: Any) -> None:
+        """Reserved in the documented API: validates ``mem_infos``, then always raises.
+
+        In the reference it registers device memory repaired after a memory fault with the NIC
+        again; this implementation has no such registration to repair, so it raises
+        ``LLM_FEATURE_NOT_ENABLED`` once the arguments are valid.
+
+        Runs inline: nothing is awaited.
+
+        :param mem_infos: a ``MemInfo`` or a list of them, each ``MEM_TYPE_DEVICE`` with
+            ``addr != 0`` and ``size > 0``.
+        :raises TypeError: wrong argument types.
+        :raises LLMException: ``LLM_PARAM_INVALID`` for an invalid entry, ``LLM_FAILED`` after
+            ``finalize``, else always ``LLM_FEATURE_NOT_ENABLED``.
+        :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
+        """
+        self._check_loop()
+        self._service.remap_registered_memory(mem_infos)
+
+    def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
+        """Usage of the memory pool for ``placement``, or None when it is not configured.
+
+        A snapshot: ``capacity``, ``used``, ``free``, ``largest_free`` (the biggest run one
+        allocation could get now), ``allocations`` and ``page_size``, every size in bytes.
+
+        A plain method (not a coroutine): it reads counters and never waits.
+
+        :param placement: ``Placement.DEVICE`` (the default, ``mem_pool_cfg``) or ``Placement.HOST``
+            (``host_mem_pool_cfg``).
+        :returns: a ``PoolStats``, or None without a pool for ``placement``.
+        :raises TypeError: ``placement`` is not a ``Placement``.
+        """
+        return self._service.pool_stats(placement)
+
+
+class AsyncCacheManager(_CacheMemory):
+    """The cache manager of an ``AsyncLLMDataDist``: the blocking cache manager's calls, awaited.
+
+    Obtained from ``AsyncLLMDataDist.cache_manager``, never constructed. Every call takes the
+    same arguments and raises the same errors as the blocking one and is a coroutine, except
+    ``push_blocks`` and ``transfer_cache_async``, which return an awaitable ``CacheTask`` at
+    once, and ``pool_stats``. Calls belong to the event loop the engine was initialised on
+    (``RuntimeError`` elsewhere); each method says what runs inline on the loop and what on a
+    worker thread. After ``finalize`` every call raises ``LLMException(LLM_FAILED)``.
+    """
+
+    def __init__(
+        self,
+        service: CacheService,
+        planner: Planner,
+        links: LinkTable,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        super().__init__(service, loop)
+        self._planner = planner
+        self._links = links
+        self._overdue = _Overdue(loop)
+        self._background: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._bound_loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _begin(self, plan: Plan) -> _Driver | None:
+        """Run a pull or push call inline as far as it goes; the caller awaits ``finish()``
+        of the driver returned, if any (no coroutine of its own: thousands of awaited calls
+        in flight each hold one object less)."""
+        return _advance(run_call(plan, self._links), plan, self._overdue)
+
+    async def _run(self, plan: CopyPlan) -> None:
+        try:
+            await run_native(lambda: self._service.execute(plan), nbytes=plan.nbytes)
+        finally:
+            self._service.release(plan)
+
     async def copy_cache(
         self,
         dst: Any,
@@ -704,25 +747,6 @@ class AsyncCacheManager(_LoopBound):
         """
         self._check_loop()
         await self._run(self._planner.swap_blocks(src_cache, dst_cache, src_to_dst))
-
-    async def remap_registered_memory(self, mem_infos: Any) -> None:
-        """Reserved in the documented API: validates ``mem_infos``, then always raises.
-
-        In the reference it registers device memory repaired after a memory fault with the NIC
-        again; this implementation has no such registration to repair, so it raises
-        ``LLM_FEATURE_NOT_ENABLED`` once the arguments are valid.
-
-        Runs inline: nothing is awaited.
-
-        :param mem_infos: a ``MemInfo`` or a list of them, each ``MEM_TYPE_DEVICE`` with
-            ``addr != 0`` and ``size > 0``.
-        :raises TypeError: wrong argument types.
-        :raises LLMException: ``LLM_PARAM_INVALID`` for an invalid entry, ``LLM_FAILED`` after
-            ``finalize``, else always ``LLM_FEATURE_NOT_ENABLED``.
-        :raises RuntimeError: called from another event loop or thread than the one ``init`` ran on.
-        """
-        self._check_loop()
-        self._service.remap_registered_memory(mem_infos)
 
     async def pull_cache(
         self, cache_key: Any, cache: Any, batch_index: Any = 0, size: Any = -1, **kwargs: Any
@@ -1013,21 +1037,6 @@ class AsyncCacheManager(_LoopBound):
         call = run_layers(job, task, self._links)
         self._spawn(_Driver(call, job.plan, self._overdue, job.synchronizer, cancelled).finish())
         return task
-
-    def pool_stats(self, placement: Placement = Placement.DEVICE) -> PoolStats | None:
-        """Usage of the memory pool for ``placement``, or None when it is not configured.
-
-        A snapshot: ``capacity``, ``used``, ``free``, ``largest_free`` (the biggest run one
-        allocation could get now), ``allocations`` and ``page_size``, every size in bytes.
-
-        A plain method (not a coroutine): it reads counters and never waits.
-
-        :param placement: ``Placement.DEVICE`` (the default, ``mem_pool_cfg``) or ``Placement.HOST``
-            (``host_mem_pool_cfg``).
-        :returns: a ``PoolStats``, or None without a pool for ``placement``.
-        :raises TypeError: ``placement`` is not a ``Placement``.
-        """
-        return self._service.pool_stats(placement)
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any) -> None:
