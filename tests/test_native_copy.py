@@ -777,6 +777,50 @@ def test_vm_copy_blocks_refuses_before_moving(
         api.vm_copy_blocks(proc.pid, (mine, 0, [0]), (theirs, 0, [0]), 1, 4096, write=False)
 
 
+def test_blocks_ops_pair_the_rows_of_both_layouts() -> None:
+    # The ops of a blocks copy are each side's block rows, side by side: what pairing the
+    # two sides' rows (block_rows) gives, in one call.
+    rng = np.random.default_rng(7)
+    dst_buf = np.zeros(3 * 8 * 64, dtype=np.uint8)
+    src_buf = np.zeros(5 * 16 * 32, dtype=np.uint8)
+    dst, src = _layout(dst_buf, 3, 64, 8), _layout(src_buf, 5, 32, 16)
+    for _ in range(20):
+        count = int(rng.integers(1, 4))
+        n = int(rng.integers(0, 6))
+        d_blocks = [int(b) for b in rng.integers(0, 8, n)]
+        s_blocks = [int(b) for b in rng.integers(0, 16, n)]
+        d_start, s_start = int(rng.integers(0, 4 - count)), int(rng.integers(0, 6 - count))
+        seg = int(rng.integers(1, 33))
+        ops = api.blocks_ops((dst, d_start, d_blocks), (src, s_start, s_blocks), count, seg)
+        d_rows = api.block_rows(dst, d_start, count, d_blocks, seg)
+        s_rows = api.block_rows(src, s_start, count, s_blocks, seg)
+        assert ops.shape == (count * n, 3)
+        np.testing.assert_array_equal(ops[:, 0], d_rows[:, 0])
+        np.testing.assert_array_equal(ops[:, 1], s_rows[:, 0])
+        assert (ops[:, 2] == seg).all()
+
+
+def test_blocks_ops_refuse_what_a_blocks_copy_refuses() -> None:
+    mine = _layout(np.zeros(4 * 4096, dtype=np.uint8), 1, 4096, 4)
+    theirs = _layout(np.zeros(16 * 4096, dtype=np.uint8), 1, 4096, 16)
+    bad: list[tuple[object, object, int, int]] = [
+        ((mine, 0, [4]), (theirs, 0, [0]), 1, 4096),  # a block past the end
+        ((mine, 0, [0]), (theirs, 0, [16]), 1, 4096),
+        ((mine, 0, [0]), (theirs, 1, [0]), 1, 4096),  # a tensor past the end
+        ((mine, 0, [0, 1]), (theirs, 0, [0]), 1, 4096),  # the lists differ
+        ((mine, 0, [0]), (theirs, 0, [0]), 1, 8192),  # a segment over a block
+        ((mine, 0, [0]), (theirs, 0, [0]), 1, 0),  # an empty segment
+        ((mine, 0, [0]), (theirs, 0, [0]), 1, -1),  # a segment outside uint64
+    ]
+    for dst, src, count, seg in bad:
+        with pytest.raises(ParamInvalidError):
+            api.blocks_ops(dst, src, count, seg)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        api.blocks_ops((mine, 0, ["0"]), (theirs, 0, [0]), 1, 4096)  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        api.blocks_ops((mine, 0, [0]), (theirs, 0, [0]), 1, "4096")  # type: ignore[arg-type]
+
+
 _SHARED_CHILD = (
     "import ctypes, os, sys; from aio_datadist._native import api; "
     "a, fd = api.host_alloc_shared(1 << 20); "

@@ -59,6 +59,7 @@ from aio_datadist._native.api import UcxCalls
 from aio_datadist._routes.hccl.route import CommunicatorRoute
 from aio_datadist._routes.samehost.route import DeviceIpcRoute, SameHostRoute
 from aio_datadist._routes.ucx import board as ucxboard
+from aio_datadist._routes.ucx import route as ucx_route
 from aio_datadist._routes.ucx import worker as ucx
 from aio_datadist._routes.ucx.lanes import LANE_MIN_BYTES
 from aio_datadist._routes.ucx.route import UcxRoute
@@ -583,6 +584,14 @@ async def test_accesses_outside_the_peers_caches_are_refused_before_ucx_sees_the
         return rma(ops, *args, **kwargs)
 
     monkeypatch.setattr("aio_datadist._routes.ucx.remote.rma", counted)
+    resolved: list[object] = []
+    resolve = ucx_route.resolve
+
+    def resolving(regions: Any, access: Any) -> Any:
+        resolved.append(access)
+        return resolve(regions, access)
+
+    monkeypatch.setattr(ucx_route, "resolve", resolving)
     pair = await make_pair()
     pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
     src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
@@ -604,8 +613,10 @@ async def test_accesses_outside_the_peers_caches_are_refused_before_ucx_sees_the
         )
     assert info.value.status_code == S.LLM_PARAM_INVALID
     assert started == []  # none of them reached UCX
+    assert len(resolved) == 3  # each refusal named as the serving side would
     await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [1, 2], [3, 4])
     assert started == [2 * TENSORS]  # two blocks of each tensor, in one batch
+    assert len(resolved) == 3  # whole blocks both sides: paired in one native call
     await dcm.deallocate_blocks_cache(dst)
     await pcm.deallocate_blocks_cache(src)
 

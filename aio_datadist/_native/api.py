@@ -698,6 +698,62 @@ def blocks_access_rows(
     raise ParamInvalidError(refusal, status_code=LLMStatusCode.LLM_PARAM_INVALID)
 
 
+def _block_sides(
+    dst: tuple[BlockLayout, int, Sequence[int]],
+    src: tuple[BlockLayout, int, Sequence[int]],
+    count: int,
+) -> tuple[int, tuple[Any, ...]]:
+    """The blocks per tensor, and the native arguments naming both sides of a blocks copy
+    (each side's tensors, block bytes, blocks per tensor and block list).
+
+    Raises:
+        TypeError: a block list that is not ints.
+        ParamInvalidError: the lists differ in length, or a tensor outside its layout.
+    """
+    d_layout, d_start, d_blocks = dst
+    s_layout, s_start, s_blocks = src
+    n = len(d_blocks)
+    if len(s_blocks) != n:
+        _check(lib.DD_EINVAL, f"{n} dst blocks but {len(s_blocks)} src blocks")
+    # One C array for both lists: its first n values are dst's.
+    blocks = _block_list("blocks", [*d_blocks, *s_blocks])
+    return n, (
+        d_layout._tensors(d_start, count),
+        d_layout.block_bytes,
+        d_layout.num_blocks,
+        blocks,
+        s_layout._tensors(s_start, count),
+        s_layout.block_bytes,
+        s_layout.num_blocks,
+        blocks + n,
+    )
+
+
+def blocks_ops(
+    dst: tuple[BlockLayout, int, Sequence[int]],
+    src: tuple[BlockLayout, int, Sequence[int]],
+    count: int,
+    seg: int,
+) -> npt.NDArray[np.uint64]:
+    """The ``(dst, src, seg)`` ops of a blocks copy, as :func:`vm_copy_blocks` moves them:
+    block ``src_blocks[k]`` of each of ``count`` tensors from ``src``'s first paired with
+    block ``dst_blocks[k]`` of the matching ``dst`` tensor, per tensor then per block. Each
+    side is ``(layout, first tensor, blocks)``.
+
+    Raises:
+        TypeError: a block list that is not ints.
+        ParamInvalidError: the lists differ in length, a tensor or block outside its layout,
+            ``seg`` 0 or over a block.
+    """
+    if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
+        _u64(seg, "seg")
+    n, sides = _block_sides(dst, src, count)
+    ops = np.empty((count * n, 3), dtype=np.uint64)
+    rc = lib.dd_blocks_ops(ffi.from_buffer("uint64_t[]", ops), *sides, count, n, seg)
+    _check(rc, f"blocks_ops of {count} x {n} blocks (a block or segment outside its layout)")
+    return ops
+
+
 def vm_copy_blocks(
     pid: int,
     dst: tuple[BlockLayout, int, Sequence[int]],
@@ -728,30 +784,9 @@ def vm_copy_blocks(
         _copy_threads(threads)
     if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
         _u64(seg, "seg")
-    d_layout, d_start, d_blocks = dst
-    s_layout, s_start, s_blocks = src
-    n = len(d_blocks)
-    if len(s_blocks) != n:
-        _check(lib.DD_EINVAL, f"{n} dst blocks but {len(s_blocks)} src blocks")
-    # One C array for both lists: its first n values are dst's.
-    blocks = _block_list("blocks", [*d_blocks, *s_blocks])
+    n, sides = _block_sides(dst, src, count)
     err = ffi.new("int *")
-    args = (
-        pid,
-        int(write),
-        d_layout._tensors(d_start, count),
-        d_layout.block_bytes,
-        d_layout.num_blocks,
-        blocks,
-        s_layout._tensors(s_start, count),
-        s_layout.block_bytes,
-        s_layout.num_blocks,
-        blocks + n,
-        count,
-        n,
-        seg,
-        threads,
-    )
+    args = (pid, int(write), *sides, count, n, seg, threads)
     if signal is None:
         rc = lib.dd_vm_copy_blocks(*args, err)
         if rc:

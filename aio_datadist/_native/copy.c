@@ -784,6 +784,20 @@ static int vm_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst
     return rc;
 }
 
+int dd_blocks_ops(uint64_t *ops, const uint64_t *dst_bases, uint64_t dst_row_bytes,
+                  uint64_t dst_num_rows, const uint64_t *dst_blocks, const uint64_t *src_bases,
+                  uint64_t src_row_bytes, uint64_t src_num_rows, const uint64_t *src_blocks,
+                  size_t ntensors, size_t nblocks, uint64_t seg)
+{
+    if ((ops == NULL && ntensors * nblocks) ||
+        !blocks_ok(dst_bases, dst_row_bytes, dst_num_rows, dst_blocks, src_bases, src_row_bytes,
+                   src_num_rows, src_blocks, ntensors, nblocks, seg))
+        return DD_EINVAL;
+    blocks_ops(ops, dst_bases, dst_row_bytes, dst_blocks, src_bases, src_row_bytes, src_blocks,
+               ntensors, nblocks, seg);
+    return DD_OK;
+}
+
 int dd_vm_copy_blocks(int pid, int write, const uint64_t *dst_bases, uint64_t dst_row_bytes,
                       uint64_t dst_num_rows, const uint64_t *dst_blocks,
                       const uint64_t *src_bases, uint64_t src_row_bytes, uint64_t src_num_rows,

@@ -113,6 +113,15 @@ int dd_blocks_rows(uint64_t *rows, size_t cap, const uint64_t *bases, uint64_t n
  * tensors, DD_OK and nothing written. */
 int dd_block_rows(uint64_t *rows, const uint64_t *bases, size_t ntensors, uint64_t row_bytes,
                   uint64_t num_rows, const uint64_t *blocks, size_t nblocks, uint64_t seg);
+/* The (dst, src, seg) ops of a blocks copy (as dd_vm_copy_blocks moves them: block
+ * dst_blocks[k] of each tensor t of the dst side with block src_blocks[k] of tensor t of the
+ * src side, each side's rows as for dd_block_rows), tensor then block, into ops (3 * ntensors
+ * * nblocks values). DD_EINVAL, nothing written, when a side's rows are refused as by
+ * dd_block_rows. */
+int dd_blocks_ops(uint64_t *ops, const uint64_t *dst_bases, uint64_t dst_row_bytes,
+                  uint64_t dst_num_rows, const uint64_t *dst_blocks, const uint64_t *src_bases,
+                  uint64_t src_row_bytes, uint64_t src_num_rows, const uint64_t *src_blocks,
+                  size_t ntensors, size_t nblocks, uint64_t seg);
 /* dd_vm_copy_batch of blocks: seg bytes of block src_blocks[k] of each tensor t of the src
  * side into block dst_blocks[k] of tensor t of the dst side (each side's rows as for
  * dd_block_rows), in tensor then block order. write == 0: the src side is in pid's address

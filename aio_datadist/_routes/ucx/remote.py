@@ -224,11 +224,13 @@ class UcxRemote:
         *,
         write: bool,
         local_memory: str,
+        nbytes: int,
     ) -> tuple[list[Requests], LLMException | None]:
-        """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``) through
-        the snapshot's keys, and for a push a flush after them: see ``ucx.rma``. Host
-        transfers of :data:`~aio_datadist._routes.ucx.lanes.LANE_MIN_BYTES` or more are cut
-        into one part per lane. The requests started, and the failure that stopped the rest.
+        """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``, of
+        ``nbytes`` in all) through the snapshot's keys, and for a push a flush after them:
+        see ``ucx.rma``. Host transfers of
+        :data:`~aio_datadist._routes.ucx.lanes.LANE_MIN_BYTES` or more are cut into one part
+        per lane. The requests started, and the failure that stopped the rest.
 
         :raises LLMException: ``LLM_LINK_FAILED`` once the route closed; the bounds check's
             ``LLM_PARAM_INVALID`` (nothing started).
@@ -241,7 +243,7 @@ class UcxRemote:
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
             keys = snap.keys[:1]
-            if len(eps) > 1 and local_memory == "host" and int(ops[:, 2].sum()) >= LANE_MIN_BYTES:
+            if len(eps) > 1 and local_memory == "host" and nbytes >= LANE_MIN_BYTES:
                 keys = snap.keys
             return rma(
                 ops,

@@ -39,13 +39,19 @@ import numpy as np
 import structlog
 
 from aio_datadist._engine.regions import ONE_SIDED_TARGETS, BoardEntry, paired, resolve
-from aio_datadist._engine.request import DONE, Completion, Transfer, completed
+from aio_datadist._engine.request import DONE, Blocks, Completion, Transfer, completed
 from aio_datadist._engine.routes import Carrier
+from aio_datadist._native import api
 from aio_datadist._routes.ucx.remote import Snapshot, UcxRemote
 from aio_datadist._routes.ucx.worker import Requests, UcxWorker
-from aio_datadist._transport.base import Payload, RequestKind
+from aio_datadist._transport.base import Iov, Payload, RequestKind
 from aio_datadist._transport.future import RequestFuture
-from aio_datadist.status import KvCacheNotExistError, LLMException, LLMStatusCode
+from aio_datadist.status import (
+    KvCacheNotExistError,
+    LLMException,
+    LLMStatusCode,
+    ParamInvalidError,
+)
 
 __all__ = ("Batch", "UcxProgress", "UcxRoute")
 
@@ -465,7 +471,7 @@ class UcxRoute(Carrier):
 
     def start(self, transfer: Transfer, deadline_ns: int) -> Completion | None:
         memory = "cuda" if transfer.device else "host"
-        future = self.send(transfer, transfer.rows, deadline_ns, local_memory=memory)
+        future = self._start(transfer, None, deadline_ns, memory)
         if future is None:
             return None
         if future.done() and future.exception() is None:
@@ -488,12 +494,19 @@ class UcxRoute(Carrier):
         """
         if not isinstance(local, np.ndarray):
             raise TypeError("the UCX route moves memory rows, not segments")
+        return self._start(transfer, local, deadline_ns, local_memory)
+
+    def _start(
+        self, transfer: Transfer, local: Iov | None, deadline_ns: int, memory: str
+    ) -> Future[None] | None:
+        """:meth:`send` between ``local`` (None: the transfer's own local memory) and the
+        peer's memory."""
         remote = self.remote
         snap = remote.begin()
         if snap is None:
             return None
         try:
-            batch = self._batch(transfer, local, snap, deadline_ns, local_memory)
+            batch = self._batch(transfer, local, snap, deadline_ns, memory)
         except BaseException:
             remote.end(snap)
             raise
@@ -503,18 +516,50 @@ class UcxRoute(Carrier):
         return self.progress.settle(batch)
 
     def _batch(
-        self, transfer: Transfer, local: Payload, snap: Snapshot, deadline_ns: int, memory: str
+        self, transfer: Transfer, local: Iov | None, snap: Snapshot, deadline_ns: int, memory: str
     ) -> Batch | None:
-        """Resolve, pair and start the requests of ``transfer`` under ``snap`` (None: the
-        table does not show the memory, or no registration holds it)."""
-        assert isinstance(local, np.ndarray)
-        resolved = resolve(snap.regions, transfer.access)
-        if resolved is None:
-            return None
-        entries, rows = resolved
+        """Resolve, pair and start the requests of ``transfer`` under ``snap``, between the
+        rows ``local`` (None: the transfer's own) and the peer's memory (None: the table
+        does not show it, or no registration holds it)."""
         push = transfer.kind is RequestKind.PUSH
-        ops = paired(transfer.kind, local, rows)
-        if push:  # (remote, local, n) -> (local, remote, n)
-            ops = ops[:, [1, 0, 2]]
-        requests, failure = self.remote.issue(snap, ops, write=push, local_memory=memory)
+        found = _block_ops(snap, transfer) if local is None else None
+        if found is None:
+            resolved = resolve(snap.regions, transfer.access)
+            if resolved is None:
+                return None
+            entries, rows = resolved
+            ops = paired(transfer.kind, transfer.rows if local is None else local, rows)
+            if push:  # (remote, local, n) -> (local, remote, n)
+                ops = ops[:, [1, 0, 2]]
+        else:
+            entries, ops = found
+        requests, failure = self.remote.issue(
+            snap, ops, write=push, local_memory=memory, nbytes=transfer.nbytes
+        )
         return Batch(self.remote, snap, entries, requests, failure, deadline_ns)
+
+
+def _block_ops(snap: Snapshot, transfer: Transfer) -> tuple[list[BoardEntry], np.ndarray] | None:
+    """The ``(local, remote, nbytes)`` ops of a transfer of whole blocks between two blocks
+    caches, paired in one native call from both layouts (``api.blocks_ops``), with the
+    peer's entry; None for any other transfer, or one the table does not show as it names
+    it (the general resolution then names the problem as the serving side would)."""
+    remote, local = transfer.remote, transfer.local
+    if not isinstance(local, Blocks) or remote is None:
+        return None
+    if remote.seg != local.seg or remote.count != local.count:
+        return None
+    regions = snap.regions
+    entry = regions.by_model.get(remote.model_id)
+    if entry is None:
+        return None
+    try:
+        ops = api.blocks_ops(
+            (local.layout, local.start, local.blocks),
+            (regions.layout(entry), remote.start, remote.blocks),
+            local.count,
+            local.seg,
+        )
+    except ParamInvalidError:
+        return None
+    return [entry], ops

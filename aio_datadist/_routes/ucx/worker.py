@@ -1057,10 +1057,15 @@ def rma(
         lane = lanes[i] if i < len(lanes) else None
         native.append(_api.UcxPart(keys.endpoint.word, keys.words, _ucx.word(param), count, lane))
     calls = first.endpoint.worker._calls
-    with contextlib.ExitStack() as locks:
-        for keys in parts:  # (no-ops for workers in UCS_THREAD_MODE_MULTI)
-            locks.enter_context(keys.endpoint.worker.lock)
+    # The locks of workers below UCS_THREAD_MODE_MULTI (the others take none).
+    serial = [k.endpoint.worker.lock for k in parts if k.endpoint.worker.thread_mode != _MULTI]
+    for lock in serial:
+        lock.__enter__()
+    try:
         held, started = calls.transfer(ops, first.bounds, native, write=write, flush=flush)
+    finally:
+        for lock in reversed(serial):
+            lock.__exit__(None, None, None)
     if held < len(ops):
         local, remote, nbytes = (int(v) for v in ops[held])
         raise LLMException(
@@ -1078,6 +1083,7 @@ def rma(
     return requests, failure
 
 
+_MULTI = _ucx.UCS_THREAD_MODE_MULTI
 #: A counted batch's requests complete through the native count (``dd_ucx_counted``).
 _COUNTED = ffi.cast("ucp_send_nbx_callback_t", _api.UCX_COUNTED)
 _COUNTED_FIELDS = _ucx.UCP_OP_ATTR_FIELD_CALLBACK | _ucx.UCP_OP_ATTR_FIELD_USER_DATA
