@@ -743,9 +743,10 @@ class LLMConfig:
         ``aio.UcxLanes``, 1 to ``MAX_UCX_LANES``).
 
         The UCX route's own worker moves every transfer; each further lane is a worker
-        progressed by a thread of its own. A transfer of host memory of 1 MiB or more is
-        cut into one part per lane, so that its bytes move on as many cores (over UCX's
-        cross-memory transports the initiator's CPU copies them). None (the default) means
+        progressed by a thread of its own. A transfer of host memory of 1 MiB or more
+        through one of UCX's cross-memory transports (``cma``, ``knem``, ``xpmem``: the
+        initiator's CPU copies the bytes) is cut into one part per lane, so that its bytes
+        move on as many cores; over other transports one worker moves it. None (the default) means
         2 where the machine has two or more CPUs, else 1; 1 keeps every transfer on one
         worker. Used only with ``ucx``. Not part of the reference API.
         """

@@ -62,6 +62,7 @@ from aio_datadist._routes.ucx import board as ucxboard
 from aio_datadist._routes.ucx import route as ucx_route
 from aio_datadist._routes.ucx import worker as ucx
 from aio_datadist._routes.ucx.lanes import LANE_MIN_BYTES
+from aio_datadist._routes.ucx.remote import UcxRemote
 from aio_datadist._routes.ucx.route import UcxRoute
 from aio_datadist._routes.ucx.table import KeySpans, UcxKey, decode_table, encode_table
 from aio_datadist._transport import WireError
@@ -930,14 +931,52 @@ async def test_large_transfers_are_cut_across_the_lanes(
 
 
 @needs_ucx
+async def test_over_ucx_tcp_large_transfers_stay_on_one_worker(
+    make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over UCX's tcp transport the kernel copies on both sides: more workers only contend
+    # for the cores, so the lanes take no part.
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    parts: list[int] = []
+    rma = ucx.rma
+
+    def counted(ops: Any, keys: Any, *args: Any, **kwargs: Any) -> Any:
+        parts.append(len(keys))
+        return rma(ops, keys, *args, **kwargs)
+
+    monkeypatch.setattr("aio_datadist._routes.ucx.remote.rma", counted)
+    pair = await make_pair(lanes=2)
+    engine = pair.decoder.dd._engine
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    want = _fill(src, 5)
+    dst = await dcm.allocate_blocks_cache(blocks_desc())
+    await pair.settled()
+    assert TENSORS * BLOCKS * BLOCK_BYTES >= LANE_MIN_BYTES
+    await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, list(range(BLOCKS)), list(range(BLOCKS)))
+    got = [v.view(np.uint8) for v in dst.as_numpy()]
+    for t in range(TENSORS):
+        assert np.array_equal(got[t], want[t]), t
+    assert parts == [1]
+    assert routes_of(pair.decoder.dd, 1)[0] == "ucx"
+    remote = ucx_links(engine).route_of(engine.links.get(1).channel)
+    assert remote is not None and remote.transports()
+    assert all(tl.startswith(("tcp/", "self/")) for tl in remote.transports())
+    await dcm.deallocate_blocks_cache(dst)
+    await pcm.deallocate_blocks_cache(src)
+
+
+@needs_ucx
 async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
     make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Over UCX's tcp transport (a part may stall, as across a network), a lane whose thread
-    # never progresses its part: the transfer fails at its deadline with LLM_TIMEOUT, the
-    # route closes (its requests cancelled, nothing left in flight) and the link carries the
-    # next transfer.
+    # A lane whose thread never progresses its part: the transfer fails at its deadline
+    # with LLM_TIMEOUT, the route closes (its requests cancelled, nothing left in flight)
+    # and the link carries the next transfer. Over UCX's tcp transport (where a part may
+    # stall, as across a network), with the transfer cut across the lanes all the same.
     monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setattr(UcxRemote, "_cuts", lambda self, ep: True)
 
     class Idle:  # a lane "thread" that never runs: its parts are never progressed
         def _handle(self) -> Any:

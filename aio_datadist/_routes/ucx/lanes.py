@@ -16,6 +16,10 @@ for the GIL), asleep on that worker's event fd, wakes and progresses it until it
 The completion that ends a part signals the engine's worker (``dd_ucx_count_notify``), so
 whoever waits for the transfer, asleep on that worker's event fd or progressing it, sees it
 complete. Smaller transfers stay on one worker: waking a thread costs more than their copy.
+
+Only a transfer whose endpoint goes through a cross-memory transport is cut: over UCX's tcp
+transport the kernel copies on both sides, and more workers only contend for the cores
+(on one host, 2 vCPUs: blocking W2 0.8 to 1.1 GB/s cut in two, 1.4 to 2.1 on one worker).
 """
 
 from __future__ import annotations
@@ -23,10 +27,14 @@ from __future__ import annotations
 from aio_datadist._native.api import UcxLaneThread
 from aio_datadist._routes.ucx.worker import UcxContext, UcxWorker
 
-__all__ = ("LANE_MIN_BYTES", "MAX_LANES", "UcxLane")
+__all__ = ("CROSS_MEMORY", "LANE_MIN_BYTES", "MAX_LANES", "UcxLane")
 
 #: The smallest transfer (bytes) cut into parts for the lanes.
 LANE_MIN_BYTES = 1 << 20
+#: UCX's cross-memory transports (one process reads and writes another's memory, the copy
+#: in the initiator's progress): the transfers cut across the lanes are the ones that go
+#: through one of these.
+CROSS_MEMORY = frozenset({"cma", "knem", "xpmem"})
 #: The most lanes an engine may have (``aio.UcxLanes``), its own worker included.
 MAX_LANES = 8
 

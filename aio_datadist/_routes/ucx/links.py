@@ -49,7 +49,7 @@ from aio_datadist._native import wire
 from aio_datadist._routes.provider import LinkHandle, Opening, RouteProvider
 from aio_datadist._routes.ucx import board as ucxboard
 from aio_datadist._routes.ucx.board import Subscriber, UcxBoard
-from aio_datadist._routes.ucx.lanes import UcxLane
+from aio_datadist._routes.ucx.lanes import CROSS_MEMORY, UcxLane
 from aio_datadist._routes.ucx.remote import UcxRemote
 from aio_datadist._routes.ucx.route import UcxProgress, UcxRoute
 from aio_datadist._routes.ucx.table import decode_table, host_identity
@@ -73,8 +73,6 @@ __all__ = ("CONTROL_TIMEOUT_S", "UcxLinks", "open_ucx")
 CONTROL_TIMEOUT_S = 10.0
 #: This side's UCX offer in the handshake: the table version it speaks.
 _OFFER = bytes((wire.UCX_VERSION,))
-#: UCX's cross-memory transports (one process reads and writes another's memory).
-_CROSS_MEMORY = frozenset({"cma", "knem", "xpmem"})
 
 _S = LLMStatusCode
 
@@ -138,7 +136,7 @@ class UcxLinks(RouteProvider):
             self.host = host_identity(local_host_key())
             #: UCX reads and writes other processes' memory here (cma, knem, xpmem).
             self.cross_memory = any(
-                tl.split("/")[0] in _CROSS_MEMORY for tl in self.context.transports()
+                tl.split("/")[0] in CROSS_MEMORY for tl in self.context.transports()
             )
             self.progress = UcxProgress(self.worker, log)
         except BaseException:

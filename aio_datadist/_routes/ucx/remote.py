@@ -33,7 +33,7 @@ import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
-from aio_datadist._routes.ucx.lanes import LANE_MIN_BYTES, UcxLane
+from aio_datadist._routes.ucx.lanes import CROSS_MEMORY, LANE_MIN_BYTES, UcxLane
 from aio_datadist._routes.ucx.table import UcxTable
 from aio_datadist._routes.ucx.worker import (
     Endpoint,
@@ -91,6 +91,8 @@ class UcxRemote:
         self._lock = threading.Lock()
         #: One endpoint per lane, the engine's worker's first (empty before the first table).
         self._eps: tuple[Endpoint, ...] = ()
+        #: Whether large transfers are cut across the lanes (None: not known yet).
+        self._cut: bool | None = None
         self._table: UcxTable | None = None
         self._keys: tuple[RemoteKeys, ...] = ()
         self._inflight: dict[int, int] = {}
@@ -243,7 +245,12 @@ class UcxRemote:
                     status_code=LLMStatusCode.LLM_LINK_FAILED,
                 )
             keys = snap.keys[:1]
-            if len(eps) > 1 and local_memory == "host" and nbytes >= LANE_MIN_BYTES:
+            if (
+                len(eps) > 1
+                and local_memory == "host"
+                and nbytes >= LANE_MIN_BYTES
+                and self._cuts(eps[0])
+            ):
                 keys = snap.keys
             return rma(
                 ops,
@@ -253,6 +260,21 @@ class UcxRemote:
                 flush=write,
                 lanes=self._threads,
             )
+
+    def _cuts(self, ep: Endpoint) -> bool:
+        """(Lock held.) Whether a large host transfer is cut across the lanes: when ``ep``
+        (the engine worker's endpoint) reaches the peer through a cross-memory transport
+        (:data:`~aio_datadist._routes.ucx.lanes.CROSS_MEMORY`). Known once UCX chose the
+        endpoint's transports; until then, not cut."""
+        if self._cut is None:
+            try:
+                found = ep.transports()
+            except LLMException:  # the endpoint failed: the transfer fails as it can
+                return False
+            if not found:
+                return False
+            self._cut = any(tl.split("/")[0] in CROSS_MEMORY for tl in found)
+        return self._cut
 
     def end(self, snap: Snapshot) -> None:
         """A transfer started with ``snap`` is over (its requests complete)."""
@@ -305,6 +327,7 @@ class UcxRemote:
     def _shut(self) -> None:
         with self._lock:
             eps, self._eps = self._eps, ()
+            self._cut = None
             keys, self._keys = self._keys, ()
             retired, self._retired = self._retired, []
         for ep in eps:
