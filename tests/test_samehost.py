@@ -157,6 +157,52 @@ def test_denied_access_falls_back_to_the_link_once(monkeypatch: pytest.MonkeyPat
         board.close()
 
 
+def test_a_copy_from_memory_a_finalized_peer_unmapped_is_a_failed_link(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The peer withdraws its board before its memory goes (finalize): a copy that then finds
+    # the memory gone (EFAULT: the transfer was resolved against the board before) fails
+    # as its link, not as an unknown failure.
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)  # fmt: skip
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    nbytes = 4 * 4096
+    addr = libc.mmap(None, nbytes, 3, 0x22, -1, 0)  # read|write, private|anonymous
+    assert addr not in (None, ctypes.c_void_p(-1).value)
+    mapped = True
+    board = RegionBoard()
+    view = RegionView(board.fd)
+    board.publish([BoardEntry(1, 5, 4096, 4, nbytes, (addr,))])
+    peer = onesided.PeerMemory(os.getpid(), view, Staging(HostRuntime(0)), _QuietLog())
+    try:
+        access = _blocks_access(4096, [2])
+        dst = np.ones(4096, dtype=np.uint8)
+        rows = np.array([[dst.ctypes.data, 4096]], dtype=np.uint64)
+        assert peer.transfer(onesided.RequestKind.PULL, access, rows, 0)
+        assert not dst.any()
+        vm_copy_batch = onesided.api.vm_copy_batch
+
+        def finalized_meanwhile(*args: Any, **kwargs: Any) -> Any:
+            nonlocal mapped
+            board.close()  # withdrawn, then the memory goes
+            assert libc.munmap(addr, nbytes) == 0
+            mapped = False
+            return vm_copy_batch(*args, **kwargs)
+
+        monkeypatch.setattr(onesided.api, "vm_copy_batch", finalized_meanwhile)
+        with pytest.raises(LLMException, match="closed during the transfer") as info:
+            peer.transfer(onesided.RequestKind.PULL, access, rows, 0)
+        assert info.value.status_code == LLMStatusCode.LLM_LINK_FAILED
+        assert view.withdrawn()
+    finally:
+        peer.close()
+        board.close()
+        if mapped:
+            libc.munmap(addr, nbytes)
+
+
 async def test_an_event_loops_large_copies_end_on_the_loop() -> None:
     # Once a copy went through, a copy of 1 MiB or more an event loop waits for runs on the
     # native copy workers: start returns at once, and the loop completes it, checking the

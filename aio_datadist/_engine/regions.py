@@ -71,6 +71,8 @@ ONE_SIDED_TARGETS = frozenset({Target.BLOCKS_KEY, Target.CACHE_INDEX, Target.ADD
 #: Size of a board file (sparse: only the pages a table uses are ever committed).
 BOARD_BYTES = 16 << 20
 _MAGIC = 0x41494F52  # "AIOR"
+#: The magic of a board its writer withdrew (the engine finalized: its memory goes next).
+_WITHDRAWN = 0x41494F57  # "AIOW"
 _LAYOUT = 3
 _HEAD = struct.Struct("<IIQQI")
 _SEQ = struct.Struct("<Q")
@@ -255,17 +257,20 @@ class RegionBoard:
             self.overflowed = _HEAD.size + len(table) > BOARD_BYTES
             self._write(b"" if self.overflowed else table)
 
-    def _write(self, table: bytes) -> None:
+    def _write(self, table: bytes, magic: int = _MAGIC) -> None:
         m = self._map
         struct.pack_into("<Q", m, _SEQ_AT, self._seq + 1)  # odd: being written
         m[_HEAD.size : _HEAD.size + len(table)] = table
         self._seq += 2
-        _HEAD.pack_into(m, 0, _MAGIC, _LAYOUT, self._seq, len(table), zlib.crc32(table))
+        _HEAD.pack_into(m, 0, magic, _LAYOUT, self._seq, len(table), zlib.crc32(table))
 
     def close(self) -> None:
-        """Unmap and close the board; peers' mappings stay valid until they drop them."""
+        """Withdraw the table and close the board: peers' mappings stay valid until they drop
+        them, and show the board withdrawn (:meth:`RegionView.withdrawn`). Close it before the
+        memory it showed goes, so that a peer's copy that finds that memory gone learns why."""
         with self._lock:
             if not self._map.closed:
+                self._write(b"", magic=_WITHDRAWN)
                 self._map.close()
                 os.close(self.fd)
 
@@ -304,6 +309,14 @@ class RegionView:
         except ValueError:  # closed (by another thread meanwhile)
             return -1
         return seq
+
+    def withdrawn(self) -> bool:
+        """Whether the writer withdrew the board (its engine finalized), or this view closed."""
+        try:
+            magic: int = _HEAD.unpack_from(self._map, 0)[0]
+        except ValueError:  # closed
+            return True
+        return magic == _WITHDRAWN
 
     def regions(self) -> RemoteRegions | None:
         """The current table, or None when no consistent snapshot could be read (or closed)."""

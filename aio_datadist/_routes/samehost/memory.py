@@ -487,7 +487,7 @@ class PeerMemory:
         seq = self._view.seq()
         if seq == before.seq:
             return
-        if seq < 0:
+        if seq < 0 or self._view.withdrawn():
             raise LLMException(
                 f"the link to process {self.pid} closed during the transfer",
                 status_code=LLMStatusCode.LLM_LINK_FAILED,
