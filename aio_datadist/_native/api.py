@@ -891,12 +891,6 @@ class UcxCount:
         worker is signalled."""
         lib.dd_ucx_count_notify(self._count, worker)
 
-    def notify_fd(self, fd: int) -> None:
-        """Have the completion that takes the count to 0 write 1 to the eventfd ``fd`` (the
-        count keeps a duplicate of it until it is freed): only the thread asleep on ``fd``
-        wakes. Look at the count after, as for :meth:`notify`."""
-        lib.dd_ucx_count_notify_fd(self._count, os.dup(fd))
-
     def __del__(self) -> None:
         count = getattr(self, "_count", None)
         if count is not None and lib.dd_ucx_count_free(count) == lib.DD_EAGAIN:

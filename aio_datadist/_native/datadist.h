@@ -357,7 +357,6 @@ typedef struct {
     uint64_t signal;       /* ucp_worker_signal */
     uint64_t notify;       /* the worker signalled when the count reaches 0 (0: none) */
     int32_t busy;          /* completions running now (the count is not freed under them) */
-    int32_t notify_fd;     /* an eventfd the count owns, written when it reaches 0 (-1: none) */
 } dd_ucx_count;
 
 /* A count for one batch of calls c (0 pending); NULL when out of memory. */
@@ -367,11 +366,7 @@ dd_ucx_count *dd_ucx_count_new(const dd_ucx_calls *c);
  * Set it any time before sleeping, then look at the count (dd_ucx_count_left): either that
  * look sees 0 or the last completion sees worker and signals it. */
 int dd_ucx_count_notify(dd_ucx_count *count, uint64_t worker);
-/* The same for one thread asleep on an eventfd of its own: the last completion writes 1 to
- * fd, which the count takes over (closed when the count is freed; a count that has one
- * already closes fd). Only that thread wakes, not every thread asleep on the worker. */
-int dd_ucx_count_notify_fd(dd_ucx_count *count, int fd);
-/* Free count (and close its notify fd) unless requests still complete into it, or a
+/* Free count unless requests still complete into it, or a
  * completion still runs (DD_EAGAIN: nothing freed). */
 int dd_ucx_count_free(dd_ucx_count *count);
 /* How many requests of count are still in flight; *status: the first failure (0: none). */

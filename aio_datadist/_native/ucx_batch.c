@@ -55,7 +55,6 @@ dd_ucx_count *dd_ucx_count_new(const dd_ucx_calls *c)
     if (count != NULL) {
         count->request_free = c->request_free;
         count->signal = c->worker_signal;
-        count->notify_fd = -1;
     }
     return count;
 }
@@ -68,17 +67,6 @@ int dd_ucx_count_notify(dd_ucx_count *count, uint64_t worker)
     return DD_OK;
 }
 
-int dd_ucx_count_notify_fd(dd_ucx_count *count, int fd)
-{
-    if (count == NULL || fd < 0)
-        return DD_EINVAL;
-    int none = -1;
-    if (!__atomic_compare_exchange_n(&count->notify_fd, &none, fd, false, __ATOMIC_SEQ_CST,
-                                     __ATOMIC_SEQ_CST))
-        close(fd);
-    return DD_OK;
-}
-
 int dd_ucx_count_free(dd_ucx_count *count)
 {
     if (count == NULL)
@@ -86,8 +74,6 @@ int dd_ucx_count_free(dd_ucx_count *count)
     if (__atomic_load_n(&count->pending, __ATOMIC_SEQ_CST) != 0 ||
         __atomic_load_n(&count->busy, __ATOMIC_SEQ_CST) != 0)
         return DD_EAGAIN;
-    if (count->notify_fd >= 0)
-        close(count->notify_fd);
     free(count);
     return DD_OK;
 }
@@ -117,12 +103,6 @@ void dd_ucx_counted(void *request, int8_t status, void *user_data)
         uint64_t notify = __atomic_load_n(&count->notify, __ATOMIC_SEQ_CST);
         if (notify)
             ((signal_fn)(uintptr_t)count->signal)(notify);
-        int fd = __atomic_load_n(&count->notify_fd, __ATOMIC_SEQ_CST);
-        if (fd >= 0) {
-            uint64_t one = 1;
-            while (write(fd, &one, sizeof one) < 0 && errno == EINTR) {
-            }
-        }
     }
     __atomic_fetch_sub(&count->busy, 1, __ATOMIC_SEQ_CST);
 }

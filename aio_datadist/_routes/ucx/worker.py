@@ -624,13 +624,6 @@ class Requests:
         if self._count is not None and worker is not self.worker:
             self._count.notify(_ucx.word(worker.handle))
 
-    def notify_fd(self, worker: UcxWorker, fd: int) -> None:
-        """As :meth:`notify`, for the one thread asleep on ``fd`` (an eventfd; the requests
-        keep a duplicate) besides ``worker``'s event fd: the last completion writes to ``fd``
-        and leaves the other threads asleep on the worker alone."""
-        if self._count is not None and worker is not self.worker:
-            self._count.notify_fd(fd)
-
     def done(self) -> bool:
         """Whether every request finished (successfully or not)."""
         if self._left and self._count is not None:
