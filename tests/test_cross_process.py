@@ -49,11 +49,18 @@ from tests.peer_prompt import ROW_BYTES, TENSORS, pattern, read_ready
 
 S = LLMStatusCode
 PEER = Path(__file__).with_name("peer_prompt.py")
+#: What a peer's environment adds. UCX patches ``mmap`` and its kin as its library loads,
+#: for the registration cache of its RDMA transports (``UCX_MEM_MMAP_HOOK_MODE``): about
+#: 0.4 s of each peer's start here, and the suite starts hundreds of peers. A peer serves
+#: host memory over the transports UCX has on one host (tcp, cma, shared memory), which
+#: never use that cache.
+PEER_ENV = {"UCX_MEM_MMAP_HOOK_MODE": os.environ.get("UCX_MEM_MMAP_HOOK_MODE", "none")}
 MiB = 1 << 20
 
 
 class Peer:
-    """The prompt process, serving ``blocks`` blocks of ``block_bytes`` per tensor."""
+    """The prompt process, serving ``blocks`` blocks of ``block_bytes`` per tensor (started
+    without ``wait``: it serves once :meth:`ready` returned)."""
 
     def __init__(
         self,
@@ -64,6 +71,7 @@ class Peer:
         cluster_id: int = 1,
         port: int | None = None,
         env: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> None:
         self.blocks, self.block_bytes = blocks, block_bytes
         self.cluster_id = cluster_id
@@ -74,6 +82,7 @@ class Peer:
         env = dict(
             os.environ,
             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            **PEER_ENV,
             **(env or {}),
         )
         self.proc = subprocess.Popen(
@@ -89,12 +98,21 @@ class Peer:
             stdout=subprocess.PIPE,
             env=env,
         )
-        assert self.proc.stdout is not None
-        try:
-            self.port = read_ready(self.proc.stdout)
-        except RuntimeError:
-            self.close()  # the peer failed to start (its traceback is on stderr)
-            raise
+        self._ready = False
+        if wait:
+            self.ready()
+
+    def ready(self) -> Peer:
+        """Wait until the peer serves (it reports its port); itself."""
+        if not self._ready:
+            assert self.proc.stdout is not None
+            try:
+                self.port = read_ready(self.proc.stdout)
+            except RuntimeError:
+                self.close()  # the peer failed to start (its traceback is on stderr)
+                raise
+            self._ready = True
+        return self
 
     def info(self) -> LLMClusterInfo:
         info = LLMClusterInfo()
@@ -156,22 +174,52 @@ def route(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def peer_factory(route: str) -> Iterator[Callable[[int, int], Peer]]:
-    """Peers that enable the UCX route where the test runs over it."""
-    made: list[Peer] = []
+class PeerFactory:
+    """Makes the peers of one test over one route (with the UCX route on where the test
+    runs over it) and closes them at its end.
 
-    def factory(blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> Peer:
-        if route in UCX_TLS:
-            tls = UCX_TLS[route]
-            kwargs["env"] = {"AIO_TEST_UCX": "1", **({"UCX_TLS": tls} if tls else {})}
-        peer = Peer(blocks, block_bytes, **kwargs)
-        made.append(peer)
+    A peer asked for ahead (:meth:`prestart`) starts beside the test's own work, which is
+    mostly waiting on a fault: the call that later asks for a peer like it gets it serving,
+    without waiting a peer's start-up (about a second here) then."""
+
+    def __init__(self, route: str) -> None:
+        self.route = route
+        self.made: list[Peer] = []
+        self._spares: list[tuple[tuple[Any, ...], Peer]] = []
+
+    def __call__(self, blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> Peer:
+        key = (blocks, block_bytes, sorted(kwargs.items()))
+        for i, (spare_key, spare) in enumerate(self._spares):
+            if spare_key == key:
+                del self._spares[i]
+                return spare.ready()
+        return self._start(blocks, block_bytes, kwargs, wait=True)
+
+    def prestart(self, blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> None:
+        """Start a peer now for a later call with these arguments."""
+        key = (blocks, block_bytes, sorted(kwargs.items()))
+        self._spares.append((key, self._start(blocks, block_bytes, kwargs, wait=False)))
+
+    def _start(self, blocks: int, block_bytes: int, kwargs: dict[str, Any], *, wait: bool) -> Peer:
+        if self.route in UCX_TLS:
+            tls = UCX_TLS[self.route]
+            kwargs = dict(kwargs, env={"AIO_TEST_UCX": "1", **({"UCX_TLS": tls} if tls else {})})
+        peer = Peer(blocks, block_bytes, wait=wait, **kwargs)
+        self.made.append(peer)
         return peer
 
+    def close(self) -> None:
+        """Close every peer made (spares never handed out included)."""
+        for peer in self.made:
+            peer.close()
+
+
+@pytest.fixture
+def peer_factory(route: str) -> Iterator[PeerFactory]:
+    """Peers that enable the UCX route where the test runs over it."""
+    factory = PeerFactory(route)
     yield factory
-    for peer in made:
-        peer.close()
+    factory.close()
 
 
 def peer_memory(face: Face) -> Any:

@@ -153,9 +153,13 @@ async def pool_settles(face: Face, used: int) -> None:
         await asyncio.sleep(0.01)
 
 
+#: The healthy peer :func:`still_works` links after the fault.
+HEALTHY: dict[str, Any] = {"blocks": 4, "block_bytes": 4096, "cluster_id": 3}
+
+
 async def still_works(face: Face, peer_factory: Any) -> None:
-    """A healthy peer links and serves exact bytes after the fault."""
-    other = peer_factory(4, 4096, cluster_id=3)
+    """A healthy peer (a fresh process) links and serves exact bytes after the fault."""
+    other = peer_factory(**HEALTHY)
     await link(face, other)
     cache = await face.cm.allocate_blocks_cache(blocks_desc(4, 4096))
     await face.cm.pull_blocks(BlocksCacheKey(3, 0), cache, [2], [0])
@@ -165,9 +169,12 @@ async def still_works(face: Face, peer_factory: Any) -> None:
 
 
 async def linked(
-    decoder: Any, peer_factory: Any, timeout_ms: int = TIMEOUT_MS
+    decoder: Any, peer_factory: Any, timeout_ms: int = TIMEOUT_MS, *, healthy: bool = False
 ) -> tuple[Peer, Face, Caches, int]:
-    """A peer process, a decoder linked to it, the decoder's caches and its pool usage."""
+    """A peer process, a decoder linked to it, the decoder's caches and its pool usage. With
+    ``healthy``, the healthy peer of :func:`still_works` starts beside it."""
+    if healthy:
+        peer_factory.prestart(**HEALTHY)
     peer = peer_factory(BLOCKS, BLOCK_BYTES)
     face = await decoder(timeout_ms=timeout_ms)
     await link(face, peer)
@@ -197,7 +204,7 @@ async def repeat(caches: Caches, op: str) -> None:
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("when", ["before", "during", "after"])
 async def test_peer_killed(decoder: Any, peer_factory: Any, route: str, op: str, when: str) -> None:
-    peer, face, caches, used = await linked(decoder, peer_factory)
+    peer, face, caches, used = await linked(decoder, peer_factory, healthy=True)
     run = OPS[op]
     if when == "before":
         kill(peer)
@@ -225,7 +232,7 @@ async def test_peer_killed(decoder: Any, peer_factory: Any, route: str, op: str,
 @pytest.mark.parametrize("op", ["pull_blocks", "push_blocks", "transfer_cache_async"])
 @pytest.mark.parametrize("route", STALL_ROUTES, indirect=True)
 async def test_peer_stalls_mid_transfer(decoder: Any, peer_factory: Any, op: str) -> None:
-    peer, face, caches, used = await linked(decoder, peer_factory, 1000)
+    peer, face, caches, used = await linked(decoder, peer_factory, 1000, healthy=True)
     stopper = later(0.2, lambda: peer.signal(signal.SIGSTOP))
     try:
         await fails_in_time(repeat(caches, op), {S.LLM_TIMEOUT, S.LLM_LINK_FAILED}, 1.0 + 2)
@@ -241,7 +248,7 @@ async def test_peer_stalls_mid_transfer(decoder: Any, peer_factory: Any, op: str
 async def test_link_closed_during_transfers(
     decoder: Any, peer_factory: Any, route: str, side: str
 ) -> None:
-    peer, face, caches, used = await linked(decoder, peer_factory)
+    peer, face, caches, used = await linked(decoder, peer_factory, healthy=True)
     loop = asyncio.get_running_loop()
     unlinking: list[Any] = []
 
