@@ -16,7 +16,7 @@ import pytest
 
 import aio_datadist as llm_datadist
 from aio_datadist import LLMConfig, LLMDataDist, LLMRole, Placement
-from tests import vllm_env
+from tests import vllm_cluster, vllm_env
 
 MiB = 1 << 20
 POOL_BYTES = 64 * MiB
@@ -31,14 +31,19 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Tests in real vLLM need a Python with vLLM, which can take minutes to make: start
-    finding or making it now, beside the rest of the suite."""
+    """Tests in real vLLM need a Python with vLLM, which can take minutes to make, and the
+    serving tests share instances that take minutes to start: begin both now, beside the
+    rest of the suite."""
     if any(item.get_closest_marker("vllm") for item in session.items):
         vllm_env.start()
+    if any("cluster" in getattr(item, "fixturenames", ()) for item in session.items
+           if item.get_closest_marker("vllm")):  # fmt: skip
+        vllm_cluster.start()  # the instances the serving tests share, beside the suite
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     vllm_env.stop()
+    vllm_cluster.stop()
 
 
 def pool_cfg(memory_size: int = POOL_BYTES, page_shift: int | None = PAGE_SHIFT) -> str:
