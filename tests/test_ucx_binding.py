@@ -439,6 +439,65 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
         calls.lane(0, -1)  # no worker
 
 
+def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over tcp the target must progress for a get to move: one native wait of the target's
+    serving thread answers every get until its wake fd is written (left readable), and
+    comes back at its deadline, or with ``until_work`` once progress found work."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
+        if b.thread_mode != ucx._MULTI:
+            pytest.skip("this libucp grants no UCS_THREAD_MODE_MULTI")
+        remote = np.arange(1 << 16, dtype=np.uint8)
+        local = np.zeros_like(remote)
+        reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
+        ep = ucx.Endpoint(a, b.address(), peer_errors=True)
+        rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+        wake = os.eventfd(0, os.EFD_NONBLOCK)
+        results: list[bool | None] = []
+
+        def serving(deadline_ns: int | None = None, until_work: bool = False) -> threading.Thread:
+            def run() -> None:
+                results.append(b.serve_until(wake, deadline_ns, until_work))
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        try:
+            server = serving()
+            for _ in range(20):  # every get answered by the one native wait
+                local[:] = 0
+                a.wait(ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey), _deadline())
+                assert np.array_equal(local, remote)
+            assert server.is_alive() and not results
+            os.eventfd_write(wake, 1)
+            server.join(10)
+            assert results == [False]
+            assert select.select([wake], [], [], 0)[0] == [wake]  # left readable
+            os.eventfd_read(wake)
+            start = time.monotonic_ns()
+            serving(start + SECOND // 20).join(10)  # the deadline
+            assert results[-1] is False and time.monotonic_ns() - start >= SECOND // 20
+            server = serving(until_work=True)
+            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+            deadline = time.monotonic() + 10
+            while server.is_alive() and time.monotonic() < deadline:  # (a sends as it progresses)
+                a.drain()
+                server.join(0.001)
+            assert not server.is_alive()  # back with the first work (the get may need more)
+            assert results[-1] is True
+            server = serving()
+            a.wait(request, _deadline())
+            os.eventfd_write(wake, 1)
+            server.join(10)
+        finally:
+            os.eventfd_write(wake, 1)
+            os.close(wake)
+            rkey.close()
+            ep.close(_deadline(2), force=True)
+            reg.close()
+
+
 def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
     """A get whose target never progresses times out (LLM_TIMEOUT) without burning CPU."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")

@@ -1061,6 +1061,19 @@ class UcxCalls:
             _check(rc, "ucx drain")
         return None if rc == 2 else rc == 1
 
+    def serve(
+        self, worker: int, efd: int, wake_fd: int, deadline_ns: int, until_work: bool, idle: Any
+    ) -> bool:
+        """Progress ``worker`` (its event fd ``efd``) and sleep between, in one native call
+        without the GIL, until ``wake_fd`` is readable (it is left so), ``deadline_ns``
+        (``time.monotonic_ns()``; 0: none) passed, or, with ``until_work``, progress found
+        work: True for that work. ``idle`` (an ``int *``, the caller's between calls) counts
+        wake-ups in a row that found nothing to do (later sleeps wait a little first)."""
+        rc = int(lib.dd_ucx_serve(self._c, worker, efd, wake_fd, deadline_ns, until_work, idle))
+        if rc < 0:
+            _check(rc, "ucx serve")
+        return rc == 1
+
 
 # --- sockets ------------------------------------------------------------------------------
 

@@ -419,6 +419,16 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
 
+/* A serving thread's wait on worker (its event fd efd), in one native call: progress until
+ * idle, arm the worker and sleep on efd and wake_fd (-1: none), again and again, until
+ * wake_fd is readable (left so), deadline_ns (monotonic; <= 0: none) passed, or, with
+ * until_work, a round of progress found work. 1 for that work, 0 for the others; DD_ESYS
+ * when arming (errno EIO) or polling failed. *idle counts wake-ups in a row that found nothing to do
+ * (kept by the caller between calls): from the fifth, each sleep waits first, from 50 us
+ * doubling to 1 ms, as a lane's does (a tcp endpoint can keep efd readable). */
+int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
+                 int64_t deadline_ns, int until_work, int *idle);
+
 /* A thread of its own that progresses a worker (UCS_THREAD_MODE_MULTI) until stopped: it
  * progresses until idle, arms the worker and sleeps on its event fd efd; ucp_worker_signal
  * (as dd_ucx_transfer does for a part started on the worker) wakes it. Wake-ups that find nothing to do again and again (a tcp endpoint can keep the

@@ -350,6 +350,49 @@ static void idle_pause(int idle)
     }
 }
 
+int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
+                 int64_t deadline_ns, int until_work, int *idle)
+{
+    if (!calls_ok(c) || !worker || efd < 0 || idle == NULL)
+        return DD_EINVAL;
+    progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
+    arm_fn arm = (arm_fn)(uintptr_t)c->worker_arm;
+    for (;;) {
+        if (progress(worker)) {
+            while (progress(worker)) {
+            }
+            *idle = 0;
+            if (until_work)
+                return 1;
+            continue;
+        }
+        int64_t left = -1;
+        if (deadline_ns > 0) {
+            left = deadline_ns - dd_monotonic_ns();
+            if (left <= 0)
+                return 0;
+        }
+        int8_t status = arm(worker);
+        if (status == UCS_ERR_BUSY) { /* events pending: progress again */
+            idle_pause(++*idle);
+            continue;
+        }
+        if (status != 0) {
+            errno = EIO;
+            return DD_ESYS;
+        }
+        idle_pause(*idle);
+        struct pollfd fds[2] = {{efd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
+        int timeout_ms = left < 0 ? -1 : (int)((left + 999999) / 1000000);
+        int n = poll(fds, wake_fd >= 0 ? 2 : 1, timeout_ms);
+        if (n < 0 && errno != EINTR)
+            return DD_ESYS;
+        if (n > 0 && wake_fd >= 0 && fds[1].revents)
+            return 0;
+        ++*idle;
+    }
+}
+
 static void *lane_run(void *arg)
 {
     dd_ucx_lane *lane = arg;

@@ -67,6 +67,7 @@ class Batch:
     """One transfer's UCX requests; its :attr:`future` completes once every one completed."""
 
     __slots__ = (
+        "_again",
         "_at",
         "_lock",
         "deadline_ns",
@@ -97,32 +98,47 @@ class Batch:
         self.expired = False
         self.future: Future[None] = RequestFuture()
         self._at = 0
+        self._again = False
         self._lock = threading.Lock()
 
     def poll(self) -> bool:
-        """Look at the requests (never two threads at once); True once the batch completed."""
+        """Look at the requests (never two threads at once); True once the batch completed.
+
+        A thread that finds another one looking leaves a note (``_again``) before it goes:
+        the one looking reads the note after it let go and looks again, so a request that
+        completed in between (in the thread that left the note) is never missed, and a
+        waiter never sleeps on a batch already complete."""
         if self.future.done():
             return True
-        if not self._lock.acquire(blocking=False):
-            return False  # another thread looks at them now
-        try:
-            if self.future.done():
-                return True
-            requests = self.requests
-            while self._at < len(requests):
-                request = requests[self._at]
-                if not request.done():
-                    return False
-                if self.failure is None:
-                    try:
-                        request.result()
-                    except LLMException as exc:
-                        self.failure = exc
-                self._at += 1
-            self._finish()
-            return True
-        finally:
-            self._lock.release()
+        self._again = True
+        while True:
+            if not self._lock.acquire(blocking=False):
+                return False  # another thread looks at them now, and again after the note
+            try:
+                self._again = False
+                if self.future.done() or self._scan():
+                    return True
+            finally:
+                self._lock.release()
+            if not self._again:
+                return False
+
+    def _scan(self) -> bool:
+        """(Lock held.) Take the results of the requests completed in order; finish the
+        batch once all did: whether it did."""
+        requests = self.requests
+        while self._at < len(requests):
+            request = requests[self._at]
+            if not request.done():
+                return False
+            if self.failure is None:
+                try:
+                    request.result()
+                except LLMException as exc:
+                    self.failure = exc
+            self._at += 1
+        self._finish()
+        return True
 
     def notify(self, worker: UcxWorker) -> None:
         """Have the requests other workers progress (the lanes' parts) signal ``worker`` when
@@ -354,6 +370,23 @@ class UcxProgress:
             self._expire_due()
         return self._stop.is_set() or wake or bool(due)
 
+    def _serve(self, deadline_ns: int | None) -> None:
+        """Progress the worker and sleep on its event fd until :meth:`_turn` says to stop:
+        in native waits without the GIL, which come back to Python only when woken, at the
+        deadline, or, while batches are pending, when progress found work (a batch may have
+        completed). A serving process's thread thus answers a peer's transfer over a
+        software transport without running any Python."""
+        while True:
+            with self._lock:
+                pending = bool(self._pending)
+            served = self.worker.serve_until(self._waker.fd, deadline_ns, pending)
+            if served is None:  # a worker below UCS_THREAD_MODE_MULTI: its lock serializes
+                self.worker.wait_until(self._turn, deadline_ns, wake_fd=self._waker.fd)
+                return
+            self._waker.clear()
+            if self._turn() or (deadline_ns is not None and time.monotonic_ns() >= deadline_ns):
+                return
+
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
@@ -364,7 +397,7 @@ class UcxProgress:
                 if stepped_back:  # a waiter progresses: only the deadlines are this thread's
                     self._waker.sleep(deadline)
                 else:
-                    self.worker.wait_until(self._turn, deadline, wake_fd=self._waker.fd)
+                    self._serve(deadline)
             except LLMException:  # the worker closed under the thread: it is finalize
                 return
             except Exception:  # never the end of the thread: log and go on

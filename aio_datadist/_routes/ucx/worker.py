@@ -295,6 +295,8 @@ class UcxWorker:
         fd = ffi.new("int *")
         _check("ucp_worker_get_efd", self._lib.ucp_worker_get_efd(self._handle, fd))
         self._fd = int(fd[0])
+        #: Wake-ups in a row that found nothing to do, of the thread in serve_until.
+        self._serve_idle = ffi.new("int *")
         # Futures waiting for the event fd, by the loop whose selector watches it.
         self._waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
 
@@ -492,6 +494,19 @@ class UcxWorker:
         for future in waiters:
             if not future.done():
                 future.set_result(None)
+
+    def serve_until(self, wake_fd: int, deadline_ns: int | None, until_work: bool) -> bool | None:
+        """One native wait of a serving thread: progress and sleep on the event fd until
+        ``wake_fd`` is readable (left so), ``deadline_ns`` passed or, with ``until_work``,
+        progress found work (True). None where the worker is below
+        ``UCS_THREAD_MODE_MULTI``: its lock may not be held for a sleep (use
+        :meth:`wait_until`)."""
+        if self.thread_mode != _ucx.UCS_THREAD_MODE_MULTI:
+            return None
+        self.handle  # noqa: B018 - raises when closed
+        return self._calls.serve(
+            self._word, self._fd, wake_fd, deadline_ns or 0, until_work, self._serve_idle
+        )
 
     def serve(self, stop: threading.Event) -> None:
         """Progress this worker until ``stop`` is set (then call :meth:`signal` to wake it).
