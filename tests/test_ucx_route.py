@@ -1010,3 +1010,38 @@ async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
     await pcm.deallocate_blocks_cache(src)
     assert time.monotonic() - started < 2
     assert pair.prompt._engine.link_table().get(2) is not None  # and the link stays
+
+
+def test_a_batch_completed_while_another_thread_looked_is_seen_by_that_thread() -> None:
+    """Two threads poll one batch: the one that finds the other looking leaves (its poll is
+    False), and the one looking, whose look began before the last request completed, sees
+    the completion when it lets go, so a waiter never sleeps on a batch already complete."""
+
+    class Remote:
+        def end(self, snap: object) -> None:
+            pass
+
+        def still_there(self, snap: object, entries: object) -> bool:
+            return True
+
+    looks: list[bool] = []
+
+    class Requests:
+        """Completes during the first look, as another thread progressed it meanwhile."""
+
+        def __init__(self) -> None:
+            self.completed = False
+
+        def done(self) -> bool:
+            if not self.completed:
+                self.completed = True  # (the other thread completed it) ...
+                looks.append(batch.poll())  # ... and polls: the lock is taken, it leaves
+                return False  # the look that began before the completion saw it in flight
+            return True
+
+        def result(self) -> None:
+            pass
+
+    batch = ucx_route.Batch(Remote(), None, [], [Requests()], None, 0)  # type: ignore[arg-type, list-item]
+    assert batch.poll() is True
+    assert looks == [False] and batch.future.done() and batch.future.exception() is None
