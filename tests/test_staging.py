@@ -192,3 +192,38 @@ def test_streaming_needs_only_a_chunk_of_pinned_memory(fake: Fake) -> None:
     staging.close()
     runtime.free_device(dev, 16 << 20)
     runtime.close()
+
+
+def test_close_frees_a_buffer_given_back_just_after_it_was_called() -> None:
+    """A transfer that ended gives its buffer back moments after its caller learned so:
+    close waits for it, so every pinned buffer is freed when close returns (and the runtime
+    can release its device then, not whenever the last buffer comes back)."""
+    import threading
+    import time
+
+    from aio_datadist._runtime import HostRuntime
+
+    class Counting(HostRuntime):
+        live = 0
+
+        def alloc_host(self, nbytes: int) -> int:
+            Counting.live += 1
+            return super().alloc_host(nbytes)
+
+        def free_host(self, addr: int, nbytes: int) -> None:
+            Counting.live -= 1
+            super().free_host(addr, nbytes)
+
+    staging = Staging(Counting(0))
+    kept = staging.take(1 << 20)
+    staging.give_back(*kept)  # kept for reuse
+    out = staging.take(3 << 20)
+    assert Counting.live == 2
+    closing = threading.Thread(target=staging.close)
+    closing.start()
+    while closing.is_alive() and not staging._closed:  # close began and waits for `out`
+        time.sleep(0.001)
+    assert closing.is_alive() and Counting.live == 2
+    staging.give_back(*out)
+    closing.join(10)
+    assert not closing.is_alive() and Counting.live == 0

@@ -35,6 +35,9 @@ STAGING_KEEP_BYTES = 256 << 20
 STREAM_CHUNK_BYTES = 4 << 20
 #: Buffers are allocated in multiples of this, so sizes repeat and buffers get reused.
 _GRAIN = 1 << 20
+#: The longest :meth:`Staging.close` waits for buffers still out (a transfer that ended
+#: hands its buffer back moments after its caller learned so).
+_CLOSE_WAIT_S = 5.0
 
 #: One flag per row: True where the row lies in device memory.
 Mask = npt.NDArray[np.bool_]
@@ -149,8 +152,10 @@ class Staging:
         self.chunk_bytes = STREAM_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self._keep_bytes = keep_bytes
         self._lock = threading.Lock()
+        self._returned = threading.Condition(self._lock)
         self._free: dict[int, list[int]] = {}
         self._kept = 0
+        self._out = 0  # buffers taken and not given back yet
         self._closed = False
 
     @property
@@ -240,11 +245,16 @@ class Staging:
         """A pinned buffer of at least ``nbytes``: ``(addr, size)``; give it back when done."""
         size = _rounded(nbytes)
         with self._lock:
+            self._out += 1
             free = self._free.get(size)
             if free:
                 self._kept -= size
                 return free.pop(), size
-        return self.runtime.alloc_host(size), size
+        try:
+            return self.runtime.alloc_host(size), size
+        except BaseException:
+            self._given_back()
+            raise
 
     def give_back(self, addr: int, size: int) -> None:
         """Return a buffer from :meth:`take`: kept for reuse, or freed past the keep limit."""
@@ -252,13 +262,28 @@ class Staging:
             if not self._closed and self._kept + size <= self._keep_bytes:
                 self._free.setdefault(size, []).append(addr)
                 self._kept += size
+                self._out -= 1
+                self._returned.notify_all()
                 return
-        self.runtime.free_host(addr, size)
+        try:
+            self.runtime.free_host(addr, size)
+        finally:
+            self._given_back()
+
+    def _given_back(self) -> None:
+        with self._lock:
+            self._out -= 1
+            self._returned.notify_all()
 
     def close(self) -> None:
-        """Free every kept buffer; buffers given back later are freed at once."""
+        """Free every kept buffer, once the buffers still out came back (a transfer that
+        ended gives its buffer back moments after its caller learned so; the engine's links
+        are closed first, so none is still moving): at most :data:`_CLOSE_WAIT_S`. A buffer
+        given back later is freed at once. The runtime can then release the device at its
+        close, not whenever the last buffer comes back."""
         with self._lock:
             self._closed = True
+            self._returned.wait_for(lambda: self._out <= 0, _CLOSE_WAIT_S)
             free, self._free, self._kept = self._free, {}, 0
         for size, addrs in free.items():
             for addr in addrs:
