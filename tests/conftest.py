@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import os
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
@@ -44,6 +45,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_sessionfinish(session: pytest.Session) -> None:
     vllm_env.stop()
     vllm_cluster.stop()
+    cross_process = sys.modules.get("tests.test_cross_process")
+    if cross_process is not None:
+        cross_process.close_pool()  # peers started for tests that did not come
 
 
 def pool_cfg(memory_size: int = POOL_BYTES, page_shift: int | None = PAGE_SHIFT) -> str:

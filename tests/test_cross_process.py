@@ -78,29 +78,39 @@ class Peer:
         # Port 0 unless given: the peer reports the port it bound (a port picked free here
         # may be taken by another process before the peer binds it).
         self.port = 0 if port is None else port
+        #: The peer's command line and environment: a peer started with the same two is
+        #: the same peer (:class:`PeerFactory` hands one out for the other).
+        self.argv, self.env = Peer.command(
+            blocks, block_bytes, script, cluster_id=cluster_id, port=port, env=env
+        )
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=self.env
+        )
+        self._ready = False
+        if wait:
+            self.ready()
+
+    @staticmethod
+    def command(
+        blocks: int,
+        block_bytes: int,
+        script: Path = PEER,
+        *,
+        cluster_id: int = 1,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
+    ) -> tuple[list[str], dict[str, str]]:
+        """The command line and environment of a peer of these arguments, started now."""
         root = str(Path(__file__).resolve().parents[1])
-        env = dict(
+        full = dict(
             os.environ,
             PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
             **PEER_ENV,
             **(env or {}),
         )
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(script),
-                str(self.port),
-                str(blocks),
-                str(block_bytes),
-                str(cluster_id),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        self._ready = False
-        if wait:
-            self.ready()
+        argv = [sys.executable, str(script), str(0 if port is None else port), str(blocks),
+                str(block_bytes), str(cluster_id)]  # fmt: skip
+        return argv, full
 
     def ready(self) -> Peer:
         """Wait until the peer serves (it reports its port); itself."""
@@ -174,44 +184,92 @@ def route(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
+#: Peers started for tests to come, not handed out yet (:class:`PeerFactory`).
+_POOL: list[Peer] = []
+#: Most peers the pool holds (the oldest goes first).
+_POOL_MAX = 8
+
+
+def close_pool() -> None:
+    """Close the peers never handed out (the end of the session)."""
+    while _POOL:
+        _POOL.pop().close()
+
+
 class PeerFactory:
     """Makes the peers of one test over one route (with the UCX route on where the test
     runs over it) and closes them at its end.
 
-    A peer asked for ahead (:meth:`prestart`) starts beside the test's own work, which is
-    mostly waiting on a fault: the call that later asks for a peer like it gets it serving,
-    without waiting a peer's start-up (about a second here) then."""
+    A peer starts in about a second here, and the tests that use these peers spend most of
+    their time waiting on a fault. So a peer is asked for ahead where a test knows it will
+    need one (:meth:`prestart`), and each peer handed out has its like started at once for
+    the next test that asks for the same (a pool across tests): the call that asks gets it
+    serving. A peer is handed out once; every one is a fresh process that served no one."""
 
     def __init__(self, route: str) -> None:
         self.route = route
         self.made: list[Peer] = []
-        self._spares: list[tuple[tuple[Any, ...], Peer]] = []
+        self._spares: list[Peer] = []
 
     def __call__(self, blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> Peer:
-        key = (blocks, block_bytes, sorted(kwargs.items()))
-        for i, (spare_key, spare) in enumerate(self._spares):
-            if spare_key == key:
+        kwargs = self._kwargs(kwargs)
+        wanted = Peer.command(blocks, block_bytes, **kwargs)
+        for i, spare in enumerate(self._spares):
+            if _same(spare, wanted):
                 del self._spares[i]
                 return spare.ready()
-        return self._start(blocks, block_bytes, kwargs, wait=True)
+        return self._obtain(blocks, block_bytes, kwargs, wanted).ready()
 
     def prestart(self, blocks: int = 16, block_bytes: int = 64 * 1024, **kwargs: Any) -> None:
         """Start a peer now for a later call with these arguments."""
-        key = (blocks, block_bytes, sorted(kwargs.items()))
-        self._spares.append((key, self._start(blocks, block_bytes, kwargs, wait=False)))
+        kwargs = self._kwargs(kwargs)
+        wanted = Peer.command(blocks, block_bytes, **kwargs)
+        self._spares.append(self._obtain(blocks, block_bytes, kwargs, wanted))
 
-    def _start(self, blocks: int, block_bytes: int, kwargs: dict[str, Any], *, wait: bool) -> Peer:
+    def _kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if self.route in UCX_TLS:
             tls = UCX_TLS[self.route]
             kwargs = dict(kwargs, env={"AIO_TEST_UCX": "1", **({"UCX_TLS": tls} if tls else {})})
-        peer = Peer(blocks, block_bytes, wait=wait, **kwargs)
-        self.made.append(peer)
-        return peer
+        return kwargs
+
+    def _obtain(
+        self,
+        blocks: int,
+        block_bytes: int,
+        kwargs: dict[str, Any],
+        wanted: tuple[list[str], dict[str, str]],
+    ) -> Peer:
+        """The pool's peer like ``wanted``, else a new one; either way its like is started
+        into the pool for the next test."""
+        found = next((p for p in _POOL if _same(p, wanted)), None)
+        if found is not None:
+            _POOL.remove(found)
+        else:
+            found = Peer(blocks, block_bytes, wait=False, **kwargs)
+        self.made.append(found)
+        if kwargs.get("port") is None:  # (a peer told its port cannot be started twice)
+            _POOL.append(Peer(blocks, block_bytes, wait=False, **kwargs))
+            while len(_POOL) > _POOL_MAX:
+                _POOL.pop(0).close()
+        return found
 
     def close(self) -> None:
         """Close every peer made (spares never handed out included)."""
         for peer in self.made:
             peer.close()
+
+
+#: What the environment says of the test that runs, not of the peer.
+_PER_TEST = ("PYTEST_CURRENT_TEST",)
+
+
+def _same(peer: Peer, wanted: tuple[list[str], dict[str, str]]) -> bool:
+    """Whether ``peer`` was started as ``wanted`` (a command line and environment) says."""
+    argv, env = wanted
+    if peer.argv != argv:
+        return False
+    mine = {k: v for k, v in peer.env.items() if k not in _PER_TEST}
+    return mine == {k: v for k, v in env.items() if k not in _PER_TEST}
 
 
 @pytest.fixture
