@@ -17,7 +17,7 @@ import pytest
 
 import aio_datadist as llm_datadist
 from aio_datadist import LLMConfig, LLMDataDist, LLMRole, Placement
-from tests import vllm_cluster, vllm_env
+from tests import vllm_env
 
 MiB = 1 << 20
 POOL_BYTES = 64 * MiB
@@ -32,19 +32,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Tests in real vLLM need a Python with vLLM, which can take minutes to make, and the
-    serving tests share instances that take minutes to start: begin both now, beside the
-    rest of the suite."""
+    """Tests in real vLLM need a Python with vLLM, which can take minutes to make: start
+    finding or making it now, beside the rest of the suite."""
     if any(item.get_closest_marker("vllm") for item in session.items):
         vllm_env.start()
-    if any("cluster" in getattr(item, "fixturenames", ()) for item in session.items
-           if item.get_closest_marker("vllm")):  # fmt: skip
-        vllm_cluster.start()  # the instances the serving tests share, beside the suite
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     vllm_env.stop()
-    vllm_cluster.stop()
     cross_process = sys.modules.get("tests.test_cross_process")
     if cross_process is not None:
         cross_process.close_pool()  # peers started for tests that did not come

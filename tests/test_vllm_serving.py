@@ -24,20 +24,19 @@ from typing import Any
 
 import pytest
 
-from tests import vllm_cluster
 from tests.vllm_env import vllm_python
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "vllm"))
-from cluster import Instance, ProxyProcess, complete, metric, post, stream
+from cluster import Instance, ProxyProcess, complete, connector, metric, post, stream
 from make_model import WORDS
 
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.slow, pytest.mark.vllm]
 
-BLOCK = vllm_cluster.BLOCK
+BLOCK = 32
 #: Prompt lengths in tokens: multiples of the block size and not.
 LENGTHS = (7, 32, 45, 64, 96, 133)
 #: Seconds P holds a request's blocks for a decode that does not come.
-ABORT_TIMEOUT = vllm_cluster.ABORT_TIMEOUT
+ABORT_TIMEOUT = 8
 
 
 def text(n: int, seed: int = 0) -> str:
@@ -92,18 +91,42 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    """The instances, launched when the session began (``tests/vllm_cluster.py``)."""
-    launched = vllm_cluster.take()
-    if launched.python is None:
-        pytest.skip(str(launched.skip))
-    p, d, d2 = launched.instances
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    python, how = vllm_python()
+    if python is None:
+        pytest.skip(how)
+    work = tmp_path_factory.mktemp("vllm")
+    model = work / "model"
+    import subprocess
+
+    subprocess.run(
+        [python, str(Path(__file__).resolve().parents[1] / "examples/vllm/make_model.py"),
+         str(model)],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    args = ["--max-model-len", "2048", "--enforce-eager", "--dtype", "float32",
+            "--block-size", str(BLOCK), "--max-num-batched-tokens", "64"]  # fmt: skip
+    extra = {"abort_timeout": ABORT_TIMEOUT, "load_timeout": 20}
+    # The engine in the server's process: a third less start-up CPU for each instance.
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    common = dict(model=str(model), python=python, log_dir=work, args=args, env=env)
+    p = Instance("p", kv=connector("pull", **extra), cpus="0", **common)  # type: ignore[arg-type]
+    d_kv = connector("pull", **extra)
+    d_kv["kv_load_failure_policy"] = "recompute"
+    d = Instance("d", kv=d_kv, cpus="1", **common)  # type: ignore[arg-type]
+    d2_kv = connector("pull", **extra)
+    d2_kv["kv_load_failure_policy"] = "fail"
+    d2 = Instance("d2", kv=d2_kv, cpus="1", **common)  # type: ignore[arg-type]
+    instances = [p, d, d2]
     try:
-        for instance in launched.instances:
+        for instance in instances:
+            instance.start()
+        for instance in instances:
             instance.wait_ready(600)
-        yield Cluster(p, d, d2, launched.python)
+        yield Cluster(p, d, d2, python)
     finally:
-        for instance in launched.instances:
+        for instance in instances:
             instance.stop()
 
 
