@@ -434,14 +434,14 @@ def hold(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, thr
     """Hold the next UCX transfers after they took the peer's table and before their
     requests start: ``(entered, release)``."""
     entered, release = threading.Event(), threading.Event()
-    batch = UcxRoute._batch
+    issue = UcxRoute._issue
 
     def held(self: UcxRoute, *args: Any, **kwargs: Any) -> Any:
         entered.set()
         assert release.wait(20), "the held transfer was never released"
-        return batch(self, *args, **kwargs)
+        return issue(self, *args, **kwargs)
 
-    monkeypatch.setattr(UcxRoute, "_batch", held)
+    monkeypatch.setattr(UcxRoute, "_issue", held)
     yield entered, release
     release.set()
 
@@ -581,8 +581,9 @@ async def test_accesses_outside_the_peers_caches_are_refused_before_ucx_sees_the
     rma = ucx.rma
 
     def counted(ops: Any, *args: Any, **kwargs: Any) -> Any:
+        result = rma(ops, *args, **kwargs)  # (raises, nothing started, for a refused access)
         started.append(len(ops))
-        return rma(ops, *args, **kwargs)
+        return result
 
     monkeypatch.setattr("aio_datadist._routes.ucx.remote.rma", counted)
     resolved: list[object] = []
@@ -1040,6 +1041,9 @@ def test_a_batch_completed_while_another_thread_looked_is_seen_by_that_thread() 
             return True
 
         def result(self) -> None:
+            pass
+
+        def release(self) -> None:
             pass
 
     batch = ucx_route.Batch(Remote(), None, [], [Requests()], None, 0)  # type: ignore[arg-type, list-item]

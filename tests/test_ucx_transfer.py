@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aio_datadist._native import api
-from aio_datadist._native._ffi import ffi
+from aio_datadist._native._ffi import ffi, lib
 from aio_datadist.status import ParamInvalidError
 
 RMA = "uint64_t(*)(uint64_t, uint64_t, size_t, uint64_t, uint64_t, uint64_t)"
@@ -30,16 +30,34 @@ EPS = [0x1000 * (p + 1) for p in range(api.lib.DD_UCX_MAX_PARTS)]
 class FakeUcp:
     """UCP calls that note what they are asked to do."""
 
-    def __init__(self, refuse_at: int = -1) -> None:
+    def __init__(self, refuse_at: int = -1, *, in_flight: bool = False) -> None:
         self.calls: list[tuple[str, int, int, int, int, int]] = []
         self.refuse_at = refuse_at
+        #: Requests left in flight (``in_flight``): each progress round completes one into
+        #: :attr:`count`.
+        self.in_flight: list[int] = []
+        self.count: api.UcxCount | None = None
+        self.rounds = 0
 
         def rma(kind: str) -> Any:
             def call(ep: int, buffer: int, n: int, remote: int, rkey: int, param: int) -> int:
                 self.calls.append((kind, ep, buffer, remote, n, rkey))
-                return REFUSED if len(self.calls) - 1 == self.refuse_at else 0
+                if len(self.calls) - 1 == self.refuse_at:
+                    return REFUSED
+                if not in_flight:
+                    return 0
+                self.in_flight.append(0x5000 + len(self.calls))
+                return self.in_flight[-1]
 
             return ffi.callback(RMA, call)
+
+        def step(worker: int) -> int:
+            self.rounds += 1
+            if not self.in_flight or self.count is None:
+                return 0
+            request = self.in_flight.pop(0)
+            lib.dd_ucx_counted(ffi.cast("void *", request), 0, self.count._count)
+            return 1
 
         def flush(ep: int, param: int) -> int:
             self.calls.append(("flush", ep, 0, 0, 0, 0))
@@ -50,7 +68,7 @@ class FakeUcp:
             rma("put"),
             ffi.callback("uint64_t(*)(uint64_t, uint64_t)", flush),
             ffi.callback("void(*)(uint64_t)", lambda request: None),
-            ffi.callback("unsigned(*)(uint64_t)", lambda worker: 0),
+            ffi.callback("unsigned(*)(uint64_t)", step),
             ffi.callback("int8_t(*)(uint64_t)", lambda worker: 0),
         ]
         get, put, fl, free, progress, signal = (int(ffi.cast("uintptr_t", f)) for f in self._keep)
@@ -67,11 +85,21 @@ class FakeUcp:
         )
 
     def transfer(
-        self, ops: Any, keys: Any, parts: int, *, write: bool = False, flush: bool = False
+        self,
+        ops: Any,
+        keys: Any,
+        parts: int,
+        *,
+        write: bool = False,
+        flush: bool = False,
+        progress_ns: int = 0,
     ) -> tuple[int, list[tuple[bool, int]]]:
         rkeys = [np.arange(len(keys), dtype=np.uint64) + 100 * (p + 1) for p in range(parts)]
         native = [api.UcxPart(EPS[p], rkeys[p], 1, self.ucp.count(), None) for p in range(parts)]
-        return self.ucp.transfer(ops, keys, native, write=write, flush=flush)
+        self.count = native[0].counter
+        return self.ucp.transfer(
+            ops, keys, native, write=write, flush=flush, worker=0x77, progress_ns=progress_ns
+        )
 
 
 @st.composite
@@ -188,3 +216,77 @@ def test_find_tries_the_registrations_below_a_span() -> None:
     assert api.ucx_find(keys, np.array([(0x8000, 0x1001)], np.uint64)) is None
     assert api.ucx_find(keys[:0], np.array([(0x1000, 1)], np.uint64)) is None
     assert api.ucx_find(keys, np.zeros((0, 2), np.uint64)).tolist() == []  # type: ignore[union-attr]
+
+
+def _layout(base: int, tensors: int, block_bytes: int, num_blocks: int) -> api.BlockLayout:
+    return api.BlockLayout(
+        [base + t * block_bytes * num_blocks for t in range(tensors)], block_bytes, num_blocks
+    )
+
+
+@given(
+    st.integers(1, 4),
+    st.lists(st.tuples(st.integers(0, 15), st.integers(0, 15)), min_size=1, max_size=12),
+    st.integers(1, 4096),
+    st.integers(1, api.lib.DD_UCX_MAX_PARTS),
+    st.booleans(),
+)
+@settings(max_examples=100, deadline=None)
+def test_block_pairs_start_the_ops_blocks_ops_makes(
+    tensors: int, blocks: list[tuple[int, int]], seg: int, parts: int, write: bool
+) -> None:
+    local = (_layout(1 << 40, tensors + 1, 4096, 16), 1, [b for b, _ in blocks])
+    remote = (_layout(1 << 32, tensors, 4096, 16), 0, [b for _, b in blocks])
+    keys = np.array([(1 << 32, (1 << 32) + tensors * 4096 * 16)], np.uint64)
+    pairs = api.BlockPairs(local, remote, tensors, seg)
+    ops = api.blocks_ops(local, remote, tensors, seg)
+    assert len(pairs) == len(ops) and (pairs.ops() == ops).all()
+    by_pairs, by_ops = FakeUcp(), FakeUcp()
+    assert by_pairs.transfer(pairs, keys, parts, write=write) == by_ops.transfer(
+        ops, keys, parts, write=write
+    )
+    assert by_pairs.calls == by_ops.calls and by_pairs.calls
+
+
+def test_block_pairs_a_layout_refuses_start_nothing() -> None:
+    keys = np.array([(1 << 32, (1 << 33))], np.uint64)
+    local = (_layout(1 << 40, 2, 4096, 16), 0, [0, 1])
+    fake = FakeUcp()
+    for remote, seg in (
+        ((_layout(1 << 32, 2, 4096, 16), 0, [0, 16]), 4096),  # a block past the layout
+        ((_layout(1 << 32, 2, 4096, 16), 0, [0, 1]), 4097),  # a segment over a block
+    ):
+        with pytest.raises(api.PairsRefused):
+            fake.transfer(api.BlockPairs(local, remote, 2, seg), keys, 2)
+    with pytest.raises(ParamInvalidError):  # tensors outside a layout: refused as it is made
+        api.BlockPairs(local, (_layout(1 << 32, 1, 4096, 16), 0, [0, 1]), 2, 4096)
+    assert fake.calls == []
+
+
+def test_a_transfer_progresses_its_worker_until_its_requests_completed() -> None:
+    keys = np.array([(1 << 32, (1 << 32) + (64 << 20))], np.uint64)
+    ops = np.array(
+        [[(1 << 40) + i * 8192, (1 << 32) + i * 16384, 4096] for i in range(3)], np.uint64
+    )
+    fake = FakeUcp(in_flight=True)
+    fake.transfer(ops, keys, 1)  # no progress asked for: the requests stay in flight
+    assert fake.rounds == 0 and fake.count is not None and fake.count.left() == (3, 0)
+    while fake.in_flight:
+        lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, fake.count._count)
+    fake = FakeUcp(in_flight=True)
+    fake.transfer(ops, keys, 1, progress_ns=10**9)
+    assert fake.count is not None and fake.count.left() == (0, 0)
+    assert fake.rounds == 3  # one request a round, and no round once the count read 0
+
+
+def test_a_transfer_stops_progressing_when_a_round_finds_nothing_to_do() -> None:
+    keys = np.array([(1 << 32, (1 << 32) + (64 << 20))], np.uint64)
+    ops = np.array([[1 << 40, 1 << 32, 4096]], np.uint64)
+    fake = FakeUcp(in_flight=True)
+    fake.count = None  # progress completes nothing (a get over tcp waits for the peer)
+    rkeys = np.arange(1, dtype=np.uint64) + 100
+    count = fake.ucp.count()
+    part = api.UcxPart(EPS[0], rkeys, 1, count, None)
+    fake.ucp.transfer(ops, keys, [part], write=False, worker=0x77, progress_ns=10**9)
+    assert fake.rounds == 1 and count.left() == (1, 0)  # it did not spin for a second
+    lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, count._count)

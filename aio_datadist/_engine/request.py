@@ -31,6 +31,7 @@ from aio_datadist.status import LLMStatusCode, LLMTimeoutError
 
 __all__ = (
     "DONE",
+    "DONE_FUTURE",
     "GRACE_S",
     "Blocks",
     "Completion",
@@ -171,8 +172,9 @@ def _completed() -> Future[None]:
     return done
 
 
-#: The future of every request that completed in the calling thread.
-_DONE_FUTURE: Future[None] = _completed()
+#: The future of every request that completed in the calling thread (one, shared: never
+#: complete it again).
+DONE_FUTURE: Future[None] = _completed()
 
 
 class Pump(Protocol):
@@ -214,15 +216,15 @@ class Completion:
 
     def done(self) -> bool:
         """True once the request completed (successfully or not)."""
-        return self.future is _DONE_FUTURE or self.future.done()
+        return self.future is DONE_FUTURE or self.future.done()
 
     def exception(self) -> BaseException | None:
         """The failure of a completed request (None on success)."""
-        return None if self.future is _DONE_FUTURE else self.future.exception()
+        return None if self.future is DONE_FUTURE else self.future.exception()
 
     def raise_failure(self) -> None:
         """Raise the failure of a completed request (nothing on success)."""
-        if self.future is not _DONE_FUTURE:
+        if self.future is not DONE_FUTURE:
             error = self.future.exception()
             if error is not None:
                 raise error
@@ -251,7 +253,7 @@ class Completion:
         :raises LLMException: the request failed, or ``LLM_TIMEOUT``.
         """
         future = self.future
-        if future is _DONE_FUTURE:
+        if future is DONE_FUTURE:
             return
         if self.pump is not None and not future.done():
             self.pump.read_for(future, self.deadline_ns)
@@ -265,12 +267,12 @@ class Completion:
 
 
 #: The completion of every request that completed in the calling thread.
-DONE = Completion(_DONE_FUTURE, 0)
+DONE = Completion(DONE_FUTURE, 0)
 
 
 def completed(future: Future[None] | None, deadline_ns: int, pump: Pump | None) -> Completion:
     """The completion of a request whose future is ``future`` (None: completed already)."""
-    if future is None or future is _DONE_FUTURE:
+    if future is None or future is DONE_FUTURE:
         return DONE
     return Completion(future, deadline_ns, pump)
 

@@ -754,6 +754,64 @@ def blocks_ops(
     return ops
 
 
+class BlockPairs:
+    """Whole blocks of two blocks layouts, paired as :func:`blocks_ops` pairs them (``local``
+    as its ``dst``, ``remote`` as its ``src``), for a native call that makes the ops itself
+    (``dd_blocks_pair``). Each side is ``(layout, first tensor, blocks)``.
+
+    Raises:
+        TypeError: a block list that is not ints.
+        ParamInvalidError: the lists differ in length, a tensor outside its layout.
+    """
+
+    __slots__ = ("_args", "_keep", "count", "local", "remote", "seg")
+
+    def __init__(
+        self,
+        local: tuple[BlockLayout, int, Sequence[int]],
+        remote: tuple[BlockLayout, int, Sequence[int]],
+        count: int,
+        seg: int,
+    ) -> None:
+        if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
+            _u64(seg, "seg")
+        self.local, self.remote, self.count, self.seg = local, remote, count, seg
+        n, sides = _block_sides(local, remote, count)
+        self._args = (n, sides)
+        self._keep: Any = None
+
+    def __len__(self) -> int:
+        """How many ops the pairs make."""
+        return self.count * self._args[0]
+
+    def native(self) -> Any:
+        """The ``dd_blocks_pair`` naming both sides (kept alive with this object)."""
+        n, (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks) = self._args
+        pair = ffi.new(
+            "dd_blocks_pair *",
+            (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks, self.count, n, self.seg),
+        )
+        self._keep = pair
+        return pair
+
+    def ops(self) -> npt.NDArray[np.uint64]:
+        """The ``(local, remote, seg)`` ops, as :func:`blocks_ops` makes them."""
+        return blocks_ops(self.local, self.remote, self.count, self.seg)
+
+    def refused(self) -> None:
+        """Raise why :func:`blocks_ops` refuses the pairs (:class:`PairsRefused`)."""
+        try:
+            self.ops()
+        except ParamInvalidError as exc:
+            raise PairsRefused(str(exc), status_code=LLMStatusCode.LLM_PARAM_INVALID) from None
+        raise PairsRefused("block pairs refused", status_code=LLMStatusCode.LLM_PARAM_INVALID)
+
+
+class PairsRefused(ParamInvalidError):
+    """:class:`BlockPairs` that :func:`blocks_ops` refuses (a block or segment outside its
+    layout): nothing started."""
+
+
 def vm_copy_blocks(
     pid: int,
     dst: tuple[BlockLayout, int, Sequence[int]],
@@ -885,6 +943,11 @@ class UcxCount:
         left = int(lib.dd_ucx_count_left(self._count, self._status))
         return left, int(self._status[0])
 
+    def reset(self) -> bool:
+        """Make the count as new for another batch (no failure, no worker to signal): False
+        (nothing changed) while one of its requests or their completion still runs."""
+        return bool(lib.dd_ucx_count_reset(self._count) == lib.DD_OK)
+
     def notify(self, worker: int) -> None:
         """Have the completion that takes the count to 0 signal ``worker`` (a handle as an
         int; ``ucp_worker_signal``). Look at the count after: either that look sees 0 or the
@@ -989,34 +1052,46 @@ class UcxCalls:
 
     def transfer(
         self,
-        ops: npt.NDArray[np.uint64],
+        ops: npt.NDArray[np.uint64] | BlockPairs,
         keys: npt.NDArray[np.uint64],
         parts: Sequence[UcxPart],
         *,
         write: bool,
         flush: bool = False,
+        worker: int = 0,
+        progress_ns: int = 0,
     ) -> tuple[int, list[tuple[bool, int]]]:
-        """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``,
-        each through the key row of ``keys`` (rows ``(address, end)``, sorted by address)
-        that holds its remote span, the bytes cut into one run of about equal size per part
-        of ``parts`` (``dd_ucx_transfer``). With ``flush``, a flush of each part's endpoint
-        follows its run into the same count.
+        """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``
+        (or per op of the :class:`BlockPairs`, made in the same call), each through the key
+        row of ``keys`` (rows ``(address, end)``, sorted by address) that holds its remote
+        span, the bytes cut into one run of about equal size per part of ``parts``
+        (``dd_ucx_transfer``). With ``flush``, a flush of each part's endpoint follows its
+        run into the same count. With ``progress_ns``, the call then progresses ``worker``
+        (the first part's, a handle as an int) until the first part's count reads 0, a
+        round finds nothing to do, or that long passed.
 
-        Returns ``(held, parts)``: ``held`` is ``len(ops)`` when the runs started, else the
-        index of the first op no key row holds (nothing started); ``parts`` is, per part,
+        Returns ``(held, parts)``: ``held`` is the number of ops when the runs started, else
+        the index of the first op no key row holds (nothing started); ``parts`` is, per part,
         whether it started and the ``ucs_status_t`` of what UCX refused in it (0: nothing;
         the parts after a refusal did not start).
 
         Raises:
-            ParamInvalidError: bad arguments, or an op that is empty, has no local address or
-                wraps (nothing started).
+            ParamInvalidError: bad arguments, an op that is empty, has no local address or
+                wraps, or block pairs that :func:`blocks_ops` refuses (nothing started).
         """
         if not 0 < len(parts) <= lib.DD_UCX_MAX_PARTS:
             _check(lib.DD_EINVAL, f"ucx transfer: {len(parts)} parts")
-        ops = np.ascontiguousarray(ops, np.uint64)
         keys = np.ascontiguousarray(keys, np.uint64)
-        if ops.ndim != 2 or ops.shape[1] != 3 or keys.ndim != 2 or keys.shape[1] != 2:
-            _check(lib.DD_EINVAL, "ucx transfer: ops must be (n, 3) and keys (k, 2)")
+        if keys.ndim != 2 or keys.shape[1] != 2:
+            _check(lib.DD_EINVAL, "ucx transfer: keys must be (k, 2)")
+        pair = ffi.NULL
+        if isinstance(ops, BlockPairs):
+            pair, n, c_ops = ops.native(), 0, ffi.NULL
+        else:
+            ops = np.ascontiguousarray(ops, np.uint64)
+            if ops.ndim != 2 or ops.shape[1] != 3:
+                _check(lib.DD_EINVAL, "ucx transfer: ops must be (n, 3)")
+            n, c_ops = len(ops), ffi.from_buffer("uint64_t[]", ops)
         native = ffi.new("dd_ucx_part[]", len(parts))
         for slot, part in zip(native, parts, strict=True):
             if len(part.rkeys) != len(keys):
@@ -1031,15 +1106,20 @@ class UcxCalls:
             self._c,
             1 if write else 0,
             1 if flush else 0,
-            ffi.from_buffer("uint64_t[]", ops),
-            len(ops),
+            c_ops,
+            n,
+            pair,
             ffi.from_buffer("uint64_t[]", keys),
             len(keys),
             native,
             len(parts),
             bad,
+            worker,
+            progress_ns,
         )
         if held < 0:
+            if bad[0] == -2 and isinstance(ops, BlockPairs):
+                ops.refused()  # raises why
             where = f": op {bad[0]} is empty, has no local address or wraps" if bad[0] >= 0 else ""
             _check(int(held), f"ucx transfer{where}")
         return int(held), [(bool(slot.started), int(slot.status)) for slot in native]

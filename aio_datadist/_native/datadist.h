@@ -369,6 +369,9 @@ int dd_ucx_count_notify(dd_ucx_count *count, uint64_t worker);
 /* Free count unless requests still complete into it, or a
  * completion still runs (DD_EAGAIN: nothing freed). */
 int dd_ucx_count_free(dd_ucx_count *count);
+/* Make count as new, for the next batch (no failure, no notify worker): DD_EAGAIN while a
+ * request or a completion still runs (nothing changed). */
+int dd_ucx_count_reset(dd_ucx_count *count);
 /* How many requests of count are still in flight; *status: the first failure (0: none). */
 int64_t dd_ucx_count_left(const dd_ucx_count *count, int *status);
 /* The UCP completion (ucp_send_nbx_callback_t) of a counted batch: records a failure, frees
@@ -399,22 +402,43 @@ typedef struct {
     int status;             /* out: the ucs_status_t UCX refused a request with (0: none) */
 } dd_ucx_part;
 
+/* Whole blocks of two blocks layouts, paired as dd_blocks_ops pairs them (local = dst,
+ * remote = src): the ops of a transfer, made in the call that starts it. */
+typedef struct {
+    const uint64_t *local_bases;  /* the local side's first tensor's base, then the others' */
+    uint64_t local_block_bytes;
+    uint64_t local_num_blocks;
+    const uint64_t *local_blocks;
+    const uint64_t *remote_bases; /* the same for the peer's side */
+    uint64_t remote_block_bytes;
+    uint64_t remote_num_blocks;
+    const uint64_t *remote_blocks;
+    size_t ntensors;
+    size_t nblocks;
+    uint64_t seg;
+} dd_blocks_pair;
+
 /* Start a transfer: one get (write == 0: remote -> local) or put per op (local, remote,
- * nbytes) of ops (n rows), the remote side through the key row of keys (nkeys rows of
- * address, end, sorted by address) that holds it (as dd_ucx_find). First every op is
- * checked and its key found; then the bytes, in op order, are cut into up to nparts runs of
- * about equal bytes (at multiples of 4 KiB; one run below 8 KiB) and run r is started on
- * parts[r], its neighbouring pieces that continue each other on both sides through one key
- * merged into one request, the lanes' runs first (each lane woken once its run started).
- * With flush, a flush of each part's endpoint follows its run (puts are then done once they
- * reached the peer's memory). A part's requests left in flight complete into its count.
- * Returns n when the runs were started (a part's status says what UCX refused: its earlier
- * requests started, the parts after it did not); the index of the first op no key row
- * holds (nothing started); DD_EINVAL for bad arguments, or with *bad >= 0 the index of an
- * op that is empty, has no local address or wraps (nothing started); DD_ENOMEM. */
+ * nbytes) of ops (n rows; with ops NULL, the ntensors * nblocks ops of pair instead), the
+ * remote side through the key row of keys (nkeys rows of address, end, sorted by address)
+ * that holds it (as dd_ucx_find). First every op is checked and its key found; then the
+ * bytes, in op order, are cut into up to nparts runs of about equal bytes (at multiples of
+ * 4 KiB; one run below 8 KiB) and run r is started on parts[r], its neighbouring pieces that
+ * continue each other on both sides through one key merged into one request, the lanes'
+ * runs first (each lane woken once its run started). With flush, a flush of each part's
+ * endpoint follows its run (puts are then done once they reached the peer's memory). A
+ * part's requests left in flight complete into its count. Then, with progress_ns > 0, the
+ * call progresses worker (the worker of parts[0]) until parts[0]'s count reads 0, a round
+ * finds nothing to do, or progress_ns passed.
+ * Returns the number of ops when the runs were started (a part's status says what UCX
+ * refused: its earlier requests started, the parts after it did not); the index of the
+ * first op no key row holds (nothing started); DD_EINVAL for bad arguments, with *bad >= 0
+ * the index of an op that is empty, has no local address or wraps, or with *bad == -2 a pair
+ * whose sides dd_blocks_ops refuses (nothing started); DD_ENOMEM. */
 int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint64_t *ops,
-                        size_t n, const uint64_t *keys, size_t nkeys, dd_ucx_part *parts,
-                        size_t nparts, int64_t *bad);
+                        size_t n, const dd_blocks_pair *pair, const uint64_t *keys,
+                        size_t nkeys, dd_ucx_part *parts, size_t nparts, int64_t *bad,
+                        uint64_t worker, int64_t progress_ns);
 /* Progress worker until a round finds nothing to do (1; 0 when the first one did not) or
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);

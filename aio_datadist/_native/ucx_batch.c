@@ -78,6 +78,18 @@ int dd_ucx_count_free(dd_ucx_count *count)
     return DD_OK;
 }
 
+int dd_ucx_count_reset(dd_ucx_count *count)
+{
+    if (count == NULL)
+        return DD_EINVAL;
+    if (__atomic_load_n(&count->pending, __ATOMIC_SEQ_CST) != 0 ||
+        __atomic_load_n(&count->busy, __ATOMIC_SEQ_CST) != 0)
+        return DD_EAGAIN;
+    __atomic_store_n(&count->status, 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&count->notify, 0, __ATOMIC_SEQ_CST);
+    return DD_OK;
+}
+
 int64_t dd_ucx_count_left(const dd_ucx_count *count, int *status)
 {
     if (count == NULL || status == NULL)
@@ -224,14 +236,32 @@ static int part_start(const dd_ucx_calls *c, rma_fn rma, int flush, const uint64
     return status;
 }
 
+/* Progress worker until count reads 0, a round finds nothing to do, or budget_ns passed. */
+static void progress_own(const dd_ucx_calls *c, uint64_t worker, const dd_ucx_count *count,
+                         int64_t budget_ns)
+{
+    progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
+    int64_t until = 0;
+    while (__atomic_load_n(&count->pending, __ATOMIC_ACQUIRE) != 0) {
+        if (!progress(worker))
+            return;
+        if (!until)
+            until = dd_monotonic_ns() + budget_ns;
+        else if (dd_monotonic_ns() >= until)
+            return;
+    }
+}
+
 int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint64_t *ops,
-                        size_t n, const uint64_t *keys, size_t nkeys, dd_ucx_part *parts,
-                        size_t nparts, int64_t *bad)
+                        size_t n, const dd_blocks_pair *pair, const uint64_t *keys,
+                        size_t nkeys, dd_ucx_part *parts, size_t nparts, int64_t *bad,
+                        uint64_t worker, int64_t progress_ns)
 {
     if (bad != NULL)
         *bad = -1;
-    if (!calls_ok(c) || (n && ops == NULL) || (nkeys && keys == NULL) || parts == NULL ||
-        nparts == 0 || bad == NULL || nkeys > INT32_MAX)
+    if (!calls_ok(c) || (ops == NULL && pair == NULL && n != 0) ||
+        (nkeys && keys == NULL) || parts == NULL || nparts == 0 || bad == NULL ||
+        nkeys > INT32_MAX || (progress_ns > 0 && !worker))
         return DD_EINVAL;
     for (size_t p = 0; p < nparts; p++) {
         parts[p].status = 0;
@@ -240,11 +270,37 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
             (nkeys && parts[p].rkeys == NULL))
             return DD_EINVAL;
     }
+    uint64_t stack_ops[3 * STACK_OPS];
+    uint64_t *made = NULL; /* the pair's ops, when they do not fit on the stack */
+    if (ops == NULL && pair != NULL) {
+        if (pair->ntensors && pair->nblocks > SIZE_MAX / 3 / pair->ntensors) {
+            *bad = -2;
+            return DD_EINVAL;
+        }
+        n = pair->ntensors * pair->nblocks;
+        made = n <= STACK_OPS ? stack_ops : malloc(3 * n * sizeof *made);
+        if (made == NULL)
+            return DD_ENOMEM;
+        if (dd_blocks_ops(made, pair->local_bases, pair->local_block_bytes,
+                          pair->local_num_blocks, pair->local_blocks, pair->remote_bases,
+                          pair->remote_block_bytes, pair->remote_num_blocks,
+                          pair->remote_blocks, pair->ntensors, pair->nblocks,
+                          pair->seg) != DD_OK) {
+            if (made != stack_ops)
+                free(made);
+            *bad = -2;
+            return DD_EINVAL;
+        }
+        ops = made;
+    }
     /* Every op checked, and its key found, before anything starts. */
     int32_t stack_which[STACK_OPS];
     int32_t *which = n <= STACK_OPS ? stack_which : malloc(n * sizeof *which);
-    if (which == NULL)
+    if (which == NULL) {
+        if (made != NULL && made != stack_ops)
+            free(made);
         return DD_ENOMEM;
+    }
     uint64_t total = 0;
     int64_t result = (int64_t)n;
     for (size_t i = 0; i < n; i++) {
@@ -298,9 +354,13 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
                        cut_at[r + 1] - cut_at[r], &parts[r]))
             break; /* refused: the parts not started yet never start */
     }
+    if (progress_ns > 0)
+        progress_own(c, worker, parts[0].count, progress_ns);
 out:
     if (which != stack_which)
         free(which);
+    if (made != NULL && made != stack_ops)
+        free(made);
     return result;
 }
 

@@ -33,6 +33,7 @@ import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
+from aio_datadist._native.api import BlockPairs
 from aio_datadist._routes.ucx.lanes import CROSS_MEMORY, LANE_MIN_BYTES, UcxLane
 from aio_datadist._routes.ucx.table import UcxTable
 from aio_datadist._routes.ucx.worker import (
@@ -222,15 +223,16 @@ class UcxRemote:
     def issue(
         self,
         snap: Snapshot,
-        ops: npt.NDArray[np.uint64],
+        ops: npt.NDArray[np.uint64] | BlockPairs,
         *,
         write: bool,
         local_memory: str,
         nbytes: int,
+        progress_ns: int = 0,
     ) -> tuple[list[Requests], LLMException | None]:
         """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``, of
-        ``nbytes`` in all) through the snapshot's keys, and for a push a flush after them:
-        see ``ucx.rma``. Host transfers of
+        ``nbytes`` in all, or block pairs) through the snapshot's keys, and for a push a flush
+        after them, then progress for up to ``progress_ns``: see ``ucx.rma``. Host transfers of
         :data:`~aio_datadist._routes.ucx.lanes.LANE_MIN_BYTES` or more are cut into one part
         per lane. The requests started, and the failure that stopped the rest.
 
@@ -259,6 +261,7 @@ class UcxRemote:
                 local_memory=local_memory,
                 flush=write,
                 lanes=self._threads,
+                progress_ns=progress_ns,
             )
 
     def _cuts(self, ep: Endpoint) -> bool:

@@ -39,7 +39,7 @@ import numpy as np
 import structlog
 
 from aio_datadist._engine.regions import ONE_SIDED_TARGETS, BoardEntry, paired, resolve
-from aio_datadist._engine.request import DONE, Blocks, Completion, Transfer, completed
+from aio_datadist._engine.request import DONE_FUTURE, Blocks, Completion, Transfer, completed
 from aio_datadist._engine.routes import Carrier
 from aio_datadist._native import api
 from aio_datadist._routes.ucx.remote import Snapshot, UcxRemote
@@ -131,11 +131,7 @@ class Batch:
             request = requests[self._at]
             if not request.done():
                 return False
-            if self.failure is None:
-                try:
-                    request.result()
-                except LLMException as exc:
-                    self.failure = exc
+            self.failure = _taken(request, self.failure)
             self._at += 1
         self._finish()
         return True
@@ -153,26 +149,68 @@ class Batch:
 
     def _finish(self) -> None:
         """(Every request completed.) End the transfer and complete the future."""
-        remote, snap = self.remote, self.snap
-        remote.end(snap)
-        error: LLMException | None
-        if self.expired:
-            error = LLMException(
-                "UCX transfer did not complete within sync_kv_timeout", status_code=_S.LLM_TIMEOUT
-            )
-        elif self.failure is not None:
-            error = self.failure
-        elif not remote.still_there(snap, self.entries):
-            error = KvCacheNotExistError(
-                "the peer released the cache while it was being transferred",
-                status_code=_S.LLM_KV_CACHE_NOT_EXIST,
-            )
-        else:
-            error = None
+        error = _outcome(self.remote, self.snap, self.entries, self.failure, self.expired)
         if error is None:
             self.future.set_result(None)
         else:
             self.future.set_exception(error)
+
+
+def _taken(request: Requests, failure: LLMException | None) -> LLMException | None:
+    """(``request`` done.) The batch's failure once ``request``'s result was taken (the
+    first failure stays), its count given back to its worker."""
+    if failure is None:
+        try:
+            request.result()
+        except LLMException as exc:
+            failure = exc
+    request.release()
+    return failure
+
+
+def _outcome(
+    remote: UcxRemote,
+    snap: Snapshot,
+    entries: list[BoardEntry],
+    failure: LLMException | None,
+    expired: bool,
+) -> LLMException | None:
+    """(Every request of a batch completed.) End its transfer: its failure, if any."""
+    remote.end(snap)
+    if expired:
+        return LLMException(
+            "UCX transfer did not complete within sync_kv_timeout", status_code=_S.LLM_TIMEOUT
+        )
+    if failure is not None:
+        return failure
+    if not remote.still_there(snap, entries):
+        return KvCacheNotExistError(
+            "the peer released the cache while it was being transferred",
+            status_code=_S.LLM_KV_CACHE_NOT_EXIST,
+        )
+    return None
+
+
+def _ended(
+    remote: UcxRemote,
+    snap: Snapshot,
+    entries: list[BoardEntry],
+    requests: list[Requests],
+    failure: LLMException | None,
+) -> Future[None] | None:
+    """The outcome of a batch whose requests all completed as they started (``DONE_FUTURE``
+    on success), its transfer ended; None while one is still in flight (it needs a
+    :class:`Batch`)."""
+    if any(map(len, requests)):
+        return None
+    for request in requests:
+        failure = _taken(request, failure)
+    error = _outcome(remote, snap, entries, failure, False)
+    if error is None:
+        return DONE_FUTURE
+    future: Future[None] = RequestFuture()
+    future.set_exception(error)
+    return future
 
 
 class UcxProgress:
@@ -202,23 +240,22 @@ class UcxProgress:
         self._thread.start()
 
     # -- batches ----------------------------------------------------------------------------
+    @staticmethod
+    def start_ns() -> int:
+        """How long starting a batch progresses the worker in this thread: on an event loop
+        a short round (its waits progress in bounded rounds); in any other thread what it
+        can move now (over shared memory, the whole batch), as a blocking caller would."""
+        return _START_NS if asyncio._get_running_loop() is not None else _START_THREAD_NS
+
     def settle(self, batch: Batch) -> Future[None]:
-        """Progress once and see whether ``batch`` completed; else hand it to whoever
-        progresses next (a waiter, a watching loop, the progress thread), its lanes' parts
-        signalling the worker as they complete (a part that completed while this thread
-        moved its own wakes no one). Its future either way."""
-        if not self._progress_once(batch):
+        """See whether ``batch`` completed as it started (:meth:`start_ns`); else hand it
+        to whoever progresses next (a waiter, a watching loop, the progress thread), its
+        lanes' parts signalling the worker as they complete (a part that completed while
+        this thread moved its own wakes no one). Its future either way."""
+        if not batch.poll():
             batch.notify(self.worker)
             self._add(batch)
         return batch.future
-
-    def _progress_once(self, batch: Batch) -> bool:
-        # An event loop only looks (its waits progress in bounded rounds); a thread moves
-        # what it can now (over shared memory, the whole batch), as a blocking caller would.
-        on_loop = asyncio._get_running_loop() is not None
-        with contextlib.suppress(LLMException):  # the worker closed (finalize)
-            self.worker.drain(_START_NS if on_loop else _START_THREAD_NS)
-        return batch.poll()
 
     @contextlib.contextmanager
     def _foreground(self) -> Iterator[None]:
@@ -507,8 +544,6 @@ class UcxRoute(Carrier):
         future = self._start(transfer, None, deadline_ns, memory)
         if future is None:
             return None
-        if future.done() and future.exception() is None:
-            return DONE
         return completed(future, deadline_ns, self.progress)
 
     def send(
@@ -538,24 +573,46 @@ class UcxRoute(Carrier):
         snap = remote.begin()
         if snap is None:
             return None
+        progress = self.progress
         try:
-            batch = self._batch(transfer, local, snap, deadline_ns, memory)
+            issued = self._issue(transfer, local, snap, memory, progress.start_ns())
         except BaseException:
             remote.end(snap)
             raise
-        if batch is None:
+        if issued is None:
             remote.end(snap)
             return None
-        return self.progress.settle(batch)
+        entries, requests, failure = issued
+        ended = _ended(remote, snap, entries, requests, failure)
+        if ended is not None:  # every request completed as it started
+            return ended
+        return progress.settle(Batch(remote, snap, entries, requests, failure, deadline_ns))
 
-    def _batch(
-        self, transfer: Transfer, local: Iov | None, snap: Snapshot, deadline_ns: int, memory: str
-    ) -> Batch | None:
+    def _issue(
+        self, transfer: Transfer, local: Iov | None, snap: Snapshot, memory: str, progress_ns: int
+    ) -> tuple[list[BoardEntry], list[Requests], LLMException | None] | None:
         """Resolve, pair and start the requests of ``transfer`` under ``snap``, between the
-        rows ``local`` (None: the transfer's own) and the peer's memory (None: the table
-        does not show it, or no registration holds it)."""
+        rows ``local`` (None: the transfer's own) and the peer's memory, then progress for
+        at most ``progress_ns``: the peer's entries it reaches, the requests and the failure
+        of what UCX refused to start (None: the table does not show it, or no registration
+        holds it). Whole blocks between two blocks caches are paired in the native call
+        that starts them; blocks it refuses, and every other transfer, are resolved as the
+        serving side would, which names what is wrong."""
         push = transfer.kind is RequestKind.PUSH
-        found = _block_ops(snap, transfer) if local is None else None
+        found = _block_pairs(snap, transfer) if local is None else None
+        if found is not None:
+            entries, pairs = found
+            try:
+                requests, failure = self.remote.issue(
+                    snap,
+                    pairs,
+                    write=push,
+                    local_memory=memory,
+                    nbytes=transfer.nbytes,
+                    progress_ns=progress_ns,
+                )
+            except api.PairsRefused:
+                found = None
         if found is None:
             resolved = resolve(snap.regions, transfer.access)
             if resolved is None:
@@ -564,19 +621,23 @@ class UcxRoute(Carrier):
             ops = paired(transfer.kind, transfer.rows if local is None else local, rows)
             if push:  # (remote, local, n) -> (local, remote, n)
                 ops = ops[:, [1, 0, 2]]
-        else:
-            entries, ops = found
-        requests, failure = self.remote.issue(
-            snap, ops, write=push, local_memory=memory, nbytes=transfer.nbytes
-        )
-        return Batch(self.remote, snap, entries, requests, failure, deadline_ns)
+            requests, failure = self.remote.issue(
+                snap,
+                ops,
+                write=push,
+                local_memory=memory,
+                nbytes=transfer.nbytes,
+                progress_ns=progress_ns,
+            )
+        return entries, requests, failure
 
 
-def _block_ops(snap: Snapshot, transfer: Transfer) -> tuple[list[BoardEntry], np.ndarray] | None:
-    """The ``(local, remote, nbytes)`` ops of a transfer of whole blocks between two blocks
-    caches, paired in one native call from both layouts (``api.blocks_ops``), with the
-    peer's entry; None for any other transfer, or one the table does not show as it names
-    it (the general resolution then names the problem as the serving side would)."""
+def _block_pairs(
+    snap: Snapshot, transfer: Transfer
+) -> tuple[list[BoardEntry], api.BlockPairs] | None:
+    """The whole blocks of a transfer between two blocks caches, both layouts' blocks paired
+    (``api.BlockPairs``), with the peer's entry; None for any other transfer, or one the
+    table does not show as it names it."""
     remote, local = transfer.remote, transfer.local
     if not isinstance(local, Blocks) or remote is None:
         return None
@@ -587,7 +648,7 @@ def _block_ops(snap: Snapshot, transfer: Transfer) -> tuple[list[BoardEntry], np
     if entry is None:
         return None
     try:
-        ops = api.blocks_ops(
+        pairs = api.BlockPairs(
             (local.layout, local.start, local.blocks),
             (regions.layout(entry), remote.start, remote.blocks),
             local.count,
@@ -595,4 +656,4 @@ def _block_ops(snap: Snapshot, transfer: Transfer) -> tuple[list[BoardEntry], np
         )
     except ParamInvalidError:
         return None
-    return [entry], ops
+    return [entry], pairs

@@ -299,6 +299,23 @@ class UcxWorker:
         self._serve_idle = ffi.new("int *")
         # Futures waiting for the event fd, by the loop whose selector watches it.
         self._waiters: dict[asyncio.AbstractEventLoop, list[asyncio.Future[None]]] = {}
+        #: Counts of finished batches, for the next ones (:meth:`counted`).
+        self._spare: list[Counted] = []
+
+    def counted(self, memory_type: int | None) -> Counted:
+        """A completion count for a batch part started on this worker (or another one that
+        shares it), its parameters naming ``memory_type`` (None: host memory): a spare one
+        when a finished batch gave one back."""
+        try:
+            return self._spare.pop().as_memory(memory_type)
+        except IndexError:
+            return Counted(self).as_memory(memory_type)
+
+    def give_back(self, counted: Counted) -> None:
+        """Keep ``counted`` for a later batch, once its requests and their completions all
+        finished (else it is dropped: UCX still writes into it, and it is freed when done)."""
+        if len(self._spare) < _SPARE_COUNTS and counted.count.reset():
+            self._spare.append(counted)
 
     @property
     def handle(self) -> Any:
@@ -611,6 +628,35 @@ class Request:
             self._ptr = 0
 
 
+class Counted:
+    """A completion count for one part of an :func:`rma` batch, with the request parameters
+    that name it (``dd_ucx_counted`` and the count as user data), kept by the worker that made
+    it for the next batch once the requests counted in it finished (:meth:`Requests.release`)."""
+
+    __slots__ = ("count", "owner", "param", "word")
+
+    def __init__(self, owner: UcxWorker) -> None:
+        #: The worker whose spares this count returns to.
+        self.owner = owner
+        self.count = owner._calls.count()
+        self.param = ffi.new("ucp_request_param_t *")
+        self.param.op_attr_mask = _COUNTED_FIELDS
+        self.param.cb.send = _COUNTED
+        self.param.user_data = ffi.cast("void *", self.count.address)
+        #: The parameters' address, as the native batch takes it.
+        self.word = _ucx.word(self.param)
+
+    def as_memory(self, memory_type: int | None) -> Counted:
+        """Name the local memory's type in the parameters (None: host memory, the default)."""
+        param = self.param
+        if memory_type is None:
+            param.op_attr_mask = _COUNTED_FIELDS
+        else:
+            param.op_attr_mask = _COUNTED_FIELDS | _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
+            param.memory_type = memory_type
+        return self
+
+
 class Requests:
     """The requests of one :func:`rma` batch: each one's completion takes it off the batch's
     native count (and UCX frees it), so a look at the batch is one load.
@@ -619,14 +665,24 @@ class Requests:
     raises the failure of the first that failed.
     """
 
-    __slots__ = ("_count", "_left", "_status", "what", "worker")
+    __slots__ = ("_count", "_counted", "_left", "_status", "what", "worker")
 
-    def __init__(self, count: _api.UcxCount | None, what: str, worker: UcxWorker) -> None:
+    def __init__(self, counted: Counted | None, what: str, worker: UcxWorker) -> None:
         self.what = what
         #: The worker whose progress completes the requests.
         self.worker = worker
-        self._count = count
-        self._left, self._status = (0, 0) if count is None else count.left()
+        self._counted = counted
+        self._count = None if counted is None else counted.count
+        self._left, self._status = (0, 0) if self._count is None else self._count.left()
+
+    def release(self) -> None:
+        """(Every request finished: :meth:`done`.) Give the batch's count back to its worker
+        for a later batch (:meth:`UcxWorker.counted`); the requests read as done from now."""
+        counted = self._counted
+        if counted is None or self._left:
+            return
+        self._counted = self._count = None
+        counted.owner.give_back(counted)
 
     def __len__(self) -> int:
         """How many requests are still in flight (as of the last :meth:`done`)."""
@@ -1012,13 +1068,14 @@ class RemoteKeys:
 
 
 def rma(
-    ops: npt.NDArray[np.uint64],
+    ops: npt.NDArray[np.uint64] | _api.BlockPairs,
     parts: Sequence[RemoteKeys],
     *,
     write: bool,
     local_memory: str = "host",
     flush: bool = False,
     lanes: Sequence[_api.UcxLaneThread | None] = (),
+    progress_ns: int = 0,
 ) -> tuple[list[Requests], LLMException | None]:
     """Start one get per op ``(local address, remote address, nbytes)`` of ``ops`` (one put
     with ``write``), the remote side through the key of the part's :class:`RemoteKeys` that
@@ -1031,7 +1088,10 @@ def rma(
     ``local_memory`` says where the local side lives (a key of :data:`MEMORY_TYPES`). With
     ``flush`` a flush of each part's endpoint follows its run in the same batch (puts are
     then done once they reached the peer's memory). Every part's keys must name the same
-    registrations.
+    registrations. ``ops`` may be :class:`~aio_datadist._native.api.BlockPairs` instead
+    (the native call makes the ops). With ``progress_ns``, the call then progresses the
+    first part's worker for at most that long, until its requests completed or a round
+    finds nothing to do (a small transfer over shared memory completes in it).
 
     Returns the requests of each part started, and the failure of what UCX refused to
     start, if anything: the requests before it were started (wait for them), the rest not.
@@ -1044,38 +1104,48 @@ def rma(
     first = parts[0]
     if not len(ops):
         return [Requests(None, what, first.endpoint.worker)], None
+    memory_type = MEMORY_TYPES[local_memory] if local_memory != "host" else None
     native: list[_api.UcxPart] = []
-    params = []  # read by UCX during the call only
-    for i, keys in enumerate(parts):
-        keys.check_open()
-        if keys.spans != first.spans:
-            raise LLMException(
-                f"{what}: the parts' remote keys name different registrations",
-                status_code=LLMStatusCode.LLM_PARAM_INVALID,
-            )
-        count = keys.endpoint.worker._calls.count()
-        param = ffi.new("ucp_request_param_t *")
-        param.op_attr_mask = _COUNTED_FIELDS
-        param.cb.send = _COUNTED
-        param.user_data = ffi.cast("void *", count.address)
-        if local_memory != "host":
-            param.op_attr_mask |= _ucx.UCP_OP_ATTR_FIELD_MEMORY_TYPE
-            param.memory_type = MEMORY_TYPES[local_memory]
-        params.append(param)
-        lane = lanes[i] if i < len(lanes) else None
-        native.append(_api.UcxPart(keys.endpoint.word, keys.words, _ucx.word(param), count, lane))
-    calls = first.endpoint.worker._calls
-    # The locks of workers below UCS_THREAD_MODE_MULTI (the others take none).
-    serial = [k.endpoint.worker.lock for k in parts if k.endpoint.worker.thread_mode != _MULTI]
-    for lock in serial:
-        lock.__enter__()
+    counted: list[Counted] = []
     try:
-        held, started = calls.transfer(ops, first.bounds, native, write=write, flush=flush)
-    finally:
-        for lock in reversed(serial):
-            lock.__exit__(None, None, None)
+        for i, keys in enumerate(parts):
+            keys.check_open()
+            if keys.spans != first.spans:
+                raise LLMException(
+                    f"{what}: the parts' remote keys name different registrations",
+                    status_code=LLMStatusCode.LLM_PARAM_INVALID,
+                )
+            part = keys.endpoint.worker.counted(memory_type)
+            counted.append(part)
+            lane = lanes[i] if i < len(lanes) else None
+            native.append(_api.UcxPart(keys.endpoint.word, keys.words, part.word, part.count, lane))
+        calls = first.endpoint.worker._calls
+        # The locks of workers below UCS_THREAD_MODE_MULTI (the others take none).
+        serial = [k.endpoint.worker.lock for k in parts if k.endpoint.worker.thread_mode != _MULTI]
+        for lock in serial:
+            lock.__enter__()
+        try:
+            held, started = calls.transfer(
+                ops,
+                first.bounds,
+                native,
+                write=write,
+                flush=flush,
+                worker=first.endpoint.worker._word,
+                progress_ns=progress_ns,
+            )
+        finally:
+            for lock in reversed(serial):
+                lock.__exit__(None, None, None)
+    except BaseException:
+        for part in counted:  # nothing started
+            part.owner.give_back(part)
+        raise
     if held < len(ops):
-        local, remote, nbytes = (int(v) for v in ops[held])
+        for part in counted:
+            part.owner.give_back(part)
+        rows = ops.ops() if isinstance(ops, _api.BlockPairs) else ops
+        local, remote, nbytes = (int(v) for v in rows[held])
         raise LLMException(
             f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the peer's "
             f"registrations",
@@ -1083,15 +1153,19 @@ def rma(
         )
     requests: list[Requests] = []
     failure: LLMException | None = None
-    for keys, part, (began, status) in zip(parts, native, started, strict=True):
+    for keys, part, (began, status) in zip(parts, counted, started, strict=True):
         if began:
-            requests.append(Requests(part.counter, what, keys.endpoint.worker))
+            requests.append(Requests(part, what, keys.endpoint.worker))
+        else:
+            part.owner.give_back(part)
         if status and failure is None:
             failure = _error(what, status)
     return requests, failure
 
 
 _MULTI = _ucx.UCS_THREAD_MODE_MULTI
+#: The most finished batches' counts a worker keeps for the next ones.
+_SPARE_COUNTS = 64
 #: A counted batch's requests complete through the native count (``dd_ucx_counted``).
 _COUNTED = ffi.cast("ucp_send_nbx_callback_t", _api.UCX_COUNTED)
 _COUNTED_FIELDS = _ucx.UCP_OP_ATTR_FIELD_CALLBACK | _ucx.UCP_OP_ATTR_FIELD_USER_DATA
