@@ -3,7 +3,7 @@
 
 Run: python benchmarks/bench_small_pull.py [--face sync|async] [--route link|samehost|ucx]
                                             [--calls 3000] [--blocks 1] [--concurrent N]
-                                            [--metrics on|off]
+                                            [--metrics on|off] [--op pull|push]
 
 A prompt process (``tests/peer_prompt.py``: 4 tensors x 64 blocks of 64 KiB) serves over TCP
 on 127.0.0.1 (``--route ucx``: both sides with the UCX route on, the same-host route off);
@@ -14,7 +14,9 @@ its loop for every call, which it then mostly measures). Prints the p50/p99 late
 100 warm-up calls, the process CPU time per call (every thread; busy polling included) and
 GB/s at the p50. ``--concurrent N`` (async face) instead awaits N pulls at once over the one
 link, ``--calls`` times, and prints the wall time of each wave and the CPU time per transfer.
-Uses the public API only, so the same script measures any two builds.
+``--op push`` pushes the blocks instead (``push_blocks`` into the peer's blocks cache; the
+awaited face awaits its task). Uses the public API only, so the same script measures any two
+builds.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ def report(args: argparse.Namespace, lat: list[float], cpu: float) -> None:
     ms = np.array(lat[WARMUP:]) * 1e6
     p50 = float(np.percentile(ms, 50))
     print(
-        f"{args.face:5} {args.route:8} blocks={args.blocks} p50 {p50:.1f} us "
+        f"{args.face:5} {args.route:8} {args.op:4} blocks={args.blocks} p50 {p50:.1f} us "
         f"p99 {np.percentile(ms, 99):.1f} us  cpu/call {cpu / len(lat) * 1e6:.1f} us  "
         f"{args.blocks * BLOCK / p50 / 1e3:.2f} GB/s"
     )
@@ -95,6 +97,7 @@ def main() -> None:
     parser.add_argument(
         "--metrics", choices=("on", "off"), default="on", help="record metrics per transfer"
     )
+    parser.add_argument("--op", choices=("pull", "push"), default="pull")
     args = parser.parse_args()
     if args.blocks > BLOCKS:
         parser.error(f"--blocks must be at most {BLOCKS} (the peer's blocks)")
@@ -133,6 +136,8 @@ def main() -> None:
         for _ in range(n)
     ]
 
+    push = args.op == "push"
+
     def call_args(i: int) -> tuple[list[int], list[int], dict[str, Any]]:
         layer = range(i % TENSORS, i % TENSORS + 1)
         kwargs = {"src_layer_range": layer, "dst_layer_range": layer, "tensor_num_per_layer": 1}
@@ -150,7 +155,10 @@ def main() -> None:
             for i in range(n):
                 src, dst, kwargs = call_args(i)
                 t = time.perf_counter()
-                cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                if push:
+                    cm.push_blocks(BlocksCacheKey(1), cache, dst, src, **kwargs)
+                else:
+                    cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
                 lat.append(time.perf_counter() - t)
             report(args, lat, time.process_time() - cpu)
             dd.finalize()
@@ -176,7 +184,10 @@ def main() -> None:
                     for i in range(n):
                         src, dst, kwargs = call_args(i)
                         t = time.perf_counter()
-                        await cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                        if push:
+                            await cm.push_blocks(BlocksCacheKey(1), cache, dst, src, **kwargs)
+                        else:
+                            await cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
                         lat.append(time.perf_counter() - t)
                     report(args, lat, time.process_time() - cpu)
                 await dd.finalize()
@@ -188,7 +199,12 @@ def main() -> None:
                     cpu, t = time.process_time(), time.perf_counter()
                     await asyncio.gather(
                         *(
-                            cm.pull_blocks(BlocksCacheKey(1), cache, src, dst, **kwargs)
+                            (cm.push_blocks if push else cm.pull_blocks)(
+                                BlocksCacheKey(1),
+                                cache,
+                                *((dst, src) if push else (src, dst)),
+                                **kwargs,
+                            )
                             for src, dst, kwargs in calls
                         )
                     )

@@ -986,13 +986,36 @@ class UcxLaneThread:
             lib.dd_ucx_lane_stop(lane)
 
 
+class Words:
+    """A uint64 array (1-D, or rows) with its C view, made once for native calls made again
+    and again with it (a bundle's key rows and remote keys)."""
+
+    __slots__ = ("array", "c", "rows")
+
+    def __init__(self, array: npt.ArrayLike) -> None:
+        self.array: npt.NDArray[np.uint64] = np.ascontiguousarray(array, np.uint64)
+        self.array.flags.writeable = False
+        #: The C view (``uint64_t[]``).
+        self.c = ffi.from_buffer("uint64_t[]", self.array)
+        #: Its first dimension.
+        self.rows = len(self.array)
+
+
+def _words(values: Words | npt.NDArray[np.uint64]) -> tuple[Any, int]:
+    """The C view and the row count of ``values``."""
+    if isinstance(values, Words):
+        return values.c, values.rows
+    array = np.ascontiguousarray(values, np.uint64)
+    return ffi.from_buffer("uint64_t[]", array), len(array)
+
+
 class UcxPart(NamedTuple):
     """One part of a :meth:`UcxCalls.transfer` (``dd_ucx_part``): handles as ints."""
 
     #: The endpoint (``ucp_ep_h``), on the worker that moves the part.
     ep: int
     #: The remote keys unpacked on ``ep``, one per key row of the transfer.
-    rkeys: npt.NDArray[np.uint64]
+    rkeys: Words | npt.NDArray[np.uint64]
     #: Request parameters naming :data:`UCX_COUNTED` and ``counter``'s address.
     param: int
     #: What the part's requests complete into.
@@ -1053,7 +1076,7 @@ class UcxCalls:
     def transfer(
         self,
         ops: npt.NDArray[np.uint64] | BlockPairs,
-        keys: npt.NDArray[np.uint64],
+        keys: Words | npt.NDArray[np.uint64],
         parts: Sequence[UcxPart],
         *,
         write: bool,
@@ -1081,9 +1104,12 @@ class UcxCalls:
         """
         if not 0 < len(parts) <= lib.DD_UCX_MAX_PARTS:
             _check(lib.DD_EINVAL, f"ucx transfer: {len(parts)} parts")
-        keys = np.ascontiguousarray(keys, np.uint64)
-        if keys.ndim != 2 or keys.shape[1] != 2:
+        if not isinstance(keys, Words):
+            keys = np.ascontiguousarray(keys, np.uint64)
+        rows = keys.array if isinstance(keys, Words) else keys
+        if rows.ndim != 2 or rows.shape[1] != 2:
             _check(lib.DD_EINVAL, "ucx transfer: keys must be (k, 2)")
+        c_keys, nkeys = _words(keys)
         pair = ffi.NULL
         if isinstance(ops, BlockPairs):
             pair, n, c_ops = ops.native(), 0, ffi.NULL
@@ -1094,10 +1120,11 @@ class UcxCalls:
             n, c_ops = len(ops), ffi.from_buffer("uint64_t[]", ops)
         native = ffi.new("dd_ucx_part[]", len(parts))
         for slot, part in zip(native, parts, strict=True):
-            if len(part.rkeys) != len(keys):
+            c_rkeys, nrkeys = _words(part.rkeys)
+            if nrkeys != nkeys:
                 _check(lib.DD_EINVAL, "ucx transfer: a part's remote keys do not match the keys")
             slot.ep = part.ep
-            slot.rkeys = ffi.from_buffer("uint64_t[]", part.rkeys)
+            slot.rkeys = c_rkeys
             slot.param = part.param
             slot.count = part.counter._count
             slot.lane = ffi.NULL if part.lane is None else part.lane._handle()
@@ -1109,8 +1136,8 @@ class UcxCalls:
             c_ops,
             n,
             pair,
-            ffi.from_buffer("uint64_t[]", keys),
-            len(keys),
+            c_keys,
+            nkeys,
             native,
             len(parts),
             bad,

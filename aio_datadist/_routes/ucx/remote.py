@@ -293,8 +293,7 @@ class UcxRemote:
 
     def still_there(self, snap: Snapshot, entries: list[BoardEntry]) -> bool:
         """True when the peer still publishes ``entries`` as they were in ``snap``."""
-        with self._lock:
-            table = self._table
+        table = self._table  # (one read: a table is replaced whole, never changed)
         if table is None:
             return False
         if table.seq == snap.seq:

@@ -1058,13 +1058,17 @@ class RemoteKeys:
         #: ``(address, nbytes)`` of each key, in order.
         self.spans = tuple((k.addr, k.nbytes) for k in self.keys)
         #: Rows ``(address, end)`` of the keys, for the native lookup.
-        self.bounds = np.array([(a, a + n) for a, n in self.spans], dtype=np.uint64).reshape(-1, 2)
-        self.words = np.array([k._word for k in self.keys], dtype=np.uint64)
+        self.bounds = _api.Words(
+            np.array([(a, a + n) for a, n in self.spans], dtype=np.uint64).reshape(-1, 2)
+        )
+        #: The keys' handles, in order.
+        self.words = _api.Words([k._word for k in self.keys])
 
     def check_open(self) -> None:
         """Raises ``LLM_PARAM_INVALID`` once one of the keys closed."""
         for key in self.keys:
-            key.handle  # noqa: B018 - raises when closed
+            if key._handle is None:
+                key.handle  # noqa: B018 - raises
 
 
 def rma(
@@ -1119,19 +1123,19 @@ def rma(
             counted.append(part)
             lane = lanes[i] if i < len(lanes) else None
             native.append(_api.UcxPart(keys.endpoint.word, keys.words, part.word, part.count, lane))
-        calls = first.endpoint.worker._calls
+        worker = first.endpoint.worker
         # The locks of workers below UCS_THREAD_MODE_MULTI (the others take none).
         serial = [k.endpoint.worker.lock for k in parts if k.endpoint.worker.thread_mode != _MULTI]
         for lock in serial:
             lock.__enter__()
         try:
-            held, started = calls.transfer(
+            held, started = worker._calls.transfer(
                 ops,
                 first.bounds,
                 native,
                 write=write,
                 flush=flush,
-                worker=first.endpoint.worker._word,
+                worker=worker._word,
                 progress_ns=progress_ns,
             )
         finally:
