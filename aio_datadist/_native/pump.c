@@ -269,7 +269,8 @@ int dd_pump_take_done(dd_pump *p, dd_pump_outcome *out, size_t cap, size_t *take
         if (s != NULL && s->state == DONE && s->listed)
             take(p, s, &out[n++]);
     }
-    memmove(p->done, p->done + i, (p->ndone - i) * sizeof *p->done);
+    if (i) /* (done may be NULL while nothing was ever done) */
+        memmove(p->done, p->done + i, (p->ndone - i) * sizeof *p->done);
     p->ndone -= i;
     pthread_mutex_unlock(&p->lock);
     *taken = n;
