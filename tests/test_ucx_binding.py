@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aio_datadist._native import api
 from aio_datadist._native import ucx as native
 from aio_datadist._routes.ucx import worker as ucx
 from aio_datadist.status import LLMException, LLMStatusCode
@@ -441,8 +442,9 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
 
 def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.MonkeyPatch) -> None:
     """Over tcp the target must progress for a get to move: one native wait of the target's
-    serving thread answers every get until its wake fd is written (left readable), and
-    comes back at its deadline, or with ``until_work`` once progress found work."""
+    serving thread answers every get until its wake fd is written after ``look`` (the write
+    is taken), and comes back at its deadline, or with ``until_work`` once progress found
+    work. A write without ``look`` does not end it."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
         if b.thread_mode != ucx._MULTI:
@@ -453,28 +455,35 @@ def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.Mo
         ep = ucx.Endpoint(a, b.address(), peer_errors=True)
         rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
         wake = os.eventfd(0, os.EFD_NONBLOCK)
+        turn = api.UcxTurn()
         results: list[bool | None] = []
 
         def serving(deadline_ns: int | None = None, until_work: bool = False) -> threading.Thread:
             def run() -> None:
-                results.append(b.serve_until(wake, deadline_ns, until_work))
+                results.append(b.serve_until(turn, wake, deadline_ns, until_work))
 
             thread = threading.Thread(target=run)
             thread.start()
             return thread
 
+        def pulled() -> None:
+            local[:] = 0
+            a.wait(ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey), _deadline())
+            assert np.array_equal(local, remote)
+
         try:
             server = serving()
-            for _ in range(20):  # every get answered by the one native wait
-                local[:] = 0
-                a.wait(ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey), _deadline())
-                assert np.array_equal(local, remote)
+            for _ in range(10):  # every get answered by the one native wait
+                pulled()
+            os.eventfd_write(wake, 1)  # no look: the wait goes on
+            for _ in range(10):
+                pulled()
             assert server.is_alive() and not results
+            turn.look()
             os.eventfd_write(wake, 1)
             server.join(10)
             assert results == [False]
-            assert select.select([wake], [], [], 0)[0] == [wake]  # left readable
-            os.eventfd_read(wake)
+            assert select.select([wake], [], [], 0)[0] == []  # the write was taken
             start = time.monotonic_ns()
             serving(start + SECOND // 20).join(10)  # the deadline
             assert results[-1] is False and time.monotonic_ns() - start >= SECOND // 20
@@ -488,14 +497,65 @@ def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.Mo
             assert results[-1] is True
             server = serving()
             a.wait(request, _deadline())
+            turn.look()
             os.eventfd_write(wake, 1)
             server.join(10)
         finally:
+            turn.look()
             os.eventfd_write(wake, 1)
             os.close(wake)
             rkey.close()
             ep.close(_deadline(2), force=True)
             reg.close()
+
+
+def test_a_serving_wait_stands_down_while_a_waiter_progresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While its turn counts a waiter, the serving wait leaves the worker alone (a get over
+    tcp, which needs the target to progress, does not move) and parks on its wake fd; the
+    last waiter to leave finds it parked, and one write resumes it natively: the get moves
+    and the call has not returned."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
+        if b.thread_mode != ucx._MULTI:
+            pytest.skip("this libucp grants no UCS_THREAD_MODE_MULTI")
+        remote = np.arange(1 << 16, dtype=np.uint8)
+        local = np.zeros_like(remote)
+        reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
+        ep = ucx.Endpoint(a, b.address(), peer_errors=True)
+        rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+        wake = os.eventfd(0, os.EFD_NONBLOCK)
+        turn = api.UcxTurn()
+        results: list[bool | None] = []
+        server = threading.Thread(
+            target=lambda: results.append(b.serve_until(turn, wake, None, False))
+        )
+        server.start()
+        try:
+            a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
+            assert turn.waiters(1) is False  # a waiter comes: the thread sees it when woken
+            os.eventfd_write(wake, 1)  # (no look)
+            deadline = time.monotonic() + 10
+            while not turn.waiters(1) and time.monotonic() < deadline:
+                time.sleep(0.001)  # until the serving thread parked
+            assert turn.waiters(1) is True
+            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+            assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 5)
+            assert turn.waiters(0) is True  # the last waiter leaves: the thread is parked
+            os.eventfd_write(wake, 1)  # (no look) resume
+            a.wait(request, _deadline())
+            assert np.array_equal(local, remote)
+            assert server.is_alive() and not results  # it resumed natively
+        finally:
+            turn.look()
+            os.eventfd_write(wake, 1)
+            server.join(10)
+            os.close(wake)
+            rkey.close()
+            ep.close(_deadline(2), force=True)
+            reg.close()
+        assert results == [False]
 
 
 def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1169,17 +1169,52 @@ class UcxCalls:
         return None if rc == 2 else rc == 1
 
     def serve(
-        self, worker: int, efd: int, wake_fd: int, deadline_ns: int, until_work: bool, idle: Any
+        self,
+        worker: int,
+        efd: int,
+        wake_fd: int,
+        deadline_ns: int,
+        until_work: bool,
+        idle: Any,
+        turn: UcxTurn,
     ) -> bool:
         """Progress ``worker`` (its event fd ``efd``) and sleep between, in one native call
-        without the GIL, until ``wake_fd`` is readable (it is left so), ``deadline_ns``
-        (``time.monotonic_ns()``; 0: none) passed, or, with ``until_work``, progress found
-        work: True for that work. ``idle`` (an ``int *``, the caller's between calls) counts
-        wake-ups in a row that found nothing to do (later sleeps wait a little first)."""
-        rc = int(lib.dd_ucx_serve(self._c, worker, efd, wake_fd, deadline_ns, until_work, idle))
+        without the GIL, until ``deadline_ns`` (``time.monotonic_ns()``; 0: none) passed, a
+        write to ``wake_fd`` came with :meth:`UcxTurn.look`, or, with ``until_work``, progress
+        found work: True for that work (``dd_ucx_serve``). While ``turn`` counts waiters it
+        does not progress and sleeps on ``wake_fd`` only. ``idle`` (an ``int *``, the
+        caller's between calls) counts wake-ups in a row that found nothing to do (later
+        sleeps wait a little first)."""
+        rc = int(
+            lib.dd_ucx_serve(self._c, worker, efd, wake_fd, deadline_ns, until_work, idle, turn._c)
+        )
         if rc < 0:
             _check(rc, "ucx serve")
         return rc == 1
+
+
+class UcxTurn:
+    """Who progresses a worker besides its serving thread (``dd_ucx_turn``), read by the
+    serving thread's native wait (:meth:`UcxCalls.serve`) without the GIL."""
+
+    __slots__ = ("_c",)
+
+    def __init__(self) -> None:
+        self._c = ffi.new("dd_ucx_turn *")
+
+    def waiters(self, count: int) -> bool:
+        """Count ``count`` threads progressing the worker themselves now (the serving
+        thread stands down while there is one); whether the serving thread is parked,
+        asleep on its wake fd only (the last waiter to leave writes it to resume the
+        thread)."""
+        parked = lib.dd_ucx_turn_waiters(self._c, count)
+        if parked < 0:
+            _check(parked, f"ucx turn: {count} waiters")
+        return bool(parked)
+
+    def look(self) -> None:
+        """Make the next write to the wake fd end the serving call (write it after)."""
+        self._c.look = 1
 
 
 # --- sockets ------------------------------------------------------------------------------

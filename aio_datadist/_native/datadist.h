@@ -443,15 +443,31 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
 
+/* Who progresses a worker besides its serving thread (dd_ucx_serve), shared with the
+ * threads that wait on the worker themselves. */
+typedef struct {
+    int32_t waiters; /* threads progressing the worker now: the serving thread stands down */
+    int32_t look;    /* set before a write to wake_fd: the serving call must return */
+    int32_t parked;  /* (out) the serving thread stands down, asleep on wake_fd only: the last
+                      * waiter to leave writes wake_fd (without look) to resume it */
+} dd_ucx_turn;
+
 /* A serving thread's wait on worker (its event fd efd), in one native call: progress until
  * idle, arm the worker and sleep on efd and wake_fd (-1: none), again and again, until
- * wake_fd is readable (left so), deadline_ns (monotonic; <= 0: none) passed, or, with
- * until_work, a round of progress found work. 1 for that work, 0 for the others; DD_ESYS
- * when arming (errno EIO) or polling failed. *idle counts wake-ups in a row that found nothing to do
- * (kept by the caller between calls): from the fifth, each sleep waits first, from 50 us
- * doubling to 1 ms, as a lane's does (a tcp endpoint can keep efd readable). */
+ * deadline_ns (monotonic; <= 0: none) passed, or, with until_work, a round of progress found
+ * work (1; 0 for the others). While turn->waiters > 0 it does not progress and sleeps on
+ * wake_fd only (turn->parked set meanwhile). A write to wake_fd is read here: it ends the
+ * call when turn->look is set (look is cleared), and otherwise only wakes the thread to
+ * look at turn->waiters again. DD_ESYS when arming (errno EIO) or polling failed. *idle counts
+ * wake-ups in a row that found nothing to do (kept by the caller between calls): from the
+ * fifth, each sleep waits first, from 50 us doubling to 1 ms, as a lane's does (a tcp
+ * endpoint can keep efd readable). */
 int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
-                 int64_t deadline_ns, int until_work, int *idle);
+                 int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn);
+/* Set turn->waiters; whether the serving thread is parked (both sequentially consistent
+ * with the serving thread's own store and load, so that the last waiter to leave either
+ * sees it parked or it sees no waiter). */
+int dd_ucx_turn_waiters(dd_ucx_turn *turn, int32_t waiters);
 
 /* A thread of its own that progresses a worker (UCS_THREAD_MODE_MULTI) until stopped: it
  * progresses until idle, arms the worker and sleeps on its event fd efd; ucp_worker_signal

@@ -410,14 +410,57 @@ static void idle_pause(int idle)
     }
 }
 
-int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
-                 int64_t deadline_ns, int until_work, int *idle)
+/* Read what was written to fd (an eventfd); whether the call must return (turn->look). */
+static bool woken(int fd, dd_ucx_turn *turn)
 {
-    if (!calls_ok(c) || !worker || efd < 0 || idle == NULL)
+    uint64_t value;
+    while (read(fd, &value, sizeof value) < 0 && errno == EINTR) {
+    }
+    return __atomic_exchange_n(&turn->look, 0, __ATOMIC_ACQ_REL) != 0;
+}
+
+/* Milliseconds until deadline_ns for poll (-1: none); 0 when it passed. */
+static int poll_ms(int64_t deadline_ns, bool *passed)
+{
+    *passed = false;
+    if (deadline_ns <= 0)
+        return -1;
+    int64_t left = deadline_ns - dd_monotonic_ns();
+    if (left <= 0) {
+        *passed = true;
+        return 0;
+    }
+    return (int)((left + 999999) / 1000000);
+}
+
+int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
+                 int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn)
+{
+    if (!calls_ok(c) || !worker || efd < 0 || wake_fd < 0 || idle == NULL || turn == NULL)
         return DD_EINVAL;
     progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
     arm_fn arm = (arm_fn)(uintptr_t)c->worker_arm;
+    bool passed;
     for (;;) {
+        if (__atomic_load_n(&turn->waiters, __ATOMIC_ACQUIRE) > 0) {
+            /* stand down: a waiter progresses; parked is published before the last look */
+            __atomic_store_n(&turn->parked, 1, __ATOMIC_SEQ_CST);
+            int n = 0;
+            struct pollfd fd = {wake_fd, POLLIN, 0};
+            if (__atomic_load_n(&turn->waiters, __ATOMIC_SEQ_CST) > 0) {
+                int timeout_ms = poll_ms(deadline_ns, &passed);
+                n = passed ? 0 : poll(&fd, 1, timeout_ms);
+            }
+            __atomic_store_n(&turn->parked, 0, __ATOMIC_SEQ_CST);
+            if (n < 0 && errno != EINTR)
+                return DD_ESYS;
+            if (n > 0 && woken(wake_fd, turn))
+                return 0;
+            poll_ms(deadline_ns, &passed);
+            if (passed)
+                return 0;
+            continue;
+        }
         if (progress(worker)) {
             while (progress(worker)) {
             }
@@ -426,12 +469,9 @@ int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
                 return 1;
             continue;
         }
-        int64_t left = -1;
-        if (deadline_ns > 0) {
-            left = deadline_ns - dd_monotonic_ns();
-            if (left <= 0)
-                return 0;
-        }
+        int timeout_ms = poll_ms(deadline_ns, &passed);
+        if (passed)
+            return 0;
         int8_t status = arm(worker);
         if (status == UCS_ERR_BUSY) { /* events pending: progress again */
             idle_pause(++*idle);
@@ -443,14 +483,24 @@ int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
         }
         idle_pause(*idle);
         struct pollfd fds[2] = {{efd, POLLIN, 0}, {wake_fd, POLLIN, 0}};
-        int timeout_ms = left < 0 ? -1 : (int)((left + 999999) / 1000000);
-        int n = poll(fds, wake_fd >= 0 ? 2 : 1, timeout_ms);
+        int n = poll(fds, 2, timeout_ms);
         if (n < 0 && errno != EINTR)
             return DD_ESYS;
-        if (n > 0 && wake_fd >= 0 && fds[1].revents)
-            return 0;
+        if (n > 0 && fds[1].revents) {
+            if (woken(wake_fd, turn))
+                return 0;
+            continue; /* a waiter left: look at the waiters again */
+        }
         ++*idle;
     }
+}
+
+int dd_ucx_turn_waiters(dd_ucx_turn *turn, int32_t waiters)
+{
+    if (turn == NULL || waiters < 0)
+        return DD_EINVAL;
+    __atomic_store_n(&turn->waiters, waiters, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&turn->parked, __ATOMIC_SEQ_CST);
 }
 
 static void *lane_run(void *arg)

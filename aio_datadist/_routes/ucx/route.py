@@ -61,6 +61,9 @@ _S = LLMStatusCode
 _START_NS = 50_000
 #: The same, in any other thread.
 _START_THREAD_NS = 20_000_000
+#: The longest the progress thread sleeps without looking at the deadlines: a batch due
+#: later than its wake-up (a transfer's timeout is usually seconds) does not wake it.
+_HORIZON_NS = 250_000_000
 
 
 class Batch:
@@ -228,9 +231,13 @@ class UcxProgress:
         self._lock = threading.Lock()
         self._pending: dict[Batch, None] = {}
         self._earliest = 0
+        #: Until when the progress thread sleeps at most: a batch due later wakes no one.
+        self._sleep_until = 0
         self._wake = False  # the progress thread must look at the deadlines again
         self._active = 0  # waiters progressing the worker now (the progress thread waits)
         self._back = False  # the progress thread stepped back for them (asleep on its waker)
+        #: The same count for the thread's native wait, which stands down while it is > 0.
+        self._turn_c = api.UcxTurn()
         #: Wakes the progress thread (its sleep on the worker's event fd may miss events
         #: another thread progressed).
         self._waker = _Waker()
@@ -262,21 +269,29 @@ class UcxProgress:
         """A waiter progresses the worker meanwhile: the progress thread steps back (two
         threads progressing one worker only contend for its lock), minding the deadlines."""
         with self._lock:
-            self._active += 1  # (the progress thread sees it after its next round)
+            self._waiting(1)
         try:
             yield
         finally:
             self._leave()
 
+    def _waiting(self, change: int) -> bool:
+        """(Lock held.) One more (1) or one fewer (-1) waiter progressing the worker; the
+        progress thread's native wait stands down while there is one (it sees a new one
+        when it next wakes, and leaves the events to it from then). Whether that wait is
+        parked now."""
+        self._active += change
+        return self._turn_c.waiters(self._active)
+
     def _leave(self, _: object = None) -> None:
         """A waiter stopped progressing: the last one gives the worker back to the thread,
-        which it wakes if the thread stepped back (one still watching the worker needs no
-        wake-up)."""
+        which it wakes if the thread stepped back (in Python, or parked in its native wait:
+        that resumes without coming back to Python)."""
         with self._lock:
-            self._active -= 1
-            wake = not self._active and self._back
+            parked = self._waiting(-1)
+            wake = not self._active and (self._back or parked)
         if wake:
-            self._signal()
+            self._waker.wake()
 
     def _add(self, batch: Batch) -> None:
         loop = asyncio._get_running_loop()
@@ -284,11 +299,12 @@ class UcxProgress:
             self._pending[batch] = None
             if not self._earliest or batch.deadline_ns < self._earliest:
                 self._earliest = batch.deadline_ns
+            if batch.deadline_ns < self._sleep_until:  # the thread would sleep past it
                 self._wake = True
             wake = self._wake
             watched = None if loop is None else self._pumps.get(loop)
             if watched is not None and watched[0] is None:  # a watching loop: pump on it
-                self._active += 1  # from now: the task may start after more batches
+                self._waiting(1)  # from now: the task may start after more batches
                 task = loop.create_task(self._pump())  # type: ignore[union-attr]
                 task.add_done_callback(self._leave)
                 watched[0] = task
@@ -300,7 +316,8 @@ class UcxProgress:
                 self.worker.signal()
 
     def _signal(self) -> None:
-        """Wake the progress thread."""
+        """Wake the progress thread, and have it look at the deadlines and its stop."""
+        self._turn_c.look()
         self._waker.wake()
 
     def poll(self) -> bool:
@@ -416,7 +433,7 @@ class UcxProgress:
         while True:
             with self._lock:
                 pending = bool(self._pending)
-            served = self.worker.serve_until(self._waker.fd, deadline_ns, pending)
+            served = self.worker.serve_until(self._turn_c, self._waker.fd, deadline_ns, pending)
             if served is None:  # a worker below UCS_THREAD_MODE_MULTI: its lock serializes
                 self.worker.wait_until(self._turn, deadline_ns, wake_fd=self._waker.fd)
                 return
@@ -428,13 +445,16 @@ class UcxProgress:
         while not self._stop.is_set():
             with self._lock:
                 deadline = self._earliest or None
+                # At most _HORIZON_NS, so that a batch due later need not wake the thread.
+                horizon = time.monotonic_ns() + _HORIZON_NS
+                until = self._sleep_until = horizon if deadline is None else min(deadline, horizon)
                 self._wake = False
                 stepped_back = self._back = self._active > 0
             try:
                 if stepped_back:  # a waiter progresses: only the deadlines are this thread's
-                    self._waker.sleep(deadline)
+                    self._waker.sleep(until)
                 else:
-                    self._serve(deadline)
+                    self._serve(until)
             except LLMException:  # the worker closed under the thread: it is finalize
                 return
             except Exception:  # never the end of the thread: log and go on

@@ -512,17 +512,20 @@ class UcxWorker:
             if not future.done():
                 future.set_result(None)
 
-    def serve_until(self, wake_fd: int, deadline_ns: int | None, until_work: bool) -> bool | None:
+    def serve_until(
+        self, turn: _api.UcxTurn, wake_fd: int, deadline_ns: int | None, until_work: bool
+    ) -> bool | None:
         """One native wait of a serving thread: progress and sleep on the event fd until
-        ``wake_fd`` is readable (left so), ``deadline_ns`` passed or, with ``until_work``,
-        progress found work (True). None where the worker is below
-        ``UCS_THREAD_MODE_MULTI``: its lock may not be held for a sleep (use
-        :meth:`wait_until`)."""
+        ``deadline_ns`` passed, ``wake_fd`` was written after :meth:`~_api.UcxTurn.look`, or,
+        with ``until_work``, progress found work (True); standing down (no progress, asleep
+        on ``wake_fd`` only) while ``turn`` counts waiters (:meth:`_api.UcxCalls.serve`).
+        None where the worker is below ``UCS_THREAD_MODE_MULTI``: its lock may not be held
+        for a sleep (use :meth:`wait_until`)."""
         if self.thread_mode != _ucx.UCS_THREAD_MODE_MULTI:
             return None
         self.handle  # noqa: B018 - raises when closed
         return self._calls.serve(
-            self._word, self._fd, wake_fd, deadline_ns or 0, until_work, self._serve_idle
+            self._word, self._fd, wake_fd, deadline_ns or 0, until_work, self._serve_idle, turn
         )
 
     def serve(self, stop: threading.Event) -> None:
