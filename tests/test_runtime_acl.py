@@ -7,6 +7,7 @@ Nothing here has run on Ascend hardware.
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -783,3 +784,25 @@ def test_zero_device_without_acl_memset_copies_zeros(
     finally:
         rt.close()
     no_memset.assert_released()
+
+
+def test_finalize_frees_the_pools_memory_while_the_engines_objects_live_on(fake: FakeAcl) -> None:
+    """The engine's own objects may outlive ``finalize`` in reference cycles (a closed link
+    and the server it served for, say) until the collector runs; the pools' memory must not
+    wait for that: it is freed in ``finalize``, and the device then reset."""
+    dd = LLMDataDist(LLMRole.PROMPT, 1)
+    dd.init(pooled())
+    cm = dd.cache_manager
+    cache = cm.allocate_cache(CacheDesc(2, [4, 256], DataType.DT_FLOAT16, Placement.DEVICE))
+    cm.deallocate_cache(cache)
+    del cache
+    cycle: list[object] = [cm]
+    cycle.append(cycle)  # the cache manager, and through it the engine's caches, in a cycle
+    gc.disable()
+    try:
+        dd.finalize()
+        assert (fake.count("device"), fake.count("host")) == (0, 0)
+        assert fake.count("refs:0") == 0
+    finally:
+        gc.enable()
+    del cycle

@@ -11,8 +11,9 @@ __all__ = ("Arena",)
 class Arena:
     """``nbytes`` of memory at ``addr``, freed by ``free`` once the arena is unreachable.
 
-    The engine drops its reference at ``finalize``; numpy views of caches keep the arena (and
-    so the memory) alive until they are gone too, so a stale view never reads unmapped memory.
+    Its pool drops its reference when it closes (``finalize``), whatever still refers to the
+    pool; cache objects and their numpy views keep the arena (and so the memory) alive until
+    they are gone too, so a stale view never reads unmapped memory.
     """
 
     __slots__ = ("__weakref__", "_finalizer", "addr", "nbytes")

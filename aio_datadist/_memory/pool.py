@@ -12,6 +12,7 @@ from aio_datadist._memory.arena import Arena
 from aio_datadist._native.api import NativePool, PoolStats
 from aio_datadist._runtime.base import DeviceRuntime
 from aio_datadist.enums import Placement
+from aio_datadist.status import LLMException, LLMStatusCode
 
 __all__ = ("Allocation", "MemoryPool", "PoolStats")
 
@@ -67,12 +68,15 @@ class MemoryPool:
         zero: bool = False,
     ) -> None:
         self.placement = placement
+        arena: Arena | None
         if placement is Placement.DEVICE:
             addr = runtime.alloc_device(memory_size)
-            self.arena = Arena(addr, memory_size, runtime.free_device)
+            arena = Arena(addr, memory_size, runtime.free_device)
         else:
             addr = runtime.alloc_host(memory_size)
-            self.arena = Arena(addr, memory_size, runtime.free_host)
+            arena = Arena(addr, memory_size, runtime.free_host)
+        #: The pool's memory; dropped at :meth:`close` (caches and their views keep it).
+        self._arena: Arena | None = arena
         self._native = NativePool(addr, memory_size, page_shift)
         self._lock = threading.Lock()
         self._closed = False
@@ -147,12 +151,30 @@ class MemoryPool:
         """Capacity, usage and fragmentation figures of the pool."""
         return self._native.stats()
 
+    @property
+    def arena(self) -> Arena:
+        """The pool's memory, while the pool is open.
+
+        Raises:
+            LLMException: ``LLM_FAILED`` once the pool closed.
+        """
+        arena = self._arena
+        if arena is None:
+            raise LLMException("the memory pool is closed", status_code=LLMStatusCode.LLM_FAILED)
+        return arena
+
     def close(self) -> None:
-        """Forget every allocation; the arena is freed once no view refers to it."""
+        """Forget every allocation and drop the pool's hold on its memory: the memory is
+        freed now, or once the last cache object or view that refers to it is gone (never
+        by the collector for the engine's own objects, which may outlive ``finalize`` in
+        reference cycles)."""
+        arena: Arena | None = None
         with self._lock:
             if not self._closed:
                 self._closed = True
                 self._native.close()
+                arena, self._arena = self._arena, None
+        del arena  # (outside the lock: its release may call into the runtime)
 
     def __repr__(self) -> str:
         return f"<MemoryPool {self.placement!s} {self.stats()}>"
