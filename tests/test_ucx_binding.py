@@ -10,6 +10,7 @@ handling, so those endpoints are made with ``peer_errors=False``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -440,12 +441,11 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
         calls.lane(0, -1)  # no worker
 
 
-def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Over tcp the target must progress for a get to move: one native wait of the target's
-    serving thread answers every get until its wake fd is written after ``look`` (the write
-    is taken), and comes back at its deadline, or with ``until_work`` once progress found
-    work. A write without ``look`` does not end it."""
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
+@contextlib.contextmanager
+def _served_pair() -> Iterator[tuple[Any, Any, Any, Any, Any, np.ndarray, np.ndarray]]:
+    """Two workers of one context, ``a`` with an endpoint to ``b`` and the remote key of 64
+    KiB registered on ``b``'s side: ``(a, b, ep, rkey, reg, remote, local)``; ``b`` must
+    grant ``UCS_THREAD_MODE_MULTI`` (else the test is skipped)."""
     with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
         if b.thread_mode != ucx._MULTI:
             pytest.skip("this libucp grants no UCS_THREAD_MODE_MULTI")
@@ -454,6 +454,21 @@ def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.Mo
         reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
         ep = ucx.Endpoint(a, b.address(), peer_errors=True)
         rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+        try:
+            yield a, b, ep, rkey, reg, remote, local
+        finally:
+            rkey.close()
+            ep.close(_deadline(2), force=True)
+            reg.close()
+
+
+def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over tcp the target must progress for a get to move: one native wait of the target's
+    serving thread answers every get until its wake fd is written after ``look`` (the write
+    is taken), and comes back at its deadline, or with ``until_work`` once progress found
+    work. A write without ``look`` does not end it."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    with _served_pair() as (a, b, ep, rkey, reg, remote, local):
         wake = os.eventfd(0, os.EFD_NONBLOCK)
         turn = api.UcxTurn()
         results: list[bool | None] = []
@@ -504,9 +519,6 @@ def test_a_serving_wait_answers_gets_natively_until_woken(monkeypatch: pytest.Mo
             turn.look()
             os.eventfd_write(wake, 1)
             os.close(wake)
-            rkey.close()
-            ep.close(_deadline(2), force=True)
-            reg.close()
 
 
 def test_a_serving_wait_stands_down_while_a_waiter_progresses(
@@ -517,14 +529,7 @@ def test_a_serving_wait_stands_down_while_a_waiter_progresses(
     last waiter to leave finds it parked, and one write resumes it natively: the get moves
     and the call has not returned."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    with ucx.UcxContext() as context, ucx.UcxWorker(context) as a, ucx.UcxWorker(context) as b:
-        if b.thread_mode != ucx._MULTI:
-            pytest.skip("this libucp grants no UCS_THREAD_MODE_MULTI")
-        remote = np.arange(1 << 16, dtype=np.uint8)
-        local = np.zeros_like(remote)
-        reg = ucx.Registration(context, remote.ctypes.data, remote.nbytes)
-        ep = ucx.Endpoint(a, b.address(), peer_errors=True)
-        rkey = ucx.RemoteKey(ep, reg.rkey, reg.addr, reg.nbytes)
+    with _served_pair() as (a, b, ep, rkey, reg, remote, local):
         wake = os.eventfd(0, os.EFD_NONBLOCK)
         turn = api.UcxTurn()
         results: list[bool | None] = []
@@ -552,9 +557,6 @@ def test_a_serving_wait_stands_down_while_a_waiter_progresses(
             os.eventfd_write(wake, 1)
             server.join(10)
             os.close(wake)
-            rkey.close()
-            ep.close(_deadline(2), force=True)
-            reg.close()
         assert results == [False]
 
 

@@ -67,24 +67,30 @@ int dd_ucx_count_notify(dd_ucx_count *count, uint64_t worker)
     return DD_OK;
 }
 
-int dd_ucx_count_free(dd_ucx_count *count)
+/* DD_OK when no request of count is in flight and no completion still touches it. */
+static int count_idle(const dd_ucx_count *count)
 {
     if (count == NULL)
         return DD_EINVAL;
     if (__atomic_load_n(&count->pending, __ATOMIC_SEQ_CST) != 0 ||
         __atomic_load_n(&count->busy, __ATOMIC_SEQ_CST) != 0)
         return DD_EAGAIN;
-    free(count);
     return DD_OK;
+}
+
+int dd_ucx_count_free(dd_ucx_count *count)
+{
+    int rc = count_idle(count);
+    if (rc == DD_OK)
+        free(count);
+    return rc;
 }
 
 int dd_ucx_count_reset(dd_ucx_count *count)
 {
-    if (count == NULL)
-        return DD_EINVAL;
-    if (__atomic_load_n(&count->pending, __ATOMIC_SEQ_CST) != 0 ||
-        __atomic_load_n(&count->busy, __ATOMIC_SEQ_CST) != 0)
-        return DD_EAGAIN;
+    int rc = count_idle(count);
+    if (rc != DD_OK)
+        return rc;
     __atomic_store_n(&count->status, 0, __ATOMIC_RELAXED);
     __atomic_store_n(&count->notify, 0, __ATOMIC_SEQ_CST);
     return DD_OK;

@@ -619,37 +619,33 @@ class UcxRoute(Carrier):
         that starts them; blocks it refuses, and every other transfer, are resolved as the
         serving side would, which names what is wrong."""
         push = transfer.kind is RequestKind.PUSH
-        found = _block_pairs(snap, transfer) if local is None else None
-        if found is not None:
-            entries, pairs = found
+        found: tuple[list[BoardEntry], np.ndarray | api.BlockPairs] | None = (
+            _block_pairs(snap, transfer) if local is None else None
+        )
+        while True:
+            if found is None:
+                resolved = resolve(snap.regions, transfer.access)
+                if resolved is None:
+                    return None
+                entries, rows = resolved
+                ops = paired(transfer.kind, transfer.rows if local is None else local, rows)
+                if push:  # (remote, local, n) -> (local, remote, n)
+                    ops = ops[:, [1, 0, 2]]
+                found = entries, ops
+            entries, moved = found
             try:
                 requests, failure = self.remote.issue(
                     snap,
-                    pairs,
+                    moved,
                     write=push,
                     local_memory=memory,
                     nbytes=transfer.nbytes,
                     progress_ns=progress_ns,
                 )
-            except api.PairsRefused:
+            except api.PairsRefused:  # (block pairs only) resolved as the serving side would
                 found = None
-        if found is None:
-            resolved = resolve(snap.regions, transfer.access)
-            if resolved is None:
-                return None
-            entries, rows = resolved
-            ops = paired(transfer.kind, transfer.rows if local is None else local, rows)
-            if push:  # (remote, local, n) -> (local, remote, n)
-                ops = ops[:, [1, 0, 2]]
-            requests, failure = self.remote.issue(
-                snap,
-                ops,
-                write=push,
-                local_memory=memory,
-                nbytes=transfer.nbytes,
-                progress_ns=progress_ns,
-            )
-        return entries, requests, failure
+                continue
+            return entries, requests, failure
 
 
 def _block_pairs(
