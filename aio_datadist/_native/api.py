@@ -993,7 +993,8 @@ class Words:
     __slots__ = ("array", "c", "rows")
 
     def __init__(self, array: npt.ArrayLike) -> None:
-        self.array: npt.NDArray[np.uint64] = np.ascontiguousarray(array, np.uint64)
+        #: A copy of ``array``, read-only.
+        self.array: npt.NDArray[np.uint64] = np.array(array, dtype=np.uint64, order="C")
         self.array.flags.writeable = False
         #: The C view (``uint64_t[]``).
         self.c = ffi.from_buffer("uint64_t[]", self.array)
@@ -1001,12 +1002,9 @@ class Words:
         self.rows = len(self.array)
 
 
-def _words(values: Words | npt.NDArray[np.uint64]) -> tuple[Any, int]:
-    """The C view and the row count of ``values``."""
-    if isinstance(values, Words):
-        return values.c, values.rows
-    array = np.ascontiguousarray(values, np.uint64)
-    return ffi.from_buffer("uint64_t[]", array), len(array)
+def _words(values: Words | npt.ArrayLike) -> Words:
+    """``values`` as :class:`Words` (made here unless they are)."""
+    return values if isinstance(values, Words) else Words(values)
 
 
 class UcxPart(NamedTuple):
@@ -1104,12 +1102,9 @@ class UcxCalls:
         """
         if not 0 < len(parts) <= lib.DD_UCX_MAX_PARTS:
             _check(lib.DD_EINVAL, f"ucx transfer: {len(parts)} parts")
-        if not isinstance(keys, Words):
-            keys = np.ascontiguousarray(keys, np.uint64)
-        rows = keys.array if isinstance(keys, Words) else keys
-        if rows.ndim != 2 or rows.shape[1] != 2:
+        keys = _words(keys)
+        if keys.array.ndim != 2 or keys.array.shape[1] != 2:
             _check(lib.DD_EINVAL, "ucx transfer: keys must be (k, 2)")
-        c_keys, nkeys = _words(keys)
         pair = ffi.NULL
         if isinstance(ops, BlockPairs):
             pair, n, c_ops = ops.native(), 0, ffi.NULL
@@ -1119,12 +1114,14 @@ class UcxCalls:
                 _check(lib.DD_EINVAL, "ucx transfer: ops must be (n, 3)")
             n, c_ops = len(ops), ffi.from_buffer("uint64_t[]", ops)
         native = ffi.new("dd_ucx_part[]", len(parts))
+        held_rkeys = []  # (read by the native call)
         for slot, part in zip(native, parts, strict=True):
-            c_rkeys, nrkeys = _words(part.rkeys)
-            if nrkeys != nkeys:
+            rkeys = _words(part.rkeys)
+            held_rkeys.append(rkeys)
+            if rkeys.rows != keys.rows:
                 _check(lib.DD_EINVAL, "ucx transfer: a part's remote keys do not match the keys")
             slot.ep = part.ep
-            slot.rkeys = c_rkeys
+            slot.rkeys = rkeys.c
             slot.param = part.param
             slot.count = part.counter._count
             slot.lane = ffi.NULL if part.lane is None else part.lane._handle()
@@ -1136,8 +1133,8 @@ class UcxCalls:
             c_ops,
             n,
             pair,
-            c_keys,
-            nkeys,
+            keys.c,
+            keys.rows,
             native,
             len(parts),
             bad,
