@@ -430,12 +430,15 @@ def test_the_native_batch_calls_refuse_missing_functions_and_handles() -> None:
     with pytest.raises(ParamInvalidError):
         calls.drain(0, 0)  # no worker
     count = calls.count()
-    part = api.UcxPart(0, np.zeros(1, np.uint64), 0, count, None)  # no endpoint
     ops, keys = np.array([[4096, 4096, 16]], np.uint64), np.array([[0, 1 << 20]], np.uint64)
+    parts = api.UcxParts(keys, [api.UcxPart(0, np.zeros(1, np.uint64), None)])  # no endpoint
     with pytest.raises(ParamInvalidError):
-        calls.transfer(ops, keys, [part], write=False)
+        calls.transfer(ops, parts, write=False)  # (no count bound to the part either)
+    parts.bind(0, 1, count)
     with pytest.raises(ParamInvalidError):
-        calls.transfer(ops, keys, [], write=False)
+        calls.transfer(ops, parts, write=False)
+    with pytest.raises(ParamInvalidError):
+        api.UcxParts(keys, [])
     assert count.left() == (0, 0)  # nothing started, nothing counted
     with pytest.raises(OSError):
         calls.lane(0, -1)  # no worker

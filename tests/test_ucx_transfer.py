@@ -38,6 +38,10 @@ class FakeUcp:
         self.in_flight: list[int] = []
         self.count: api.UcxCount | None = None
         self.rounds = 0
+        #: The status each progress round completes a request with.
+        self.status = 0
+        #: ``(done, failed)`` per part of the last :meth:`transfer`.
+        self.done: list[tuple[bool, int]] = []
 
         def rma(kind: str) -> Any:
             def call(ep: int, buffer: int, n: int, remote: int, rkey: int, param: int) -> int:
@@ -56,7 +60,7 @@ class FakeUcp:
             if not self.in_flight or self.count is None:
                 return 0
             request = self.in_flight.pop(0)
-            lib.dd_ucx_counted(ffi.cast("void *", request), 0, self.count._count)
+            lib.dd_ucx_counted(ffi.cast("void *", request), self.status, self.count._count)
             return 1
 
         def flush(ep: int, param: int) -> int:
@@ -94,12 +98,17 @@ class FakeUcp:
         flush: bool = False,
         progress_ns: int = 0,
     ) -> tuple[int, list[tuple[bool, int]]]:
+        """Start ``ops`` in ``parts`` parts: ``(held, [(started, status), ...])``."""
         rkeys = [np.arange(len(keys), dtype=np.uint64) + 100 * (p + 1) for p in range(parts)]
-        native = [api.UcxPart(EPS[p], rkeys[p], 1, self.ucp.count(), None) for p in range(parts)]
-        self.count = native[0].counter
-        return self.ucp.transfer(
-            ops, keys, native, write=write, flush=flush, worker=0x77, progress_ns=progress_ns
+        native = api.UcxParts(keys, [api.UcxPart(EPS[p], rkeys[p], None) for p in range(parts)])
+        for p in range(parts):
+            native.bind(p, 1, self.ucp.count())
+        self.count = native._counts[0]
+        held, started = self.ucp.transfer(
+            ops, native, write=write, flush=flush, worker=0x77, progress_ns=progress_ns
         )
+        self.done = [(done, failed) for _, _, done, failed in started]
+        return held, [(began, status) for began, status, _, _ in started]
 
 
 @st.composite
@@ -273,10 +282,22 @@ def test_a_transfer_progresses_its_worker_until_its_requests_completed() -> None
     assert fake.rounds == 0 and fake.count is not None and fake.count.left() == (3, 0)
     while fake.in_flight:
         lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, fake.count._count)
+    assert fake.done == [(False, 0)]
     fake = FakeUcp(in_flight=True)
     fake.transfer(ops, keys, 1, progress_ns=10**9)
     assert fake.count is not None and fake.count.left() == (0, 0)
     assert fake.rounds == 3  # one request a round, and no round once the count read 0
+    assert fake.done == [(True, 0)]  # done in the call
+
+
+def test_a_part_done_in_the_call_reports_its_first_failure_and_its_count_is_new() -> None:
+    keys = np.array([(1 << 32, (1 << 32) + (64 << 20))], np.uint64)
+    ops = np.array([[1 << 40, 1 << 32, 4096]], np.uint64)
+    fake = FakeUcp(in_flight=True)
+    fake.status = -3  # UCS_ERR_NO_MESSAGE: each request fails
+    fake.transfer(ops, keys, 1, progress_ns=10**9)
+    assert fake.done == [(True, -3)]
+    assert fake.count is not None and fake.count.left() == (0, 0)  # made as new
 
 
 def test_a_transfer_stops_progressing_when_a_round_finds_nothing_to_do() -> None:
@@ -286,7 +307,9 @@ def test_a_transfer_stops_progressing_when_a_round_finds_nothing_to_do() -> None
     fake.count = None  # progress completes nothing (a get over tcp waits for the peer)
     rkeys = np.arange(1, dtype=np.uint64) + 100
     count = fake.ucp.count()
-    part = api.UcxPart(EPS[0], rkeys, 1, count, None)
-    fake.ucp.transfer(ops, keys, [part], write=False, worker=0x77, progress_ns=10**9)
+    parts = api.UcxParts(keys, [api.UcxPart(EPS[0], rkeys, None)])
+    parts.bind(0, 1, count)
+    _, started = fake.ucp.transfer(ops, parts, write=False, worker=0x77, progress_ns=10**9)
     assert fake.rounds == 1 and count.left() == (1, 0)  # it did not spin for a second
+    assert started == [(True, 0, False, 0)]  # not done: the request is still in flight
     lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, count._count)

@@ -47,6 +47,7 @@ __all__ = (
     "UcxCount",
     "UcxLaneThread",
     "UcxPart",
+    "UcxParts",
     "copy",
     "copy_batch",
     "copy_threads",
@@ -582,17 +583,18 @@ class BlockLayout:
     block, and the blocks per tensor (block ``b`` of tensor ``t`` starts at
     ``bases[t] + b * block_bytes``)."""
 
-    __slots__ = ("_cbases", "bases", "block_bytes", "num_blocks")
+    __slots__ = ("_cbases", "_size", "bases", "block_bytes", "num_blocks")
 
     def __init__(self, bases: tuple[int, ...] | list[int], block_bytes: int, num_blocks: int):
         self.bases = np.array(bases, dtype=np.uint64)
+        self._size = len(self.bases)
         self.block_bytes = _u64(block_bytes, "block_bytes")
         self.num_blocks = _u64(num_blocks, "num_blocks")
         self._cbases = ffi.from_buffer("uint64_t[]", self.bases)
 
     def _tensors(self, start: int, count: int) -> Any:
         """The C pointer to ``bases[start]``, once ``[start, start + count)`` was checked."""
-        if not 0 <= start <= start + count <= len(self.bases):
+        if not 0 <= start <= start + count <= self._size:
             _check(
                 lib.DD_EINVAL,
                 f"tensors [{start}, {start + count}) of a layout of {len(self.bases)} tensors",
@@ -716,7 +718,11 @@ def _block_sides(
     if len(s_blocks) != n:
         _check(lib.DD_EINVAL, f"{n} dst blocks but {len(s_blocks)} src blocks")
     # One C array for both lists: its first n values are dst's.
-    blocks = _block_list("blocks", [*d_blocks, *s_blocks])
+    both = [*d_blocks, *s_blocks]
+    try:
+        blocks = ffi.new("uint64_t[]", both)
+    except (OverflowError, TypeError):
+        blocks = _block_list("blocks", both)  # raises why
     return n, (
         d_layout._tensors(d_start, count),
         d_layout.block_bytes,
@@ -757,14 +763,14 @@ def blocks_ops(
 class BlockPairs:
     """Whole blocks of two blocks layouts, paired as :func:`blocks_ops` pairs them (``local``
     as its ``dst``, ``remote`` as its ``src``), for a native call that makes the ops itself
-    (``dd_blocks_pair``). Each side is ``(layout, first tensor, blocks)``.
+    (``dd_blocks_pair``, made here). Each side is ``(layout, first tensor, blocks)``.
 
     Raises:
         TypeError: a block list that is not ints.
         ParamInvalidError: the lists differ in length, a tensor outside its layout.
     """
 
-    __slots__ = ("_args", "_keep", "count", "local", "remote", "seg")
+    __slots__ = ("_blocks", "_size", "count", "local", "native", "remote", "seg")
 
     def __init__(
         self,
@@ -776,23 +782,19 @@ class BlockPairs:
         if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
             _u64(seg, "seg")
         self.local, self.remote, self.count, self.seg = local, remote, count, seg
-        n, sides = _block_sides(local, remote, count)
-        self._args = (n, sides)
-        self._keep: Any = None
+        n, (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks) = _block_sides(
+            local, remote, count
+        )
+        self._blocks = lblocks  # (the C array both block lists live in)
+        #: The ``dd_blocks_pair`` naming both sides (kept alive with this object).
+        self.native: Any = ffi.new(
+            "dd_blocks_pair *",
+            (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks, count, n, seg),
+        )
 
     def __len__(self) -> int:
         """How many ops the pairs make."""
-        return self.count * self._args[0]
-
-    def native(self) -> Any:
-        """The ``dd_blocks_pair`` naming both sides (kept alive with this object)."""
-        n, (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks) = self._args
-        pair = ffi.new(
-            "dd_blocks_pair *",
-            (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks, self.count, n, self.seg),
-        )
-        self._keep = pair
-        return pair
+        return self.count * int(self.native.nblocks)
 
     def ops(self) -> npt.NDArray[np.uint64]:
         """The ``(local, remote, seg)`` ops, as :func:`blocks_ops` makes them."""
@@ -1008,19 +1010,61 @@ def _words(values: Words | npt.ArrayLike) -> Words:
 
 
 class UcxPart(NamedTuple):
-    """One part of a :meth:`UcxCalls.transfer` (``dd_ucx_part``): handles as ints."""
+    """Where one part of a :meth:`UcxCalls.transfer` goes (``dd_ucx_part``): handles as
+    ints."""
 
     #: The endpoint (``ucp_ep_h``), on the worker that moves the part.
     ep: int
     #: The remote keys unpacked on ``ep``, one per key row of the transfer.
     rkeys: Words | npt.NDArray[np.uint64]
-    #: Request parameters naming :data:`UCX_COUNTED` and ``counter``'s address.
-    param: int
-    #: What the part's requests complete into.
-    counter: UcxCount
     #: The lane thread progressing ``ep``'s worker, woken once the part started (None: the
     #: caller's worker).
     lane: UcxLaneThread | None
+
+
+class UcxParts:
+    """The parts transfers through the same endpoints are cut into, as the native call takes
+    them (``dd_ucx_part[]``): the remote keys' rows ``keys`` (``(address, end)``, sorted by
+    address) and each part's endpoint, remote keys and lane, set once; each part's count is
+    bound with :meth:`bind` and kept for the next transfer while none of its requests are in
+    flight (:meth:`UcxCalls.transfer`). One transfer at a time may use it.
+
+    Raises:
+        ParamInvalidError: no parts or more than ``DD_UCX_MAX_PARTS``, keys that are not
+            ``(k, 2)``, or a part whose remote keys do not match them.
+    """
+
+    __slots__ = ("_bad", "_c", "_counts", "_keep", "keys", "size")
+
+    def __init__(self, keys: Words | npt.ArrayLike, parts: Sequence[UcxPart]) -> None:
+        if not 0 < len(parts) <= lib.DD_UCX_MAX_PARTS:
+            _check(lib.DD_EINVAL, f"ucx transfer: {len(parts)} parts")
+        self.keys = _words(keys)
+        if self.keys.array.ndim != 2 or self.keys.array.shape[1] != 2:
+            _check(lib.DD_EINVAL, "ucx transfer: keys must be (k, 2)")
+        #: How many parts.
+        self.size = len(parts)
+        self._c = ffi.new("dd_ucx_part[]", len(parts))
+        self._keep: list[Any] = []  # (read by the native calls)
+        for slot, part in zip(self._c, parts, strict=True):
+            rkeys = _words(part.rkeys)
+            if rkeys.rows != self.keys.rows:
+                _check(lib.DD_EINVAL, "ucx transfer: a part's remote keys do not match the keys")
+            self._keep.append(rkeys)
+            slot.ep = part.ep
+            slot.rkeys = rkeys.c
+            slot.lane = ffi.NULL if part.lane is None else part.lane._handle()
+            self._keep.append(part.lane)
+        self._bad = ffi.new("int64_t *")
+        self._counts: list[UcxCount | None] = [None] * len(parts)
+
+    def bind(self, part: int, param: int, count: UcxCount) -> None:
+        """Have part ``part``'s requests use the request parameters ``param`` (an address,
+        naming :data:`UCX_COUNTED` and ``count``'s address) and complete into ``count``."""
+        slot = self._c[part]
+        slot.param = param
+        slot.count = count._count
+        self._counts[part] = count
 
 
 def ucx_find(
@@ -1074,58 +1118,43 @@ class UcxCalls:
     def transfer(
         self,
         ops: npt.NDArray[np.uint64] | BlockPairs,
-        keys: Words | npt.NDArray[np.uint64],
-        parts: Sequence[UcxPart],
+        parts: UcxParts,
         *,
         write: bool,
         flush: bool = False,
         worker: int = 0,
         progress_ns: int = 0,
-    ) -> tuple[int, list[tuple[bool, int]]]:
+    ) -> tuple[int, list[tuple[bool, int, bool, int]]]:
         """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``
         (or per op of the :class:`BlockPairs`, made in the same call), each through the key
-        row of ``keys`` (rows ``(address, end)``, sorted by address) that holds its remote
-        span, the bytes cut into one run of about equal size per part of ``parts``
-        (``dd_ucx_transfer``). With ``flush``, a flush of each part's endpoint follows its
-        run into the same count. With ``progress_ns``, the call then progresses ``worker``
-        (the first part's, a handle as an int) until the first part's count reads 0, a
-        round finds nothing to do, or that long passed.
+        row of ``parts.keys`` that holds its remote span, the bytes cut into one run of about
+        equal size per part of ``parts`` (``dd_ucx_transfer``), each part's requests counted
+        in the count bound to it (:meth:`UcxParts.bind`). With ``flush``, a flush of each
+        part's endpoint follows its run into the same count. With ``progress_ns``, the call
+        then progresses ``worker`` (the first part's, a handle as an int) until the first
+        part's count reads 0, a round finds nothing to do, or that long passed.
 
         Returns ``(held, parts)``: ``held`` is the number of ops when the runs started, else
         the index of the first op no key row holds (nothing started); ``parts`` is, per part,
-        whether it started and the ``ucs_status_t`` of what UCX refused in it (0: nothing;
-        the parts after a refusal did not start).
+        ``(started, status, done, failed)``: whether it started, the ``ucs_status_t`` of
+        what UCX refused in it (0: nothing; the parts after a refusal did not start), and
+        (with ``progress_ns``) whether all its requests completed in the call, their count
+        then made as new, with the ``ucs_status_t`` of the first that failed (0: none).
 
         Raises:
-            ParamInvalidError: bad arguments, an op that is empty, has no local address or
-                wraps, or block pairs that :func:`blocks_ops` refuses (nothing started).
+            ParamInvalidError: bad arguments (a part with no count bound), an op that is
+                empty, has no local address or wraps, or block pairs that
+                :func:`blocks_ops` refuses (nothing started).
         """
-        if not 0 < len(parts) <= lib.DD_UCX_MAX_PARTS:
-            _check(lib.DD_EINVAL, f"ucx transfer: {len(parts)} parts")
-        keys = _words(keys)
-        if keys.array.ndim != 2 or keys.array.shape[1] != 2:
-            _check(lib.DD_EINVAL, "ucx transfer: keys must be (k, 2)")
-        pair = ffi.NULL
-        if isinstance(ops, BlockPairs):
-            pair, n, c_ops = ops.native(), 0, ffi.NULL
+        native = parts._c
+        if ops.__class__ is BlockPairs:
+            pair, n, c_ops = ops.native, 0, ffi.NULL
         else:
             ops = np.ascontiguousarray(ops, np.uint64)
             if ops.ndim != 2 or ops.shape[1] != 3:
                 _check(lib.DD_EINVAL, "ucx transfer: ops must be (n, 3)")
-            n, c_ops = len(ops), ffi.from_buffer("uint64_t[]", ops)
-        native = ffi.new("dd_ucx_part[]", len(parts))
-        held_rkeys = []  # (read by the native call)
-        for slot, part in zip(native, parts, strict=True):
-            rkeys = _words(part.rkeys)
-            held_rkeys.append(rkeys)
-            if rkeys.rows != keys.rows:
-                _check(lib.DD_EINVAL, "ucx transfer: a part's remote keys do not match the keys")
-            slot.ep = part.ep
-            slot.rkeys = rkeys.c
-            slot.param = part.param
-            slot.count = part.counter._count
-            slot.lane = ffi.NULL if part.lane is None else part.lane._handle()
-        bad = ffi.new("int64_t *")
+            n, c_ops, pair = len(ops), ffi.from_buffer("uint64_t[]", ops), ffi.NULL
+        keys, bad = parts.keys, parts._bad
         held = lib.dd_ucx_transfer(
             self._c,
             1 if write else 0,
@@ -1136,7 +1165,7 @@ class UcxCalls:
             keys.c,
             keys.rows,
             native,
-            len(parts),
+            parts.size,
             bad,
             worker,
             progress_ns,
@@ -1146,7 +1175,9 @@ class UcxCalls:
                 ops.refused()  # raises why
             where = f": op {bad[0]} is empty, has no local address or wraps" if bad[0] >= 0 else ""
             _check(int(held), f"ucx transfer{where}")
-        return int(held), [(bool(slot.started), int(slot.status)) for slot in native]
+        return held, [
+            (bool(slot.started), slot.status, bool(slot.done), slot.failed) for slot in native
+        ]
 
     def lane(self, worker: int, efd: int) -> UcxLaneThread:
         """Start a native thread that progresses ``worker`` (a handle as an int; its event fd

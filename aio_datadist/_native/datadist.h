@@ -400,6 +400,9 @@ typedef struct {
                              * started (NULL: the caller progresses it) */
     int started;            /* out: 1 when the part's requests were started */
     int status;             /* out: the ucs_status_t UCX refused a request with (0: none) */
+    int done;               /* out (with progress): 1 when every request of the part completed
+                             * in the call; its count was then made as new (dd_ucx_count_reset) */
+    int failed;             /* out (done): the ucs_status_t of the first that failed (0: none) */
 } dd_ucx_part;
 
 /* Whole blocks of two blocks layouts, paired as dd_blocks_ops pairs them (local = dst,
@@ -429,7 +432,8 @@ typedef struct {
  * endpoint follows its run (puts are then done once they reached the peer's memory). A
  * part's requests left in flight complete into its count. Then, with progress_ns > 0, the
  * call progresses worker (the worker of parts[0]) until parts[0]'s count reads 0, a round
- * finds nothing to do, or progress_ns passed.
+ * finds nothing to do, or progress_ns passed, and marks done each part whose requests all
+ * completed by then (its count made as new: the next transfer may use it at once).
  * Returns the number of ops when the runs were started (a part's status says what UCX
  * refused: its earlier requests started, the parts after it did not); the index of the
  * first op no key row holds (nothing started); DD_EINVAL for bad arguments, with *bad >= 0

@@ -272,6 +272,8 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
     for (size_t p = 0; p < nparts; p++) {
         parts[p].status = 0;
         parts[p].started = 0;
+        parts[p].done = 0;
+        parts[p].failed = 0;
         if (!parts[p].ep || !parts[p].param || parts[p].count == NULL ||
             (nkeys && parts[p].rkeys == NULL))
             return DD_EINVAL;
@@ -360,8 +362,16 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
                        cut_at[r + 1] - cut_at[r], &parts[r]))
             break; /* refused: the parts not started yet never start */
     }
-    if (progress_ns > 0)
+    if (progress_ns > 0) {
         progress_own(c, worker, parts[0].count, progress_ns);
+        for (size_t p = 0; p < nparts; p++) {
+            dd_ucx_count *count = parts[p].count;
+            if (!parts[p].started || count_idle(count) != DD_OK)
+                continue;
+            parts[p].failed = __atomic_load_n(&count->status, __ATOMIC_RELAXED);
+            parts[p].done = dd_ucx_count_reset(count) == DD_OK;
+        }
+    }
 out:
     if (which != stack_which)
         free(which);

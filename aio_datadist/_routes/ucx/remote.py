@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -52,8 +52,7 @@ __all__ = ("CLOSE_S", "Snapshot", "UcxRemote")
 CLOSE_S = 5.0
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Snapshot:
+class Snapshot(NamedTuple):
     """The peer's table as one transfer sees it, from start to end."""
 
     seq: int
@@ -108,7 +107,10 @@ class UcxRemote:
     def usable(self) -> bool:
         """True while transfers may start: a table applied, the endpoints open and sound."""
         eps = self._eps
-        return self.reason is None and bool(eps) and all(ep.failure is None for ep in eps)
+        for ep in eps:
+            if ep.failure is not None:
+                return False
+        return self.reason is None and bool(eps)
 
     @property
     def seq(self) -> int:
@@ -303,6 +305,8 @@ class UcxRemote:
     def _settle(self) -> int:
         """(Lock held.) Destroy retired keys no transfer may use, and return the sequence to
         acknowledge now (0: none): the applied one, once no older transfer is in flight."""
+        if not self._retired and self._applied <= self._acked:
+            return 0  # (nothing to destroy or acknowledge: the usual case)
         oldest = min(self._inflight, default=self._applied)
         if self._retired:
             keep = []

@@ -204,10 +204,11 @@ def _ended(
     """The outcome of a batch whose requests all completed as they started (``DONE_FUTURE``
     on success), its transfer ended; None while one is still in flight (it needs a
     :class:`Batch`)."""
-    if any(map(len, requests)):
-        return None
-    for request in requests:
-        failure = _taken(request, failure)
+    if requests:
+        if any(map(len, requests)):
+            return None
+        for request in requests:
+            failure = _taken(request, failure)
     error = _outcome(remote, snap, entries, failure, False)
     if error is None:
         return DONE_FUTURE

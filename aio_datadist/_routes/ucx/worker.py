@@ -636,7 +636,7 @@ class Counted:
     that name it (``dd_ucx_counted`` and the count as user data), kept by the worker that made
     it for the next batch once the requests counted in it finished (:meth:`Requests.release`)."""
 
-    __slots__ = ("count", "owner", "param", "word")
+    __slots__ = ("count", "memory_type", "owner", "param", "word")
 
     def __init__(self, owner: UcxWorker) -> None:
         #: The worker whose spares this count returns to.
@@ -648,9 +648,14 @@ class Counted:
         self.param.user_data = ffi.cast("void *", self.count.address)
         #: The parameters' address, as the native batch takes it.
         self.word = _ucx.word(self.param)
+        #: The local memory's type the parameters name (None: host memory, the default).
+        self.memory_type: int | None = None
 
     def as_memory(self, memory_type: int | None) -> Counted:
         """Name the local memory's type in the parameters (None: host memory, the default)."""
+        if memory_type == self.memory_type:
+            return self
+        self.memory_type = memory_type
         param = self.param
         if memory_type is None:
             param.op_attr_mask = _COUNTED_FIELDS
@@ -1043,7 +1048,7 @@ class RemoteKeys:
     """The remote keys of one endpoint through which a transfer's ops reach the peer: sorted
     by address, with the rows the native layer looks each op's key up in."""
 
-    __slots__ = ("bounds", "endpoint", "keys", "spans", "words")
+    __slots__ = ("_prepared", "bounds", "endpoint", "keys", "spans", "words")
 
     def __init__(self, endpoint: Endpoint, keys: Sequence[RemoteKey]) -> None:
         """Bundle ``keys``, all unpacked on ``endpoint``.
@@ -1066,12 +1071,97 @@ class RemoteKeys:
         )
         #: The keys' handles, in order.
         self.words = _api.Words([k._word for k in self.keys])
+        #: The parts last prepared with these keys first (:func:`_parts`).
+        self._prepared: _Parts | None = None
 
     def check_open(self) -> None:
-        """Raises ``LLM_PARAM_INVALID`` once one of the keys closed."""
+        """Raises ``LLM_PARAM_INVALID`` once one of the keys closed, and as
+        :attr:`Endpoint.handle` once the endpoint closed or failed."""
+        self.endpoint.handle  # noqa: B018 - raises
         for key in self.keys:
             if key._handle is None:
                 key.handle  # noqa: B018 - raises
+
+
+class _Parts:
+    """What a transfer through ``bundles`` (one part each, ``lanes[i]`` progressing part
+    ``i``'s worker) needs, made once: the native parts, each part's worker, the locks of the
+    workers below ``UCS_THREAD_MODE_MULTI``, and each part's count (:meth:`arm`), kept for
+    the next transfer unless requests counted in it are still in flight (:meth:`take`). One
+    transfer at a time uses it (:attr:`busy`)."""
+
+    __slots__ = ("bundles", "busy", "counted", "lanes", "native", "serial", "workers")
+
+    def __init__(
+        self, bundles: tuple[RemoteKeys, ...], lanes: tuple[_api.UcxLaneThread | None, ...]
+    ) -> None:
+        self.bundles, self.lanes = bundles, lanes
+        self.workers = tuple(keys.endpoint.worker for keys in bundles)
+        self.native = _api.UcxParts(
+            bundles[0].bounds,
+            [
+                _api.UcxPart(keys.endpoint.word, keys.words, lane)
+                for keys, lane in zip(bundles, lanes, strict=True)
+            ],
+        )
+        self.serial = [w.lock for w in self.workers if w.thread_mode != _MULTI]
+        self.busy = threading.Lock()
+        self.counted: list[Counted | None] = [None] * len(bundles)
+
+    def arm(self, memory_type: int | None) -> None:
+        """Give every part a count whose parameters name ``memory_type`` (None: host)."""
+        counted = self.counted
+        for i, part in enumerate(counted):
+            if part is None:
+                part = counted[i] = self.workers[i].counted(memory_type)
+                self.native.bind(i, part.word, part.count)
+            elif part.memory_type != memory_type:
+                part.as_memory(memory_type)
+
+    def take(self, i: int) -> Counted:
+        """Part ``i``'s count, for requests counted in it still in flight (the next transfer
+        binds another one)."""
+        part = self.counted[i]
+        assert part is not None  # (armed)
+        self.counted[i] = None
+        return part
+
+
+def _parts(
+    bundles: Sequence[RemoteKeys], lanes: Sequence[_api.UcxLaneThread | None], what: str
+) -> _Parts:
+    """The parts of a transfer through ``bundles``, held for it (release :attr:`_Parts.busy`
+    after it): the ones prepared last with the same first bundle when they match and no other
+    transfer holds them, else new ones (kept for the next transfer).
+
+    :raises LLMException: ``LLM_PARAM_INVALID``: the bundles' keys name different
+        registrations, or one closed; as :attr:`Endpoint.handle` for a closed endpoint.
+    """
+    first = bundles[0]
+    for keys in bundles:
+        keys.check_open()
+        if keys.spans != first.spans:
+            raise LLMException(
+                f"{what}: the parts' remote keys name different registrations",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+    size = len(bundles)
+    bundles = tuple(bundles)
+    lanes = tuple(lanes[:size])
+    if len(lanes) < size:
+        lanes += (None,) * (size - len(lanes))
+    prepared = first._prepared
+    if (
+        prepared is not None
+        and prepared.bundles == bundles
+        and prepared.lanes == lanes
+        and prepared.busy.acquire(blocking=False)
+    ):
+        return prepared
+    prepared = _Parts(bundles, lanes)
+    prepared.busy.acquire()
+    first._prepared = prepared
+    return prepared
 
 
 def rma(
@@ -1100,8 +1190,11 @@ def rma(
     first part's worker for at most that long, until its requests completed or a round
     finds nothing to do (a small transfer over shared memory completes in it).
 
-    Returns the requests of each part started, and the failure of what UCX refused to
-    start, if anything: the requests before it were started (wait for them), the rest not.
+    Returns the requests of each part started and still in flight (with ``progress_ns``, a
+    part whose requests all completed in the call has none: its count is ready for the next
+    batch, and its failure is returned), and the failure of what UCX refused to start or of
+    a request completed in the call, if anything: the requests before a refusal were started
+    (wait for them), the rest not.
 
     Raises:
         LLMException: ``LLM_PARAM_INVALID``, nothing started: an op of no bytes, outside
@@ -1109,65 +1202,46 @@ def rma(
     """
     what = "ucp_put_nbx" if write else "ucp_get_nbx"
     first = parts[0]
-    if not len(ops):
+    n = len(ops)
+    if not n:
         return [Requests(None, what, first.endpoint.worker)], None
     memory_type = MEMORY_TYPES[local_memory] if local_memory != "host" else None
-    native: list[_api.UcxPart] = []
-    counted: list[Counted] = []
+    prepared = _parts(parts, lanes, what)
     try:
-        for i, keys in enumerate(parts):
-            keys.check_open()
-            if keys.spans != first.spans:
-                raise LLMException(
-                    f"{what}: the parts' remote keys name different registrations",
-                    status_code=LLMStatusCode.LLM_PARAM_INVALID,
-                )
-            part = keys.endpoint.worker.counted(memory_type)
-            counted.append(part)
-            lane = lanes[i] if i < len(lanes) else None
-            native.append(_api.UcxPart(keys.endpoint.word, keys.words, part.word, part.count, lane))
-        worker = first.endpoint.worker
-        # The locks of workers below UCS_THREAD_MODE_MULTI (the others take none).
-        serial = [k.endpoint.worker.lock for k in parts if k.endpoint.worker.thread_mode != _MULTI]
-        for lock in serial:
+        prepared.arm(memory_type)
+        workers = prepared.workers
+        for lock in prepared.serial:
             lock.__enter__()
         try:
-            held, started = worker._calls.transfer(
+            held, started = workers[0]._calls.transfer(
                 ops,
-                first.bounds,
-                native,
+                prepared.native,
                 write=write,
                 flush=flush,
-                worker=worker._word,
+                worker=workers[0]._word,
                 progress_ns=progress_ns,
             )
         finally:
-            for lock in reversed(serial):
+            for lock in reversed(prepared.serial):
                 lock.__exit__(None, None, None)
-    except BaseException:
-        for part in counted:  # nothing started
-            part.owner.give_back(part)
-        raise
-    if held < len(ops):
-        for part in counted:
-            part.owner.give_back(part)
-        rows = ops.ops() if isinstance(ops, _api.BlockPairs) else ops
-        local, remote, nbytes = (int(v) for v in rows[held])
-        raise LLMException(
-            f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the peer's "
-            f"registrations",
-            status_code=LLMStatusCode.LLM_PARAM_INVALID,
-        )
-    requests: list[Requests] = []
-    failure: LLMException | None = None
-    for keys, part, (began, status) in zip(parts, counted, started, strict=True):
-        if began:
-            requests.append(Requests(part, what, keys.endpoint.worker))
-        else:
-            part.owner.give_back(part)
-        if status and failure is None:
-            failure = _error(what, status)
-    return requests, failure
+        if held < n:  # nothing started
+            rows = ops.ops() if isinstance(ops, _api.BlockPairs) else ops
+            local, remote, nbytes = (int(v) for v in rows[held])
+            raise LLMException(
+                f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the "
+                f"peer's registrations",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        requests: list[Requests] = []
+        failure: LLMException | None = None
+        for i, (began, status, done, failed) in enumerate(started):
+            if began and not done:  # (else not started, or done: the count is as new)
+                requests.append(Requests(prepared.take(i), what, workers[i]))
+            if failure is None and (status or failed):
+                failure = _error(what, status or failed)
+        return requests, failure
+    finally:
+        prepared.busy.release()
 
 
 _MULTI = _ucx.UCS_THREAD_MODE_MULTI
