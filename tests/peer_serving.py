@@ -4,13 +4,15 @@
 Usage: python tests/peer_serving.py QUEUED_BYTES REQUESTS
 
 Prints its port, then answers each line of stdin: ``stats CLUSTER_ID`` with the stats of the
-live link to that cluster as JSON (``null`` when there is none); ``quit`` (or the end of
-stdin) finalizes the engine and exits.
+live link to that cluster as JSON (``null`` when there is none); ``threads`` with ``null``
+once it wrote every thread's stack to stderr (to tell why a test failed); ``quit`` (or the
+end of stdin) finalizes the engine and exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import sys
 
@@ -33,6 +35,9 @@ def main() -> None:
                 stats = engine.dd._engine.link_stats(int(args[0]))
                 answer = None if stats is None else dataclasses.asdict(stats)
                 print(json.dumps(answer), flush=True)
+            if command == "threads":
+                faulthandler.dump_traceback(sys.stderr, all_threads=True)
+                print("null", flush=True)
     finally:
         engine.close()
 

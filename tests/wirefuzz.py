@@ -654,6 +654,13 @@ class ServingProcess:
             raise LookupError(f"no live link to cluster {cluster_id}")
         return dict(stats)
 
+    def dump_threads(self) -> None:
+        """Have it write every thread's stack to its stderr (this test's captured stderr)."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("threads\n")
+        self.proc.stdin.flush()
+        self.proc.stdout.readline()
+
     def close(self) -> None:
         """Finalize the engine and wait for the process (killed if it does not end)."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
