@@ -662,11 +662,13 @@ class LLMConfig:
 
     @property
     def busy_poll_us(self) -> int | None:
-        """Microseconds a TCP link busy-polls for a frame it expects (key ``aio.BusyPollUs``).
+        """Microseconds a TCP link or the UCX route busy-polls for what it expects (key
+        ``aio.BusyPollUs``).
 
-        A blocking transfer call reads its own answer: it polls the socket without sleeping
-        for up to this long before it sleeps, and a link's reader thread polls as long after
-        each frame for the next. An awaited call of one small request polls on the event
+        A blocking transfer call reads its own answer: it polls the socket (or progresses
+        the UCX worker) without sleeping for up to this long before it sleeps, and a link's
+        reader thread (the UCX progress thread) polls as long after each frame (each
+        transfer of a peer's it served) for the next. An awaited call of one small request polls on the event
         loop the same way while nothing else is ready to run there. That saves the thread
         wake-ups that dominate a small transfer's latency, for at most this much CPU time
         per wait. None (the default)

@@ -10,6 +10,8 @@ UCX is needed.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -74,8 +76,13 @@ class FakeUcp:
             ffi.callback("void(*)(uint64_t)", lambda request: None),
             ffi.callback("unsigned(*)(uint64_t)", step),
             ffi.callback("int8_t(*)(uint64_t)", lambda worker: 0),
+            ffi.callback("int8_t(*)(uint64_t)", self._arm),
         ]
-        get, put, fl, free, progress, signal = (int(ffi.cast("uintptr_t", f)) for f in self._keep)
+        #: Times the worker was armed (before a sleep on its event fd).
+        self.arms = 0
+        get, put, fl, free, progress, signal, arm = (
+            int(ffi.cast("uintptr_t", f)) for f in self._keep
+        )
         self.ucp = api.UcxCalls(
             {
                 "ucp_get_nbx": get,
@@ -84,9 +91,13 @@ class FakeUcp:
                 "ucp_worker_progress": progress,
                 "ucp_worker_signal": signal,
                 "ucp_ep_flush_nbx": fl,
-                "ucp_worker_arm": signal,
+                "ucp_worker_arm": arm,
             }
         )
+
+    def _arm(self, worker: int) -> int:
+        self.arms += 1
+        return 0
 
     def transfer(
         self,
@@ -313,3 +324,45 @@ def test_a_transfer_stops_progressing_when_a_round_finds_nothing_to_do() -> None
     assert fake.rounds == 1 and count.left() == (1, 0)  # it did not spin for a second
     assert started == [(True, 0, False, 0)]  # not done: the request is still in flight
     lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, count._count)
+
+
+def test_a_spin_progresses_without_sleeping_until_the_count_reads_0_or_its_time_passed() -> None:
+    keys = np.array([(1 << 32, (1 << 32) + (64 << 20))], np.uint64)
+    ops = np.array(
+        [[(1 << 40) + i * 8192, (1 << 32) + i * 16384, 4096] for i in range(3)], np.uint64
+    )
+    fake = FakeUcp(in_flight=True)
+    fake.transfer(ops, keys, 1)
+    assert fake.count is not None
+    assert fake.ucp.spin(0x77, fake.count, 10**9)  # one request a round
+    assert fake.rounds == 3 and fake.count.left() == (0, 0)
+    fake = FakeUcp(in_flight=True)
+    fake.transfer(ops, keys, 1)
+    count, fake.count = fake.count, None  # progress completes nothing (the peer is slow)
+    assert count is not None
+    start = time.monotonic_ns()
+    assert not fake.ucp.spin(0x77, count, 2_000_000)
+    assert time.monotonic_ns() - start >= 2_000_000
+    assert fake.rounds > 2 and fake.arms == 0  # it polled, never armed to sleep
+    while fake.in_flight:
+        lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, count._count)
+
+
+def test_a_serving_wait_polls_a_while_after_work_before_it_sleeps() -> None:
+    """After a round that found work (a peer's request served), the serving wait keeps
+    progressing for the spin time before it arms the worker and sleeps."""
+    keys = np.array([(1 << 32, (1 << 32) + (64 << 20))], np.uint64)
+    ops = np.array([[1 << 40, 1 << 32, 4096]], np.uint64)
+    efd, wake = os.eventfd(0, os.EFD_NONBLOCK), os.eventfd(0, os.EFD_NONBLOCK)
+    try:
+        for spin_ns, polled in ((0, lambda n: n <= 5), (20_000_000, lambda n: n > 50)):
+            fake = FakeUcp(in_flight=True)
+            fake.transfer(ops, keys, 1)  # one request: the first round of progress finds it
+            idle = ffi.new("int *")
+            deadline = time.monotonic_ns() + 60_000_000
+            fake.ucp.serve(0x77, efd, wake, deadline, False, idle, api.UcxTurn(), spin_ns)
+            assert polled(fake.rounds), (spin_ns, fake.rounds)
+            assert fake.arms >= 1  # then it slept until the deadline
+    finally:
+        os.close(efd)
+        os.close(wake)

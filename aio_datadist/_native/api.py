@@ -1188,6 +1188,14 @@ class UcxCalls:
         """
         return UcxLaneThread(lib.dd_ucx_lane_start(self._c, worker, efd))
 
+    def spin(self, worker: int, count: UcxCount, spin_ns: int) -> bool:
+        """Progress ``worker`` (a handle as an int) without sleeping until ``count`` reads 0
+        (True) or ``spin_ns`` passed (False), without the GIL (``dd_ucx_spin``)."""
+        rc = lib.dd_ucx_spin(self._c, worker, count._count, spin_ns)
+        if rc < 0:
+            _check(rc, "ucx spin")
+        return bool(rc == 1)
+
     def drain(self, worker: int, budget_ns: int) -> bool | None:
         """Progress ``worker`` until nothing is left to do: whether anything was, or None when
         ``budget_ns`` (> 0) passed with work left."""
@@ -1205,6 +1213,7 @@ class UcxCalls:
         until_work: bool,
         idle: Any,
         turn: UcxTurn,
+        spin_ns: int = 0,
     ) -> bool:
         """Progress ``worker`` (its event fd ``efd``) and sleep between, in one native call
         without the GIL, until ``deadline_ns`` (``time.monotonic_ns()``; 0: none) passed, a
@@ -1212,9 +1221,12 @@ class UcxCalls:
         found work: True for that work (``dd_ucx_serve``). While ``turn`` counts waiters it
         does not progress and sleeps on ``wake_fd`` only. ``idle`` (an ``int *``, the
         caller's between calls) counts wake-ups in a row that found nothing to do (later
-        sleeps wait a little first)."""
+        sleeps wait a little first). After work it busy-polls for up to ``spin_ns`` before
+        it sleeps again."""
         rc = int(
-            lib.dd_ucx_serve(self._c, worker, efd, wake_fd, deadline_ns, until_work, idle, turn._c)
+            lib.dd_ucx_serve(
+                self._c, worker, efd, wake_fd, deadline_ns, until_work, idle, turn._c, spin_ns
+            )
         )
         if rc < 0:
             _check(rc, "ucx serve")

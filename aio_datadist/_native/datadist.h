@@ -443,6 +443,10 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
                         size_t n, const dd_blocks_pair *pair, const uint64_t *keys,
                         size_t nkeys, dd_ucx_part *parts, size_t nparts, int64_t *bad,
                         uint64_t worker, int64_t progress_ns);
+/* Progress worker without sleeping until count reads 0 (1) or spin_ns passed (0): a
+ * waiter's busy-poll before it sleeps. DD_EINVAL for bad arguments. */
+int dd_ucx_spin(const dd_ucx_calls *c, uint64_t worker, const dd_ucx_count *count,
+                int64_t spin_ns);
 /* Progress worker until a round finds nothing to do (1; 0 when the first one did not) or
  * budget_ns passed with work left (2; <= 0: no limit). DD_EINVAL for bad arguments. */
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
@@ -465,9 +469,12 @@ typedef struct {
  * look at turn->waiters again. DD_ESYS when arming (errno EIO) or polling failed. *idle counts
  * wake-ups in a row that found nothing to do (kept by the caller between calls): from the
  * fifth, each sleep waits first, from 50 us doubling to 1 ms, as a lane's does (a tcp
- * endpoint can keep efd readable). */
+ * endpoint can keep efd readable). After a round that found work it progresses without
+ * sleeping for up to spin_ns (<= 0: not at all), so that the peer's next request, which
+ * usually follows within it, is served without a wake-up. */
 int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
-                 int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn);
+                 int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn,
+                 int64_t spin_ns);
 /* Set turn->waiters; whether the serving thread is parked (both sequentially consistent
  * with the serving thread's own store and load, so that the last waiter to leave either
  * sees it parked or it sees no waiter). */

@@ -380,6 +380,20 @@ out:
     return result;
 }
 
+int dd_ucx_spin(const dd_ucx_calls *c, uint64_t worker, const dd_ucx_count *count,
+                int64_t spin_ns)
+{
+    if (!calls_ok(c) || !worker || count == NULL)
+        return DD_EINVAL;
+    progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
+    int64_t until = dd_monotonic_ns() + spin_ns;
+    while (__atomic_load_n(&count->pending, __ATOMIC_ACQUIRE) != 0) {
+        if (!progress(worker) && dd_monotonic_ns() >= until)
+            return 0;
+    }
+    return 1;
+}
+
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns)
 {
     if (!calls_ok(c) || !worker)
@@ -450,7 +464,8 @@ static int poll_ms(int64_t deadline_ns, bool *passed)
 }
 
 int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
-                 int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn)
+                 int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn,
+                 int64_t spin_ns)
 {
     if (!calls_ok(c) || !worker || efd < 0 || wake_fd < 0 || idle == NULL || turn == NULL)
         return DD_EINVAL;
@@ -483,6 +498,14 @@ int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
             *idle = 0;
             if (until_work)
                 return 1;
+            /* the peer's next request usually follows soon: poll for it a while first */
+            int64_t until = spin_ns > 0 ? dd_monotonic_ns() + spin_ns : 0;
+            while (until && __atomic_load_n(&turn->waiters, __ATOMIC_ACQUIRE) == 0) {
+                if (progress(worker))
+                    break;
+                if (dd_monotonic_ns() >= until)
+                    until = 0;
+            }
             continue;
         }
         int timeout_ms = poll_ms(deadline_ns, &passed);

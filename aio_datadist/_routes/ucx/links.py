@@ -109,7 +109,8 @@ class _Peer:
 
 
 class UcxLinks(RouteProvider):
-    """The UCX route of one engine (see the module docstring).
+    """The UCX route of one engine (see the module docstring); a blocking waiter busy-polls
+    its worker for ``busy_poll_us`` before it sleeps, as a link's does (``aio.BusyPollUs``).
 
     :raises LLMException: ``LLM_FEATURE_NOT_ENABLED`` when UCX cannot be loaded, or the code
         of UCX's failure to start.
@@ -122,6 +123,7 @@ class UcxLinks(RouteProvider):
         *,
         name: str = "aio-dd",
         lanes: int = 1,
+        busy_poll_us: int = 0,
     ) -> None:
         self._log = log
         self._staging = caches.staging
@@ -138,7 +140,7 @@ class UcxLinks(RouteProvider):
             self.cross_memory = any(
                 tl.split("/")[0] in CROSS_MEMORY for tl in self.context.transports()
             )
-            self.progress = UcxProgress(self.worker, log)
+            self.progress = UcxProgress(self.worker, log, spin_ns=busy_poll_us * 1000)
         except BaseException:
             self.worker.close()
             self.context.close()
@@ -477,6 +479,7 @@ def open_ucx(opening: Opening) -> UcxLinks | None:
             get_logger("ucx", cluster_id=opening.cluster_id, role=opening.role),
             name=f"aio-dd-{opening.cluster_id}",
             lanes=settings.ucx_lanes,
+            busy_poll_us=settings.busy_poll_us,
         )
     except (OSError, RuntimeError) as exc:  # no descriptor or thread to be had for it
         raise LLMFailedError(

@@ -226,9 +226,14 @@ class UcxProgress:
     progresses the same worker meanwhile.
     """
 
-    def __init__(self, worker: UcxWorker, log: structlog.stdlib.BoundLogger) -> None:
+    def __init__(
+        self, worker: UcxWorker, log: structlog.stdlib.BoundLogger, *, spin_ns: int = 0
+    ) -> None:
         self.worker = worker
         self._log = log
+        #: How long a blocking waiter busy-polls the worker before it sleeps, and the progress
+        #: thread after it served the peers.
+        self.spin_ns = spin_ns
         self._lock = threading.Lock()
         self._pending: dict[Batch, None] = {}
         self._earliest = 0
@@ -376,6 +381,8 @@ class UcxProgress:
         future.add_done_callback(waker.wake)
         try:
             with self._foreground():
+                if self.spin_ns:
+                    self._spin(future)
                 self.worker.wait_until(
                     lambda: self.poll() or future.done(), deadline_ns, wake_fd=waker.fd
                 )
@@ -383,6 +390,19 @@ class UcxProgress:
             return
         finally:
             waker.clear()
+
+    def _spin(self, future: Future[None]) -> None:
+        """Busy-poll the worker for :attr:`spin_ns` while the requests this worker moves for
+        ``future``'s batch are in flight (over tcp the peer's answer usually comes within
+        it, and the waiter then never sleeps)."""
+        with self._lock:
+            batch = next((b for b in self._pending if b.future is future), None)
+        if batch is None:
+            return
+        for requests in batch.requests:
+            if requests.worker is self.worker:
+                requests.spin(self.spin_ns)
+                return
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in this thread) progress the worker while a call awaits its
@@ -434,7 +454,9 @@ class UcxProgress:
         while True:
             with self._lock:
                 pending = bool(self._pending)
-            served = self.worker.serve_until(self._turn_c, self._waker.fd, deadline_ns, pending)
+            served = self.worker.serve_until(
+                self._turn_c, self._waker.fd, deadline_ns, pending, self.spin_ns
+            )
             if served is None:  # a worker below UCS_THREAD_MODE_MULTI: its lock serializes
                 self.worker.wait_until(self._turn, deadline_ns, wake_fd=self._waker.fd)
                 return

@@ -513,19 +513,32 @@ class UcxWorker:
                 future.set_result(None)
 
     def serve_until(
-        self, turn: _api.UcxTurn, wake_fd: int, deadline_ns: int | None, until_work: bool
+        self,
+        turn: _api.UcxTurn,
+        wake_fd: int,
+        deadline_ns: int | None,
+        until_work: bool,
+        spin_ns: int = 0,
     ) -> bool | None:
         """One native wait of a serving thread: progress and sleep on the event fd until
         ``deadline_ns`` passed, ``wake_fd`` was written after :meth:`~_api.UcxTurn.look`, or,
         with ``until_work``, progress found work (True); standing down (no progress, asleep
-        on ``wake_fd`` only) while ``turn`` counts waiters (:meth:`_api.UcxCalls.serve`).
-        None where the worker is below ``UCS_THREAD_MODE_MULTI``: its lock may not be held
-        for a sleep (use :meth:`wait_until`)."""
+        on ``wake_fd`` only) while ``turn`` counts waiters, and busy-polling for ``spin_ns``
+        after work before it sleeps (:meth:`_api.UcxCalls.serve`). None where the worker is
+        below ``UCS_THREAD_MODE_MULTI``: its lock may not be held for a sleep (use
+        :meth:`wait_until`)."""
         if self.thread_mode != _ucx.UCS_THREAD_MODE_MULTI:
             return None
         self.handle  # noqa: B018 - raises when closed
         return self._calls.serve(
-            self._word, self._fd, wake_fd, deadline_ns or 0, until_work, self._serve_idle, turn
+            self._word,
+            self._fd,
+            wake_fd,
+            deadline_ns or 0,
+            until_work,
+            self._serve_idle,
+            turn,
+            spin_ns,
         )
 
     def serve(self, stop: threading.Event) -> None:
@@ -702,6 +715,15 @@ class Requests:
         :meth:`done` after: either it sees them all done or the signal comes."""
         if self._count is not None and worker is not self.worker:
             self._count.notify(_ucx.word(worker.handle))
+
+    def spin(self, spin_ns: int) -> bool:
+        """Progress :attr:`worker` without sleeping until every request finished or
+        ``spin_ns`` passed (a waiter's busy-poll before it sleeps): whether they all did."""
+        count = self._count
+        if self._left and count is not None:
+            self.worker.handle  # noqa: B018 - raises when closed
+            self.worker._calls.spin(self.worker._word, count, spin_ns)
+        return self.done()
 
     def done(self) -> bool:
         """Whether every request finished (successfully or not)."""
