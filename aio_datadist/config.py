@@ -668,12 +668,11 @@ class LLMConfig:
         A blocking transfer call reads its own answer: it polls the socket (or progresses
         the UCX worker) without sleeping for up to this long before it sleeps, and a link's
         reader thread (the UCX progress thread) polls as long after each frame (each
-        transfer of a peer's it served) for the next. An awaited call of one small request polls on the event
-        loop the same way while nothing else is ready to run there. That saves the thread
-        wake-ups that dominate a small transfer's latency, for at most this much CPU time
-        per wait. None (the default)
-        means ``DEFAULT_BUSY_POLL_US``; 0 turns busy polling off. Not part of the reference
-        API.
+        transfer of a peer's it served) for the next. An awaited call of one small request
+        polls on the event loop the same way while nothing else is ready to run there. That
+        saves the thread wake-ups that dominate a small transfer's latency, for at most this
+        much CPU time per wait. None (the default) means ``DEFAULT_BUSY_POLL_US``; 0 turns
+        busy polling off. Not part of the reference API.
         """
         return self._busy_poll_us
 

@@ -347,7 +347,10 @@ class AioDataDistAdapter:
 
     async def _all(self, op: str, key: BlocksCacheKey, calls: list[Any]) -> None:
         # A failed call raises its LLMException: pull_blocks itself, push_blocks's task
-        # when awaited.
+        # when awaited. One call is awaited as a caller would (no task to gather it in).
+        if len(calls) == 1:
+            await self._one(op, key, *calls[0])
+            return
         await asyncio.gather(*(self._one(op, key, *c) for c in calls))
 
 

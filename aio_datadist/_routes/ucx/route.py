@@ -365,10 +365,15 @@ class UcxProgress:
 
     # -- waiters ----------------------------------------------------------------------------
     def spin(self, future: Future[None], deadline_ns: int) -> None:
-        """Nothing: starting the batch progressed the worker for the busy-poll time already
-        (:meth:`settle`), and more busy-polling was not measured faster than the loop's
+        """Busy-poll the worker for :attr:`spin_ns` for ``future``'s batch in this thread (an
+        event loop with nothing else to run, whose call has no other request), then
+        complete what finished; what is still in flight then arrives through the loop's
         watch."""
-        return
+        if not self.spin_ns or future.done():
+            return
+        with self._foreground():
+            self._spin(future)
+        self.poll()
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Progress the worker in this thread, sleeping on its event fd, until ``future``
