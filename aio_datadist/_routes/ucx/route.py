@@ -335,11 +335,7 @@ class UcxProgress:
             return False
         done = [b for b in pending if b.poll()]
         if done:
-            with self._lock:
-                for b in done:
-                    self._pending.pop(b, None)
-                if not self._pending:
-                    self._earliest = 0
+            self._forget(done)
         return False
 
     def _expire(self, batch: Batch) -> None:
@@ -366,19 +362,18 @@ class UcxProgress:
     # -- waiters ----------------------------------------------------------------------------
     def spin(self, future: Future[None], deadline_ns: int) -> None:
         """Busy-poll the worker for :attr:`spin_ns` for ``future``'s batch in this thread (an
-        event loop with nothing else to run, whose call has no other request), then
-        complete what finished; what is still in flight then arrives through the loop's
-        watch."""
-        if not self.spin_ns or future.done():
-            return
-        with self._foreground():
+        event loop with nothing else to run, whose call has no other request); what is
+        still in flight then arrives through the loop's watch."""
+        if self.spin_ns and not future.done():
             self._spin(future)
-        self.poll()
 
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
-        """Progress the worker in this thread, sleeping on its event fd, until ``future``
-        completed or ``deadline_ns`` passed (a blocking face waiting for a completion).
-        Another thread that completes the future wakes this one (its own eventfd)."""
+        """Progress the worker in this thread until ``future`` completed or ``deadline_ns``
+        passed (a blocking face waiting for a completion): busy-polling for
+        :attr:`spin_ns` first, then sleeping on its event fd. Another thread that completes
+        the future wakes this one (its own eventfd)."""
+        if self.spin_ns and self._spin(future):
+            return
         try:
             waker = _thread_waker()
         except OSError:  # no descriptor for it: wait on the future, the thread progresses
@@ -386,8 +381,6 @@ class UcxProgress:
         future.add_done_callback(waker.wake)
         try:
             with self._foreground():
-                if self.spin_ns:
-                    self._spin(future)
                 self.worker.wait_until(
                     lambda: self.poll() or future.done(), deadline_ns, wake_fd=waker.fd
                 )
@@ -396,18 +389,31 @@ class UcxProgress:
         finally:
             waker.clear()
 
-    def _spin(self, future: Future[None]) -> None:
+    def _spin(self, future: Future[None]) -> bool:
         """Busy-poll the worker for :attr:`spin_ns` while the requests this worker moves for
         ``future``'s batch are in flight (over tcp the peer's answer usually comes within
-        it, and the waiter then never sleeps)."""
+        it), the progress thread standing down meanwhile; complete the batch once they all
+        did. Whether ``future`` completed."""
         with self._lock:
             batch = next((b for b in self._pending if b.future is future), None)
         if batch is None:
-            return
+            return future.done()
         for requests in batch.requests:
             if requests.worker is self.worker:
-                requests.spin(self.spin_ns)
-                return
+                with self._foreground():
+                    requests.spin(self.spin_ns)
+                break
+        if batch.poll():
+            self._forget([batch])
+        return future.done()
+
+    def _forget(self, done: list[Batch]) -> None:
+        """Take the completed batches ``done`` off the pending ones."""
+        with self._lock:
+            for batch in done:
+                self._pending.pop(batch, None)
+            if not self._pending:
+                self._earliest = 0
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in this thread) progress the worker while a call awaits its
