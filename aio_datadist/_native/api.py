@@ -583,18 +583,17 @@ class BlockLayout:
     block, and the blocks per tensor (block ``b`` of tensor ``t`` starts at
     ``bases[t] + b * block_bytes``)."""
 
-    __slots__ = ("_cbases", "_size", "bases", "block_bytes", "num_blocks")
+    __slots__ = ("_cbases", "bases", "block_bytes", "num_blocks")
 
     def __init__(self, bases: tuple[int, ...] | list[int], block_bytes: int, num_blocks: int):
         self.bases = np.array(bases, dtype=np.uint64)
-        self._size = len(self.bases)
         self.block_bytes = _u64(block_bytes, "block_bytes")
         self.num_blocks = _u64(num_blocks, "num_blocks")
         self._cbases = ffi.from_buffer("uint64_t[]", self.bases)
 
     def _tensors(self, start: int, count: int) -> Any:
         """The C pointer to ``bases[start]``, once ``[start, start + count)`` was checked."""
-        if not 0 <= start <= start + count <= self._size:
+        if not 0 <= start <= start + count <= len(self.bases):
             _check(
                 lib.DD_EINVAL,
                 f"tensors [{start}, {start + count}) of a layout of {len(self.bases)} tensors",
@@ -718,11 +717,7 @@ def _block_sides(
     if len(s_blocks) != n:
         _check(lib.DD_EINVAL, f"{n} dst blocks but {len(s_blocks)} src blocks")
     # One C array for both lists: its first n values are dst's.
-    both = [*d_blocks, *s_blocks]
-    try:
-        blocks = ffi.new("uint64_t[]", both)
-    except (OverflowError, TypeError):
-        blocks = _block_list("blocks", both)  # raises why
+    blocks = _block_list("blocks", [*d_blocks, *s_blocks])
     return n, (
         d_layout._tensors(d_start, count),
         d_layout.block_bytes,
@@ -770,7 +765,7 @@ class BlockPairs:
         ParamInvalidError: the lists differ in length, a tensor outside its layout.
     """
 
-    __slots__ = ("_blocks", "_size", "count", "local", "native", "remote", "seg")
+    __slots__ = ("_blocks", "count", "local", "native", "remote", "seg")
 
     def __init__(
         self,

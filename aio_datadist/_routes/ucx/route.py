@@ -204,11 +204,10 @@ def _ended(
     """The outcome of a batch whose requests all completed as they started (``DONE_FUTURE``
     on success), its transfer ended; None while one is still in flight (it needs a
     :class:`Batch`)."""
-    if requests:
-        if any(map(len, requests)):
-            return None
-        for request in requests:
-            failure = _taken(request, failure)
+    if any(map(len, requests)):
+        return None
+    for request in requests:
+        failure = _taken(request, failure)
     error = _outcome(remote, snap, entries, failure, False)
     if error is None:
         return DONE_FUTURE
@@ -400,8 +399,11 @@ class UcxProgress:
             return future.done()
         for requests in batch.requests:
             if requests.worker is self.worker:
-                with self._foreground():
-                    requests.spin(self.spin_ns)
+                try:
+                    with self._foreground():
+                        requests.spin(self.spin_ns)
+                except LLMException:  # the worker closed: the future fails as it can
+                    return future.done()
                 break
         if batch.poll():
             self._forget([batch])

@@ -1137,7 +1137,7 @@ class _Parts:
             if part is None:
                 part = counted[i] = self.workers[i].counted(memory_type)
                 self.native.bind(i, part.word, part.count)
-            elif part.memory_type != memory_type:
+            else:
                 part.as_memory(memory_type)
 
     def take(self, i: int) -> Counted:
