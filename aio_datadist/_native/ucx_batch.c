@@ -242,20 +242,18 @@ static int part_start(const dd_ucx_calls *c, rma_fn rma, int flush, const uint64
     return status;
 }
 
-/* Progress worker until count reads 0, a round finds nothing to do, or budget_ns passed. */
-static void progress_own(const dd_ucx_calls *c, uint64_t worker, const dd_ucx_count *count,
-                         int64_t budget_ns)
+/* Progress worker until count reads 0 (true), budget_ns passed, or, with idle_ends, a
+ * round finds nothing to do (false). */
+static bool progress_count(const dd_ucx_calls *c, uint64_t worker, const dd_ucx_count *count,
+                           int64_t budget_ns, bool idle_ends)
 {
     progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
-    int64_t until = 0;
+    int64_t until = dd_monotonic_ns() + budget_ns;
     while (__atomic_load_n(&count->pending, __ATOMIC_ACQUIRE) != 0) {
-        if (!progress(worker))
-            return;
-        if (!until)
-            until = dd_monotonic_ns() + budget_ns;
-        else if (dd_monotonic_ns() >= until)
-            return;
+        if ((!progress(worker) && idle_ends) || dd_monotonic_ns() >= until)
+            return false;
     }
+    return true;
 }
 
 int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint64_t *ops,
@@ -363,7 +361,7 @@ int64_t dd_ucx_transfer(const dd_ucx_calls *c, int write, int flush, const uint6
             break; /* refused: the parts not started yet never start */
     }
     if (progress_ns > 0) {
-        progress_own(c, worker, parts[0].count, progress_ns);
+        progress_count(c, worker, parts[0].count, progress_ns, true);
         for (size_t p = 0; p < nparts; p++) {
             dd_ucx_count *count = parts[p].count;
             if (!parts[p].started || count_idle(count) != DD_OK)
@@ -385,13 +383,7 @@ int dd_ucx_spin(const dd_ucx_calls *c, uint64_t worker, const dd_ucx_count *coun
 {
     if (!calls_ok(c) || !worker || count == NULL)
         return DD_EINVAL;
-    progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
-    int64_t until = dd_monotonic_ns() + spin_ns;
-    while (__atomic_load_n(&count->pending, __ATOMIC_ACQUIRE) != 0) {
-        if (!progress(worker) && dd_monotonic_ns() >= until)
-            return 0;
-    }
-    return 1;
+    return progress_count(c, worker, count, spin_ns, false) ? 1 : 0;
 }
 
 int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns)
