@@ -542,19 +542,72 @@ def test_a_serving_wait_stands_down_while_a_waiter_progresses(
         server.start()
         try:
             a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
-            assert turn.waiters(1) is False  # a waiter comes: the thread sees it when woken
+            assert turn.waiters(1) == 0  # a waiter comes: the thread sees it when woken
             os.eventfd_write(wake, 1)  # (no look)
             deadline = time.monotonic() + 10
             while not turn.waiters(1) and time.monotonic() < deadline:
                 time.sleep(0.001)  # until the serving thread parked
-            assert turn.waiters(1) is True
+            assert turn.waiters(1) == api.UcxTurn.PARKED  # (no spin time: parked for good)
             request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
             assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 5)
-            assert turn.waiters(0) is True  # the last waiter leaves: the thread is parked
+            assert turn.waiters(0) == api.UcxTurn.PARKED  # the last waiter leaves
             os.eventfd_write(wake, 1)  # (no look) resume
             a.wait(request, _deadline())
             assert np.array_equal(local, remote)
             assert server.is_alive() and not results  # it resumed natively
+        finally:
+            turn.look()
+            os.eventfd_write(wake, 1)
+            server.join(10)
+            os.close(wake)
+        assert results == [False]
+
+
+def test_a_serving_wait_with_a_spin_time_parks_that_long_first_then_for_good(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a spin time, the first park after the serving thread had the worker lasts at
+    most that long and then looks at the waiters again by itself: a waiter that leaves
+    within it writes nothing, and the get it left behind moves all the same. A waiter still
+    there when that park ends leaves the thread parked for good, resumed by a write."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    spin_ns = SECOND
+    with _served_pair() as (a, b, ep, rkey, reg, remote, local):
+        wake = os.eventfd(0, os.EFD_NONBLOCK)
+        turn = api.UcxTurn()
+        results: list[bool | None] = []
+        server = threading.Thread(
+            target=lambda: results.append(b.serve_until(turn, wake, None, False, spin_ns))
+        )
+        server.start()
+
+        def parked(mode: int) -> bool:
+            deadline = time.monotonic() + 10
+            while turn.waiters(1) != mode and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return turn.waiters(1) == mode
+
+        try:
+            a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
+            turn.waiters(1)  # a waiter comes: the thread sees it when woken
+            os.eventfd_write(wake, 1)  # (no look)
+            assert parked(api.UcxTurn.PARKED_TIMED)
+            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+            assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 20)
+            assert turn.waiters(0) == api.UcxTurn.PARKED_TIMED  # leaves: nothing to write
+            a.wait(request, _deadline())  # the thread looked again by itself and served it
+            assert np.array_equal(local, remote)
+            turn.waiters(1)  # a waiter that stays past the timed park
+            os.eventfd_write(wake, 1)  # (no look: in case the thread slept meanwhile)
+            assert parked(api.UcxTurn.PARKED)
+            local[:] = 0
+            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+            assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 20)
+            assert turn.waiters(0) == api.UcxTurn.PARKED
+            os.eventfd_write(wake, 1)  # (no look) resume
+            a.wait(request, _deadline())
+            assert np.array_equal(local, remote)
+            assert server.is_alive() and not results  # it resumed natively, twice
         finally:
             turn.look()
             os.eventfd_write(wake, 1)

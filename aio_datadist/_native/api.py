@@ -1234,18 +1234,24 @@ class UcxTurn:
 
     __slots__ = ("_c",)
 
+    #: :meth:`waiters`: the serving thread resumes by itself within its spin time.
+    PARKED_TIMED: int = lib.DD_UCX_PARKED_TIMED
+    #: :meth:`waiters`: the serving thread resumes when its wake fd is written.
+    PARKED: int = lib.DD_UCX_PARKED
+
     def __init__(self) -> None:
         self._c = ffi.new("dd_ucx_turn *")
 
-    def waiters(self, count: int) -> bool:
+    def waiters(self, count: int) -> int:
         """Count ``count`` threads progressing the worker themselves now (the serving
         thread stands down while there is one); whether the serving thread is parked,
-        asleep on its wake fd only (the last waiter to leave writes it to resume the
-        thread)."""
-        parked = lib.dd_ucx_turn_waiters(self._c, count)
+        asleep on its wake fd only: 0 (not parked), ``PARKED_TIMED`` (it looks at the
+        waiters again by itself within its spin time) or ``PARKED`` (the last waiter to
+        leave writes the wake fd to resume it)."""
+        parked: int = lib.dd_ucx_turn_waiters(self._c, count)
         if parked < 0:
             _check(parked, f"ucx turn: {count} waiters")
-        return bool(parked)
+        return parked
 
     def look(self) -> None:
         """Make the next write to the wake fd end the serving call (write it after)."""

@@ -456,17 +456,24 @@ int dd_ucx_drain(const dd_ucx_calls *c, uint64_t worker, int64_t budget_ns);
 typedef struct {
     int32_t waiters; /* threads progressing the worker now: the serving thread stands down */
     int32_t look;    /* set before a write to wake_fd: the serving call must return */
-    int32_t parked;  /* (out) the serving thread stands down, asleep on wake_fd only: the last
-                      * waiter to leave writes wake_fd (without look) to resume it */
+    int32_t parked;  /* (out) the serving thread stands down, asleep on wake_fd only:
+                      * DD_UCX_PARKED_TIMED, it looks at the waiters again by itself soon;
+                      * DD_UCX_PARKED, the last waiter to leave writes wake_fd (without look)
+                      * to resume it */
 } dd_ucx_turn;
+
+enum { DD_UCX_PARKED_TIMED = 1, DD_UCX_PARKED = 2 };
 
 /* A serving thread's wait on worker (its event fd efd), in one native call: progress until
  * idle, arm the worker and sleep on efd and wake_fd (-1: none), again and again, until
  * deadline_ns (monotonic; <= 0: none) passed, or, with until_work, a round of progress found
  * work (1; 0 for the others). While turn->waiters > 0 it does not progress and sleeps on
- * wake_fd only (turn->parked set meanwhile). A write to wake_fd is read here: it ends the
- * call when turn->look is set (look is cleared), and otherwise only wakes the thread to
- * look at turn->waiters again. DD_ESYS when arming (errno EIO) or polling failed. *idle counts
+ * wake_fd only (turn->parked set meanwhile): the first such sleep after a round with no
+ * waiter lasts at most spin_ns and looks at the waiters again by itself (DD_UCX_PARKED_TIMED:
+ * a waiter that leaves within it need not write wake_fd), the later ones until wake_fd is
+ * written (DD_UCX_PARKED; without spin_ns, the first too). A write to wake_fd is read
+ * here: it ends the call when turn->look is set (look is cleared), and otherwise only wakes
+ * the thread to look at turn->waiters again. DD_ESYS when arming (errno EIO) or polling failed. *idle counts
  * wake-ups in a row that found nothing to do (kept by the caller between calls): from the
  * fifth, each sleep waits first, from 50 us doubling to 1 ms, as a lane's does (a tcp
  * endpoint can keep efd readable). After a round that found work it progresses without
@@ -475,7 +482,7 @@ typedef struct {
 int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
                  int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn,
                  int64_t spin_ns);
-/* Set turn->waiters; whether the serving thread is parked (both sequentially consistent
+/* Set turn->waiters; how the serving thread is parked (0: not; both sequentially consistent
  * with the serving thread's own store and load, so that the last waiter to leave either
  * sees it parked or it sees no waiter). */
 int dd_ucx_turn_waiters(dd_ucx_turn *turn, int32_t waiters);

@@ -455,6 +455,27 @@ static int poll_ms(int64_t deadline_ns, bool *passed)
     return (int)((left + 999999) / 1000000);
 }
 
+/* Nanoseconds until deadline_ns (-1: none); 0 when it passed. */
+static int64_t wait_left_ns(int64_t deadline_ns, bool *passed)
+{
+    *passed = false;
+    if (deadline_ns <= 0)
+        return -1;
+    int64_t left = deadline_ns - dd_monotonic_ns();
+    if (left <= 0)
+        *passed = true;
+    return left > 0 ? left : 0;
+}
+
+/* Poll one fd for POLLIN for wait_ns (-1: no limit). */
+static int poll_ns(struct pollfd *fd, int64_t wait_ns)
+{
+    if (wait_ns < 0)
+        return ppoll(fd, 1, NULL, NULL);
+    struct timespec ts = {(time_t)(wait_ns / 1000000000), (long)(wait_ns % 1000000000)};
+    return ppoll(fd, 1, &ts, NULL);
+}
+
 int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
                  int64_t deadline_ns, int until_work, int *idle, dd_ucx_turn *turn,
                  int64_t spin_ns)
@@ -464,26 +485,34 @@ int dd_ucx_serve(const dd_ucx_calls *c, uint64_t worker, int efd, int wake_fd,
     progress_fn progress = (progress_fn)(uintptr_t)c->worker_progress;
     arm_fn arm = (arm_fn)(uintptr_t)c->worker_arm;
     bool passed;
+    /* the first stand-down after work looks at the waiters again by itself after spin_ns */
+    bool timed = spin_ns > 0;
     for (;;) {
         if (__atomic_load_n(&turn->waiters, __ATOMIC_ACQUIRE) > 0) {
             /* stand down: a waiter progresses; parked is published before the last look */
-            __atomic_store_n(&turn->parked, 1, __ATOMIC_SEQ_CST);
+            int32_t mode = timed ? DD_UCX_PARKED_TIMED : DD_UCX_PARKED;
+            __atomic_store_n(&turn->parked, mode, __ATOMIC_SEQ_CST);
             int n = 0;
             struct pollfd fd = {wake_fd, POLLIN, 0};
             if (__atomic_load_n(&turn->waiters, __ATOMIC_SEQ_CST) > 0) {
-                int timeout_ms = poll_ms(deadline_ns, &passed);
-                n = passed ? 0 : poll(&fd, 1, timeout_ms);
+                int64_t wait_ns = wait_left_ns(deadline_ns, &passed);
+                if (timed && (wait_ns < 0 || wait_ns > spin_ns))
+                    wait_ns = spin_ns;
+                n = passed ? 0 : poll_ns(&fd, wait_ns);
             }
             __atomic_store_n(&turn->parked, 0, __ATOMIC_SEQ_CST);
             if (n < 0 && errno != EINTR)
                 return DD_ESYS;
             if (n > 0 && woken(wake_fd, turn))
                 return 0;
+            if (n == 0)
+                timed = false; /* the waiter stayed: from now, its leaving writes wake_fd */
             poll_ms(deadline_ns, &passed);
             if (passed)
                 return 0;
             continue;
         }
+        timed = spin_ns > 0;
         if (progress(worker)) {
             while (progress(worker)) {
             }

@@ -280,21 +280,23 @@ class UcxProgress:
         finally:
             self._leave()
 
-    def _waiting(self, change: int) -> bool:
+    def _waiting(self, change: int) -> int:
         """(Lock held.) One more (1) or one fewer (-1) waiter progressing the worker; the
         progress thread's native wait stands down while there is one (it sees a new one
-        when it next wakes, and leaves the events to it from then). Whether that wait is
-        parked now."""
+        when it next wakes, and leaves the events to it from then). How that wait is
+        parked now (``UcxTurn.waiters``)."""
         self._active += change
         return self._turn_c.waiters(self._active)
 
     def _leave(self, _: object = None) -> None:
         """A waiter stopped progressing: the last one gives the worker back to the thread,
-        which it wakes if the thread stepped back (in Python, or parked in its native wait:
-        that resumes without coming back to Python)."""
+        which it wakes if the thread stepped back (in Python, or parked in its native wait
+        for good: that resumes without coming back to Python). A thread parked for its spin
+        time resumes by itself: a waiter that leaves within it (one small transfer) writes
+        nothing, and the next one usually comes before the thread looks again."""
         with self._lock:
             parked = self._waiting(-1)
-            wake = not self._active and (self._back or parked)
+            wake = not self._active and (self._back or parked == api.UcxTurn.PARKED)
         if wake:
             self._waker.wake()
 
