@@ -8,6 +8,8 @@ from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from aio_datadist import (
@@ -24,6 +26,7 @@ from aio_datadist import (
     LLMStatusCode,
     Placement,
 )
+from aio_datadist._transport.base import RequestKind
 from aio_datadist.metrics import PrometheusCollector
 from aio_datadist.stats import BUCKETS_S
 from aio_datadist.testing import LinkedPair, linked_pair
@@ -233,3 +236,70 @@ def test_an_engine_not_initialised_exports_nothing() -> None:
     registry = CollectorRegistry()
     PrometheusCollector(LLMDataDist(LLMRole.PROMPT, 3)).register(registry)
     assert "aio_datadist_transfers_total{" not in generate_latest(registry).decode()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["link", "ucx"]),
+            st.sampled_from([RequestKind.PULL, RequestKind.PUSH]),
+            st.integers(0, 2),
+            st.sampled_from([int(S.LLM_SUCCESS), int(S.LLM_TIMEOUT)]),
+            st.integers(0, 1 << 20),
+            st.integers(0, 10**10),
+        ),
+        max_size=300,
+    ),
+    st.lists(st.integers(1, 40), min_size=1, max_size=5),
+)
+def test_folding_in_any_steps_gives_the_figures_of_every_transfer(
+    rows: list[tuple[str, RequestKind, int, int, int, int]], steps: list[int]
+) -> None:
+    # Transfers of several routes, ops and peers folded a few at a time, then the rest: the
+    # counts, bytes, histogram and durations are those of all of them, one by one.
+    import bisect
+
+    from aio_datadist._engine import metrics as m
+    from aio_datadist._log import get_logger
+    from aio_datadist.stats import BUCKETS_S
+
+    recorder = m.TransferMetrics(get_logger("test"))
+    for i, row in enumerate(rows):
+        recorder._ended.append(row)
+        recorder._fold(steps[i % len(steps)] if i % 7 == 0 else 0)
+    routes = {(r.route, r.op): r for r in recorder.routes()}
+    bounds = [int(b * 1e9) for b in BUCKETS_S]
+    for (route, kind), snap in routes.items():
+        mine = [r for r in rows if (r[0], r[1].value) == (route, kind)]
+        assert sum(snap.by_status.values()) == len(mine)
+        assert snap.bytes == sum(r[4] for r in mine)
+        assert round(snap.seconds * 1e9) == sum(r[5] for r in mine)
+        expected = [0] * (len(BUCKETS_S) + 1)
+        for r in mine:
+            expected[bisect.bisect_left(bounds, r[5])] += 1
+        assert list(snap.buckets) == expected
+        assert snap.max_us == max(r[5] for r in mine) / 1e3
+    assert len(routes) == len({(r[0], r[1]) for r in rows})
+    peers = {p.cluster_id: p for p in recorder.peers()}
+    for cluster_id, p in peers.items():
+        mine = [r for r in rows if r[2] == cluster_id]
+        failed = sum(r[3] != int(S.LLM_SUCCESS) for r in mine)
+        assert (p.transfers, p.failed, p.bytes) == (len(mine), failed, sum(r[4] for r in mine))
+
+
+@pytest.mark.parametrize("written", [0, 3, 4090, 4096, 9000])
+@pytest.mark.parametrize("count", [0, 1, 7, 4096, 5000])
+def test_the_ring_keeps_the_last_durations_in_their_places(written: int, count: int) -> None:
+    import array
+
+    from aio_datadist._engine.metrics import _ring_write
+    from aio_datadist.stats import RECENT
+
+    ring = array.array("q", bytes(8 * RECENT))
+    model = [0] * RECENT
+    values = tuple(range(1, count + 1))
+    for i, v in enumerate(values):
+        model[(written + i) % RECENT] = v
+    _ring_write(ring, written, values)
+    assert list(ring) == model

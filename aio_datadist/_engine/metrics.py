@@ -23,6 +23,9 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import functools
+import itertools
+import operator
 import threading
 from dataclasses import dataclass, field
 
@@ -81,6 +84,24 @@ _Ended = tuple[str, RequestKind, int, int, int, int]
 _FAILED = int(LLMStatusCode.LLM_FAILED)
 
 
+#: What groups the transfers of one fold: route, op, peer cluster.
+_group_of = operator.itemgetter(0, 1, 2)
+#: The histogram bucket of a duration in nanoseconds.
+_bucket = functools.partial(bisect.bisect_left, _BOUNDS_NS)
+
+
+def _ring_write(ring: array.array[int], written: int, values: tuple[int, ...]) -> None:
+    """Write ``values`` on in ``ring`` after ``written`` earlier ones (at ``written %
+    len(ring)``, wrapping); only the last ``len(ring)`` of them when there are more."""
+    size = len(ring)
+    kept = values[-size:]
+    at = (written + len(values) - len(kept)) % size
+    first = min(len(kept), size - at)
+    ring[at : at + first] = array.array("q", kept[:first])
+    if first < len(kept):
+        ring[: len(kept) - first] = array.array("q", kept[first:])
+
+
 def _by_route_op(item: tuple[tuple[str, RequestKind], _Series]) -> tuple[str, str]:
     route, kind = item[0]
     return route, kind.value
@@ -130,29 +151,52 @@ class TransferMetrics:
 
     def _fold(self, most: int | None = None) -> None:
         """Fold the transfers recorded so far (the ``most`` oldest of them) into the series
-        and peers; those recorded meanwhile wait for the next fold."""
-        ended, series_of, peers = self._ended, self._series, self._peers
+        and peers; those recorded meanwhile wait for the next fold. The work per transfer
+        runs in C (``zip``, ``sum``, ``Counter``): Python loops over the groups of one
+        route, op and peer, usually one."""
+        ended = self._ended
         with self._lock:
             count = len(ended) if most is None else min(most, len(ended))
-            for _ in range(count):
-                route, kind, cluster_id, status, nbytes, took = ended.popleft()
-                series = series_of.get((route, kind))
-                if series is None:
-                    series = series_of[route, kind] = _Series()
-                by_status = series.by_status
-                by_status[status] = by_status.get(status, 0) + 1
-                series.nbytes += nbytes
-                series.total_ns += took
-                series.buckets[bisect.bisect_left(_BOUNDS_NS, took)] += 1
-                series.recent[series.count % RECENT] = took
-                series.count += 1
-                peer = peers.get(cluster_id)
-                if peer is None:
-                    peer = peers[cluster_id] = _Peer()
-                peer.transfers += 1
-                peer.nbytes += nbytes
-                if status != _SUCCESS:
-                    peer.failed += 1
+            if not count:
+                return
+            popleft = ended.popleft
+            rows = [popleft() for _ in itertools.repeat(None, count)]
+            keys = set(map(_group_of, rows))
+            if len(keys) == 1:
+                groups = {keys.pop(): rows}
+            else:
+                groups = {}
+                for row in rows:
+                    groups.setdefault(_group_of(row), []).append(row)
+            for (route, kind, cluster_id), group in groups.items():
+                self._fold_group(route, kind, cluster_id, group)
+
+    def _fold_group(
+        self, route: str, kind: RequestKind, cluster_id: int, group: list[_Ended]
+    ) -> None:
+        """(Lock held.) Fold ``group``, transfers of one route, op and peer."""
+        _, _, _, statuses, sizes, tooks = zip(*group, strict=True)
+        n, nbytes = len(group), sum(sizes)
+        series = self._series.get((route, kind))
+        if series is None:
+            series = self._series[route, kind] = _Series()
+        by_status = series.by_status
+        ended_as = collections.Counter(statuses)
+        for status, times in ended_as.items():
+            by_status[status] = by_status.get(status, 0) + times
+        series.nbytes += nbytes
+        series.total_ns += sum(tooks)
+        buckets = series.buckets
+        for bucket, times in collections.Counter(map(_bucket, tooks)).items():
+            buckets[bucket] += times
+        _ring_write(series.recent, series.count, tooks)
+        series.count += n
+        peer = self._peers.get(cluster_id)
+        if peer is None:
+            peer = self._peers[cluster_id] = _Peer()
+        peer.transfers += n
+        peer.nbytes += nbytes
+        peer.failed += n - ended_as[_SUCCESS]
 
     def _log_failure(
         self,
