@@ -464,18 +464,27 @@ class BlocksCacheKey(_KeyValue):
 
     __slots__ = ("_cluster_id", "_cluster_id_key", "_model_id")
 
+    _cluster_id: int
+    _model_id: int
+    _cluster_id_key: str
     _POSITIONAL = ("cluster_id", "model_id")
     _VALID = ("prompt_cluster_id", "cluster_id", "model_id")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        if not kwargs and 0 < len(args) <= 2:  # (cluster_id[, model_id]): the usual way
+            cluster_id, model_id = args if len(args) == 2 else (args[0], 0)
+            if type(cluster_id) is int and type(model_id) is int:
+                self._cluster_id, self._model_id = cluster_id, model_id
+                self._cluster_id_key = "cluster_id"
+                return
         merged = _check_kwargs(args, kwargs, self._POSITIONAL, self._VALID)
         key_name = "cluster_id" if "cluster_id" in merged else "prompt_cluster_id"
         cluster_id = merged[key_name]
         model_id = merged.get("model_id", 0)
         check_type("cluster_id", cluster_id, int)
         check_type("model_id", model_id, int)
-        self._cluster_id: int = cluster_id
-        self._model_id: int = model_id
+        self._cluster_id = cluster_id
+        self._model_id = model_id
         # repr names the cluster id the way the caller did.
         self._cluster_id_key = key_name
 
