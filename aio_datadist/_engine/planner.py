@@ -11,6 +11,7 @@ who waits, is decided later (``_engine.routes``, ``_engine.driver``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,6 +105,66 @@ def tensor_span(
             f"{start + count}, but the cache has {num_tensors}"
         )
     return start, count
+
+
+def _ranges(src_layers: Any, dst_layers: Any) -> bool:
+    """Whether both layer ranges are a ``range`` or None (the values a layer-span cache
+    takes: anything else gets the uncached call, which names what is wrong)."""
+    return (src_layers is None or type(src_layers) is range) and (
+        dst_layers is None or type(dst_layers) is range
+    )
+
+
+#: The layer spans of the calls seen lately: a loop of calls over the same layers checks
+#: and computes them once (only what passed the checks is kept).
+_SPANS_CACHED = 256
+
+
+@functools.lru_cache(maxsize=_SPANS_CACHED)
+def _layer_spans(
+    src_layers: range | None, dst_layers: range | None, per_layer: int, num: int, local_is_dst: bool
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(remote, local) tensor spans of a pull (``local_is_dst``) or push of a cache of
+    ``num`` tensors; None ranges mean all tensors."""
+    if src_layers is None and dst_layers is None:
+        return (0, num), (0, num)
+    local_layers, remote_layers = (
+        (dst_layers, src_layers) if local_is_dst else (src_layers, dst_layers)
+    )
+    local_name, remote_name = (
+        ("dst_layer_range", "src_layer_range")
+        if local_is_dst
+        else ("src_layer_range", "dst_layer_range")
+    )
+    local = tensor_span(local_name, local_layers, per_layer, num, local=True) or (0, num)
+    remote = tensor_span(remote_name, remote_layers, per_layer, 0, local=False)
+    if remote is None:
+        remote = local if remote_layers is None and local_layers is not None else (0, local[1])
+    if remote[1] != local[1]:
+        raise _invalid(f"{remote_name} names {remote[1]} tensors but {local_name} names {local[1]}")
+    return remote, local
+
+
+@functools.lru_cache(maxsize=_SPANS_CACHED)
+def _push_layer_spans(
+    src_layers: range | None, dst_layers: range | None, per_layer: int, num: int
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(remote, local) tensor spans of ``push_cache`` or ``push_blocks`` from a cache of
+    ``num`` tensors (``per_layer`` an uint32); None ranges mean every layer."""
+    if not 1 <= per_layer <= num:
+        raise _invalid(f"tensor_num_per_layer must be in [1, {num}], but got {per_layer}")
+    if (src_layers is not None or dst_layers is not None) and num % per_layer:
+        raise _invalid(
+            f"tensor_num_per_layer {per_layer} does not divide the {num} tensors of the cache"
+        )
+    every = range(0, num // per_layer)
+    src = every if src_layers is None else src_layers
+    dst = every if dst_layers is None else dst_layers
+    local = tensor_span("src_layer_range", src, per_layer, num, local=True) or (0, num)
+    remote = tensor_span("dst_layer_range", dst, per_layer, 0, local=False) or (0, num)
+    if len(src) != len(dst):
+        raise _invalid(f"src_layer_range {src} and dst_layer_range {dst} differ in length")
+    return remote, local
 
 
 def local_rows(entry: CacheEntry, tensors: tuple[int, int], *, row: int, seg: int) -> Iov:
@@ -235,26 +296,8 @@ class Planner:
         src_layers: Any, dst_layers: Any, per_layer: int, entry: CacheEntry, *, local_is_dst: bool
     ) -> tuple[tuple[int, int], tuple[int, int]]:
         """(remote, local) tensor spans of a pull or push; None ranges mean all tensors."""
-        num = len(entry.addrs)
-        if src_layers is None and dst_layers is None:
-            return (0, num), (0, num)
-        local_layers, remote_layers = (
-            (dst_layers, src_layers) if local_is_dst else (src_layers, dst_layers)
-        )
-        local_name, remote_name = (
-            ("dst_layer_range", "src_layer_range")
-            if local_is_dst
-            else ("src_layer_range", "dst_layer_range")
-        )
-        local = tensor_span(local_name, local_layers, per_layer, num, local=True) or (0, num)
-        remote = tensor_span(remote_name, remote_layers, per_layer, 0, local=False)
-        if remote is None:
-            remote = local if remote_layers is None and local_layers is not None else (0, local[1])
-        if remote[1] != local[1]:
-            raise _invalid(
-                f"{remote_name} names {remote[1]} tensors but {local_name} names {local[1]}"
-            )
-        return remote, local
+        spans = _layer_spans if _ranges(src_layers, dst_layers) else _layer_spans.__wrapped__
+        return spans(src_layers, dst_layers, per_layer, len(entry.addrs), local_is_dst)
 
     @staticmethod
     def _key_access(key: CacheKey | CacheKeyByIdAndIndex, **fields: Any) -> Access:
@@ -376,22 +419,12 @@ class Planner:
     def _push_spans(
         self, entry: CacheEntry, src_layers: Any, dst_layers: Any, per_layer: Any
     ) -> tuple[tuple[int, int], tuple[int, int]]:
-        check_int("tensor_num_per_layer", per_layer, "uint32")
-        num = len(entry.addrs)
-        if not 1 <= per_layer <= num:
-            raise _invalid(f"tensor_num_per_layer must be in [1, {num}], but got {per_layer}")
-        if (src_layers is not None or dst_layers is not None) and num % per_layer:
-            raise _invalid(
-                f"tensor_num_per_layer {per_layer} does not divide the {num} tensors of the cache"
-            )
-        every = range(0, num // per_layer)
-        src = every if src_layers is None else src_layers
-        dst = every if dst_layers is None else dst_layers
-        local = tensor_span("src_layer_range", src, per_layer, num, local=True) or (0, num)
-        remote = tensor_span("dst_layer_range", dst, per_layer, 0, local=False) or (0, num)
-        if len(src) != len(dst):
-            raise _invalid(f"src_layer_range {src} and dst_layer_range {dst} differ in length")
-        return remote, local
+        if type(per_layer) is not int or not 0 <= per_layer < 2**32:
+            check_int("tensor_num_per_layer", per_layer, "uint32")
+        spans = (
+            _push_layer_spans if _ranges(src_layers, dst_layers) else _push_layer_spans.__wrapped__
+        )
+        return spans(src_layers, dst_layers, per_layer, len(entry.addrs))
 
     def push_cache(
         self,
