@@ -244,6 +244,17 @@ def _layout(base: int, tensors: int, block_bytes: int, num_blocks: int) -> api.B
     )
 
 
+def _pairs(
+    local: tuple[api.BlockLayout, int, list[int]],
+    remote: tuple[api.BlockLayout, int, list[int]],
+    count: int,
+    seg: int,
+) -> api.BlockPairs:
+    """Block pairs of two ``(layout, first tensor, blocks)`` sides."""
+    layouts = api.PairedLayouts((local[0], local[1]), (remote[0], remote[1]), count, seg)
+    return api.BlockPairs(layouts, local[2], remote[2])
+
+
 @given(
     st.integers(1, 4),
     st.lists(st.tuples(st.integers(0, 15), st.integers(0, 15)), min_size=1, max_size=12),
@@ -258,7 +269,7 @@ def test_block_pairs_start_the_ops_blocks_ops_makes(
     local = (_layout(1 << 40, tensors + 1, 4096, 16), 1, [b for b, _ in blocks])
     remote = (_layout(1 << 32, tensors, 4096, 16), 0, [b for _, b in blocks])
     keys = np.array([(1 << 32, (1 << 32) + tensors * 4096 * 16)], np.uint64)
-    pairs = api.BlockPairs(local, remote, tensors, seg)
+    pairs = _pairs(local, remote, tensors, seg)
     ops = api.blocks_ops(local, remote, tensors, seg)
     assert len(pairs) == len(ops) and (pairs.ops() == ops).all()
     by_pairs, by_ops = FakeUcp(), FakeUcp()
@@ -277,9 +288,9 @@ def test_block_pairs_a_layout_refuses_start_nothing() -> None:
         ((_layout(1 << 32, 2, 4096, 16), 0, [0, 1]), 4097),  # a segment over a block
     ):
         with pytest.raises(api.PairsRefused):
-            fake.transfer(api.BlockPairs(local, remote, 2, seg), keys, 2)
+            fake.transfer(_pairs(local, remote, 2, seg), keys, 2)
     with pytest.raises(ParamInvalidError):  # tensors outside a layout: refused as it is made
-        api.BlockPairs(local, (_layout(1 << 32, 1, 4096, 16), 0, [0, 1]), 2, 4096)
+        _pairs(local, (_layout(1 << 32, 1, 4096, 16), 0, [0, 1]), 2, 4096)
     assert fake.calls == []
 
 

@@ -755,45 +755,86 @@ def blocks_ops(
     return ops
 
 
-class BlockPairs:
-    """Whole blocks of two blocks layouts, paired as :func:`blocks_ops` pairs them (``local``
-    as its ``dst``, ``remote`` as its ``src``), for a native call that makes the ops itself
-    (``dd_blocks_pair``, made here). Each side is ``(layout, first tensor, blocks)``.
+class PairedLayouts:
+    """The tensors of two blocks layouts paired for :class:`BlockPairs`: ``count`` tensors
+    of each side from its first one, ``seg`` bytes of each block. Each side is ``(layout,
+    first tensor)``; ``local`` is :func:`blocks_ops`'s ``dst``, ``remote`` its ``src``.
+    Checked once here, then paired with any block lists.
 
     Raises:
-        TypeError: a block list that is not ints.
-        ParamInvalidError: the lists differ in length, a tensor outside its layout.
+        ParamInvalidError: a tensor outside its layout, ``seg`` outside uint64.
     """
 
-    __slots__ = ("_blocks", "count", "local", "native", "remote", "seg")
+    __slots__ = ("_template", "count", "local", "remote", "seg")
 
     def __init__(
-        self,
-        local: tuple[BlockLayout, int, Sequence[int]],
-        remote: tuple[BlockLayout, int, Sequence[int]],
-        count: int,
-        seg: int,
+        self, local: tuple[BlockLayout, int], remote: tuple[BlockLayout, int], count: int, seg: int
     ) -> None:
         if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
             _u64(seg, "seg")
         self.local, self.remote, self.count, self.seg = local, remote, count, seg
-        n, (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks) = _block_sides(
-            local, remote, count
-        )
-        self._blocks = lblocks  # (the C array both block lists live in)
-        #: The ``dd_blocks_pair`` naming both sides (kept alive with this object).
-        self.native: Any = ffi.new(
+        (l_layout, l_start), (r_layout, r_start) = local, remote
+        #: The ``dd_blocks_pair`` of both sides without blocks (each pairing copies it).
+        self._template: Any = ffi.new(
             "dd_blocks_pair *",
-            (lb, lbytes, lnum, lblocks, rb, rbytes, rnum, rblocks, count, n, seg),
+            (
+                l_layout._tensors(l_start, count),
+                l_layout.block_bytes,
+                l_layout.num_blocks,
+                ffi.NULL,
+                r_layout._tensors(r_start, count),
+                r_layout.block_bytes,
+                r_layout.num_blocks,
+                ffi.NULL,
+                count,
+                0,
+                seg,
+            ),
         )
+
+
+class BlockPairs:
+    """Whole blocks of two paired layouts (:class:`PairedLayouts`), paired as
+    :func:`blocks_ops` pairs them: block ``remote_blocks[k]`` of each remote tensor with
+    block ``local_blocks[k]`` of the matching local one, for a native call that makes the ops
+    itself (``dd_blocks_pair``, made here).
+
+    Raises:
+        TypeError: a block list that is not ints.
+        ParamInvalidError: the lists differ in length.
+    """
+
+    __slots__ = ("_blocks", "layouts", "local_blocks", "native", "remote_blocks")
+
+    def __init__(
+        self, layouts: PairedLayouts, local_blocks: Sequence[int], remote_blocks: Sequence[int]
+    ) -> None:
+        n = len(local_blocks)
+        if len(remote_blocks) != n:
+            _check(lib.DD_EINVAL, f"{n} local blocks but {len(remote_blocks)} remote blocks")
+        self.layouts, self.local_blocks, self.remote_blocks = layouts, local_blocks, remote_blocks
+        # One C array for both lists: its first n values are the local ones.
+        self._blocks = blocks = _block_list("blocks", [*local_blocks, *remote_blocks])
+        #: The ``dd_blocks_pair`` naming both sides (kept alive with this object).
+        native = ffi.new("dd_blocks_pair *", layouts._template[0])
+        self.native: Any = native
+        native.local_blocks = blocks
+        native.remote_blocks = blocks + n
+        native.nblocks = n
 
     def __len__(self) -> int:
         """How many ops the pairs make."""
-        return self.count * int(self.native.nblocks)
+        return self.layouts.count * len(self.local_blocks)
 
     def ops(self) -> npt.NDArray[np.uint64]:
         """The ``(local, remote, seg)`` ops, as :func:`blocks_ops` makes them."""
-        return blocks_ops(self.local, self.remote, self.count, self.seg)
+        layouts = self.layouts
+        return blocks_ops(
+            (*layouts.local, self.local_blocks),
+            (*layouts.remote, self.remote_blocks),
+            layouts.count,
+            layouts.seg,
+        )
 
     def refused(self) -> None:
         """Raise why :func:`blocks_ops` refuses the pairs (:class:`PairsRefused`)."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import select
 import threading
@@ -702,12 +703,18 @@ def _block_pairs(
     if entry is None:
         return None
     try:
-        pairs = api.BlockPairs(
-            (local.layout, local.start, local.blocks),
-            (regions.layout(entry), remote.start, remote.blocks),
+        layouts = _paired(
+            (local.layout, local.start),
+            (regions.layout(entry), remote.start),
             local.count,
             local.seg,
         )
+        pairs = api.BlockPairs(layouts, local.blocks, remote.blocks)
     except ParamInvalidError:
         return None
     return [entry], pairs
+
+
+#: The layouts paired lately (a loop of transfers between two caches pairs them once; the
+#: peer's layouts are the same objects while its table stands).
+_paired = functools.lru_cache(maxsize=256)(api.PairedLayouts)
