@@ -1112,12 +1112,18 @@ class _Parts:
     the next transfer unless requests counted in it are still in flight (:meth:`take`). One
     transfer at a time uses it (:attr:`busy`)."""
 
-    __slots__ = ("bundles", "busy", "counted", "lanes", "native", "serial", "workers")
+    __slots__ = ("bundles", "busy", "counted", "given", "lanes", "native", "serial", "workers")
 
     def __init__(
-        self, bundles: tuple[RemoteKeys, ...], lanes: tuple[_api.UcxLaneThread | None, ...]
+        self,
+        bundles: tuple[RemoteKeys, ...],
+        lanes: tuple[_api.UcxLaneThread | None, ...],
+        given: Sequence[_api.UcxLaneThread | None] = (),
     ) -> None:
         self.bundles, self.lanes = bundles, lanes
+        #: The lanes as the transfer that prepared them named them (a later transfer that
+        #: names the same object and bundles takes these parts without comparing further).
+        self.given = given
         self.workers = tuple(keys.endpoint.worker for keys in bundles)
         self.native = _api.UcxParts(
             bundles[0].bounds,
@@ -1160,6 +1166,17 @@ def _parts(
         registrations, or one closed; as :attr:`Endpoint.handle` for a closed endpoint.
     """
     first = bundles[0]
+    prepared = first._prepared
+    if (
+        prepared is not None
+        and prepared.given is lanes
+        and type(lanes) is tuple  # (immutable: the same object names the same lanes)
+        and prepared.bundles == bundles
+    ):
+        for keys in bundles:  # (their spans matched when they were prepared)
+            keys.check_open()
+        if prepared.busy.acquire(blocking=False):
+            return prepared
     for keys in bundles:
         keys.check_open()
         if keys.spans != first.spans:
@@ -1167,6 +1184,7 @@ def _parts(
                 f"{what}: the parts' remote keys name different registrations",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
+    given = lanes
     size = len(bundles)
     bundles = tuple(bundles)
     lanes = tuple(lanes[:size])
@@ -1180,7 +1198,7 @@ def _parts(
         and prepared.busy.acquire(blocking=False)
     ):
         return prepared
-    prepared = _Parts(bundles, lanes)
+    prepared = _Parts(bundles, lanes, given)
     prepared.busy.acquire()
     first._prepared = prepared
     return prepared
