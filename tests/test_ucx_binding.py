@@ -532,35 +532,54 @@ def test_a_serving_wait_stands_down_while_a_waiter_progresses(
     last waiter to leave finds it parked, and one write resumes it natively: the get moves
     and the call has not returned."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    with _served_pair() as (a, b, ep, rkey, reg, remote, local):
-        wake = os.eventfd(0, os.EFD_NONBLOCK)
-        turn = api.UcxTurn()
-        results: list[bool | None] = []
-        server = threading.Thread(
-            target=lambda: results.append(b.serve_until(turn, wake, None, False))
-        )
-        server.start()
-        try:
-            a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
-            assert turn.waiters(1) == 0  # a waiter comes: the thread sees it when woken
-            os.eventfd_write(wake, 1)  # (no look)
-            deadline = time.monotonic() + 10
-            while not turn.waiters(1) and time.monotonic() < deadline:
-                time.sleep(0.001)  # until the serving thread parked
-            assert turn.waiters(1) == api.UcxTurn.PARKED  # (no spin time: parked for good)
-            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
-            assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 5)
-            assert turn.waiters(0) == api.UcxTurn.PARKED  # the last waiter leaves
-            os.eventfd_write(wake, 1)  # (no look) resume
-            a.wait(request, _deadline())
-            assert np.array_equal(local, remote)
-            assert server.is_alive() and not results  # it resumed natively
-        finally:
-            turn.look()
-            os.eventfd_write(wake, 1)
-            server.join(10)
-            os.close(wake)
-        assert results == [False]
+    with (
+        _served_pair() as (a, b, ep, rkey, reg, remote, local),
+        _serving_thread(b, 0) as (turn, wake, server, results),
+    ):
+        a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
+        assert turn.waiters(1) == 0  # a waiter comes: the thread sees it when woken
+        os.eventfd_write(wake, 1)  # (no look)
+        assert _parked(turn, api.UcxTurn.PARKED)  # (no spin time: parked for good)
+        request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+        assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 5)
+        assert turn.waiters(0) == api.UcxTurn.PARKED  # the last waiter leaves
+        os.eventfd_write(wake, 1)  # (no look) resume
+        a.wait(request, _deadline())
+        assert np.array_equal(local, remote)
+        assert server.is_alive() and not results  # it resumed natively
+
+
+@contextlib.contextmanager
+def _serving_thread(
+    worker: ucx.UcxWorker, spin_ns: int
+) -> Iterator[tuple[api.UcxTurn, int, threading.Thread, list[bool | None]]]:
+    """A thread in one native serving wait on ``worker`` with ``spin_ns``: its turn, its wake
+    fd, the thread and what the wait returned; ended (look, then a write) on the way out,
+    where the wait must have returned False once."""
+    wake = os.eventfd(0, os.EFD_NONBLOCK)
+    turn = api.UcxTurn()
+    results: list[bool | None] = []
+    server = threading.Thread(
+        target=lambda: results.append(worker.serve_until(turn, wake, None, False, spin_ns))
+    )
+    server.start()
+    try:
+        yield turn, wake, server, results
+    finally:
+        turn.look()
+        os.eventfd_write(wake, 1)
+        server.join(10)
+        os.close(wake)
+    assert results == [False]
+
+
+def _parked(turn: api.UcxTurn, mode: int) -> bool:
+    """Whether the serving thread is parked as ``mode`` says within 10 s (a waiter counted
+    meanwhile)."""
+    deadline = time.monotonic() + 10
+    while turn.waiters(1) != mode and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return turn.waiters(1) == mode
 
 
 def test_a_serving_wait_with_a_spin_time_parks_that_long_first_then_for_good(
@@ -571,49 +590,30 @@ def test_a_serving_wait_with_a_spin_time_parks_that_long_first_then_for_good(
     within it writes nothing, and the get it left behind moves all the same. A waiter still
     there when that park ends leaves the thread parked for good, resumed by a write."""
     monkeypatch.setenv("UCX_TLS", "tcp,self")
-    spin_ns = SECOND
-    with _served_pair() as (a, b, ep, rkey, reg, remote, local):
-        wake = os.eventfd(0, os.EFD_NONBLOCK)
-        turn = api.UcxTurn()
-        results: list[bool | None] = []
-        server = threading.Thread(
-            target=lambda: results.append(b.serve_until(turn, wake, None, False, spin_ns))
-        )
-        server.start()
-
-        def parked(mode: int) -> bool:
-            deadline = time.monotonic() + 10
-            while turn.waiters(1) != mode and time.monotonic() < deadline:
-                time.sleep(0.001)
-            return turn.waiters(1) == mode
-
-        try:
-            a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
-            turn.waiters(1)  # a waiter comes: the thread sees it when woken
-            os.eventfd_write(wake, 1)  # (no look)
-            assert parked(api.UcxTurn.PARKED_TIMED)
-            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
-            assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 20)
-            assert turn.waiters(0) == api.UcxTurn.PARKED_TIMED  # leaves: nothing to write
-            a.wait(request, _deadline())  # the thread looked again by itself and served it
-            assert np.array_equal(local, remote)
-            turn.waiters(1)  # a waiter that stays past the timed park
-            os.eventfd_write(wake, 1)  # (no look: in case the thread slept meanwhile)
-            assert parked(api.UcxTurn.PARKED)
-            local[:] = 0
-            request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
-            assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 20)
-            assert turn.waiters(0) == api.UcxTurn.PARKED
-            os.eventfd_write(wake, 1)  # (no look) resume
-            a.wait(request, _deadline())
-            assert np.array_equal(local, remote)
-            assert server.is_alive() and not results  # it resumed natively, twice
-        finally:
-            turn.look()
-            os.eventfd_write(wake, 1)
-            server.join(10)
-            os.close(wake)
-        assert results == [False]
+    with (
+        _served_pair() as (a, b, ep, rkey, reg, remote, local),
+        _serving_thread(b, SECOND) as (turn, wake, server, results),
+    ):
+        a.wait(ucx.get(ep, local.ctypes.data, 8, reg.addr, rkey), _deadline())  # served
+        turn.waiters(1)  # a waiter comes: the thread sees it when woken
+        os.eventfd_write(wake, 1)  # (no look)
+        assert _parked(turn, api.UcxTurn.PARKED_TIMED)
+        request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+        assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 20)
+        assert turn.waiters(0) == api.UcxTurn.PARKED_TIMED  # leaves: nothing to write
+        a.wait(request, _deadline())  # the thread looked again by itself and served it
+        assert np.array_equal(local, remote)
+        turn.waiters(1)  # a waiter that stays past the timed park
+        os.eventfd_write(wake, 1)  # (no look: in case the thread slept meanwhile)
+        assert _parked(turn, api.UcxTurn.PARKED)
+        local[:] = 0
+        request = ucx.get(ep, local.ctypes.data, local.nbytes, reg.addr, rkey)
+        assert not a.wait_until(request.done, time.monotonic_ns() + SECOND // 20)
+        assert turn.waiters(0) == api.UcxTurn.PARKED
+        os.eventfd_write(wake, 1)  # (no look) resume
+        a.wait(request, _deadline())
+        assert np.array_equal(local, remote)
+        assert server.is_alive() and not results  # it resumed natively, twice
 
 
 def test_wait_sleeps_until_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
