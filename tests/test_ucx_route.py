@@ -969,6 +969,56 @@ async def test_over_ucx_tcp_large_transfers_stay_on_one_worker(
 
 
 @needs_ucx
+async def test_awaited_calls_share_one_pump_that_stands_aside_between_them(
+    make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over UCX's tcp transport a get completes after its start: awaited calls on one loop
+    # share one pump task, made once and kept asleep between the calls (no task made or
+    # ended per call), which counts as a waiter only while a call watches; finalize ends it.
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    pair = await make_pair()
+    links = ucx_links(pair.decoder.dd._engine)
+    assert links is not None
+    progress = links.progress
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cm
+    src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    want = _fill(src, 7)
+    dst = await dcm.allocate_blocks_cache(blocks_desc())
+    await pair.settled()
+
+    def pumps() -> list[asyncio.Task[Any]]:
+        return [
+            t
+            for t in asyncio.all_tasks()
+            if getattr(t.get_coro(), "__qualname__", "") == "UcxProgress._pump"
+        ]
+
+    # no busy-poll: every call's batch outlives its start and is awaited through the pump
+    monkeypatch.setattr(progress, "spin_ns", 0)
+    made: set[asyncio.Task[Any]] = set()
+    for i in range(6):
+        await dcm.pull_blocks(BlocksCacheKey(1, 0), dst, [i % BLOCKS], [i % BLOCKS])
+        made.update(pumps())
+        assert progress._active == 0  # between calls the progress thread has the worker
+    assert len(made) == 1
+    (pump,) = made
+    assert not pump.done()
+    got = [v.view(np.uint8).reshape(BLOCKS, -1) for v in dst.as_numpy()]
+    for t in range(TENSORS):
+        assert np.array_equal(got[t][:6], want[t].reshape(BLOCKS, -1)[:6]), t
+    await dcm.deallocate_blocks_cache(dst)
+    await pcm.deallocate_blocks_cache(src)
+    await pair.decoder.finalize()
+    for _ in range(100):
+        if pump.done():
+            break
+        await asyncio.sleep(0.01)
+    assert pump.cancelled()
+    assert progress._active == 0
+
+
+@needs_ucx
 async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
     make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

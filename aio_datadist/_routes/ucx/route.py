@@ -248,7 +248,7 @@ class UcxProgress:
         #: another thread progressed).
         self._waker = _Waker()
         self._stop = threading.Event()
-        self._pumps: dict[asyncio.AbstractEventLoop, list[object]] = {}
+        self._pumps: dict[asyncio.AbstractEventLoop, _LoopPump] = {}
         self._thread = threading.Thread(target=self._run, name="aio-dd-ucx", daemon=True)
         self._thread.start()
 
@@ -310,12 +310,13 @@ class UcxProgress:
             if batch.deadline_ns < self._sleep_until:  # the thread would sleep past it
                 self._wake = True
             wake = self._wake
-            watched = None if loop is None else self._pumps.get(loop)
-            if watched is not None and watched[0] is None:  # a watching loop: pump on it
+            pump = None if loop is None else self._pumps.get(loop)
+            if pump is not None and pump.watches and not pump.active:  # pump on the loop
+                pump.active = True
                 self._waiting(1)  # from now: the task may start after more batches
-                task = loop.create_task(self._pump())  # type: ignore[union-attr]
-                task.add_done_callback(self._leave)
-                watched[0] = task
+                if pump.task is None:
+                    pump.task = loop.create_task(self._pump())  # type: ignore[union-attr]
+                    pump.task.add_done_callback(functools.partial(self._pump_ended, pump))
             progressed = self._active > 0
         if wake:
             self._signal()
@@ -422,31 +423,40 @@ class UcxProgress:
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
         """Let ``loop`` (running in this thread) progress the worker while a call awaits its
-        batches: from the first batch started on the loop that did not complete at once, the
-        worker's event fd joins its selector until the returned call ends the watch (the last
-        watch of the loop)."""
+        batches: from the first batch started on the loop that did not complete at once, its
+        pump progresses the worker from the loop's selector (the progress thread standing
+        down) until the returned call ends the watch, the last one of the loop; the pump
+        then sleeps until the next call's batch needs it (see :meth:`_pump`)."""
         with self._lock:
             pump = self._pumps.get(loop)
             if pump is None:
-                pump = self._pumps[loop] = [None, 0]  # the pump starts with a batch
-            pump[1] = int(pump[1]) + 1  # type: ignore[call-overload]
+                pump = self._pumps[loop] = _LoopPump()
+            pump.watches += 1
 
         def end() -> None:
             with self._lock:
-                pump[1] = int(pump[1]) - 1  # type: ignore[call-overload]
-                last = pump[1] == 0 and self._pumps.get(loop) is pump
-                if last:
-                    del self._pumps[loop]
-            if last and pump[0] is not None:
-                pump[0].cancel()  # type: ignore[attr-defined]
+                pump.watches -= 1
+                leave = not pump.watches and pump.active
+                pump.active = pump.active and not leave
+            if leave:
+                self._leave()
 
         return end
 
     async def _pump(self) -> None:
-        """Progress the worker on the running loop until cancelled (it counts as a waiter
-        from its creation to its end)."""
+        """Progress the worker on the running loop until cancelled (at finalize). It counts
+        as a waiter while a call watches (:class:`_LoopPump`); between calls it stays
+        asleep on the worker's event fd, so that no call makes or ends a task for it (the
+        loop's ready queue then stays empty for the next call's busy-poll)."""
         with contextlib.suppress(LLMException):  # the worker closed (finalize)
             await self.worker.wait_until_async(self.poll)
+
+    def _pump_ended(self, pump: _LoopPump, _: object) -> None:
+        """The pump's task ended (cancelled at finalize, or its worker closed)."""
+        with self._lock:
+            leave, pump.active, pump.task = pump.active, False, None
+        if leave:
+            self._leave()
 
     # -- the progress thread ----------------------------------------------------------------
     def _turn(self) -> bool:
@@ -513,9 +523,9 @@ class UcxProgress:
         with self._lock:
             pumps, self._pumps = self._pumps, {}
             pending, self._pending = list(self._pending), {}
-        for task, _ in pumps.values():
-            if task is not None:
-                task.cancel()  # type: ignore[attr-defined]
+        for pump in pumps.values():
+            if pump.task is not None:
+                pump.task.cancel()
         for batch in pending:
             if not batch.future.done():
                 batch.remote.close("the engine was finalized")
@@ -525,6 +535,20 @@ class UcxProgress:
                 batch.future.set_exception(
                     LLMException("the engine was finalized", status_code=_S.LLM_LINK_FAILED)
                 )
+
+
+class _LoopPump:
+    """What one event loop does for the worker: its pump task (made with the first batch
+    started on the loop that did not complete at once, kept until finalize), the calls
+    watching now, and whether the pump counts as a waiter (from a watching call's first
+    batch that did not complete at once until no call watches)."""
+
+    __slots__ = ("active", "task", "watches")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[None] | None = None
+        self.watches = 0
+        self.active = False
 
 
 class _Waker:
