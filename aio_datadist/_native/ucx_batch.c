@@ -441,20 +441,6 @@ static bool woken(int fd, dd_ucx_turn *turn)
     return __atomic_exchange_n(&turn->look, 0, __ATOMIC_ACQ_REL) != 0;
 }
 
-/* Milliseconds until deadline_ns for poll (-1: none); 0 when it passed. */
-static int poll_ms(int64_t deadline_ns, bool *passed)
-{
-    *passed = false;
-    if (deadline_ns <= 0)
-        return -1;
-    int64_t left = deadline_ns - dd_monotonic_ns();
-    if (left <= 0) {
-        *passed = true;
-        return 0;
-    }
-    return (int)((left + 999999) / 1000000);
-}
-
 /* Nanoseconds until deadline_ns (-1: none); 0 when it passed. */
 static int64_t wait_left_ns(int64_t deadline_ns, bool *passed)
 {
@@ -465,6 +451,13 @@ static int64_t wait_left_ns(int64_t deadline_ns, bool *passed)
     if (left <= 0)
         *passed = true;
     return left > 0 ? left : 0;
+}
+
+/* Milliseconds until deadline_ns for poll, rounded up (-1: none); 0 when it passed. */
+static int poll_ms(int64_t deadline_ns, bool *passed)
+{
+    int64_t left = wait_left_ns(deadline_ns, passed);
+    return left < 0 ? -1 : (int)((left + 999999) / 1000000);
 }
 
 /* Poll one fd for POLLIN for wait_ns (-1: no limit). */

@@ -437,7 +437,10 @@ class UcxProgress:
             with self._lock:
                 pump.watches -= 1
                 leave = not pump.watches and pump.active
-                pump.active = pump.active and not leave
+                if leave:
+                    pump.active = False
+                elif not pump.watches and pump.task is None and self._pumps.get(loop) is pump:
+                    del self._pumps[loop]  # (no pump was needed: nothing kept for the loop)
             if leave:
                 self._leave()
 

@@ -1155,6 +1155,14 @@ class _Parts:
         return part
 
 
+def _lanes(
+    lanes: Sequence[_api.UcxLaneThread | None], size: int
+) -> tuple[_api.UcxLaneThread | None, ...]:
+    """The lanes of ``size`` parts: the first ``size`` of ``lanes``, None for the rest."""
+    kept = tuple(lanes[:size])
+    return kept + (None,) * (size - len(kept))
+
+
 def _parts(
     bundles: Sequence[RemoteKeys], lanes: Sequence[_api.UcxLaneThread | None], what: str
 ) -> _Parts:
@@ -1166,39 +1174,24 @@ def _parts(
         registrations, or one closed; as :attr:`Endpoint.handle` for a closed endpoint.
     """
     first = bundles[0]
-    prepared = first._prepared
-    if (
-        prepared is not None
-        and prepared.given is lanes
-        and type(lanes) is tuple  # (immutable: the same object names the same lanes)
-        and prepared.bundles == bundles
-    ):
-        for keys in bundles:  # (their spans matched when they were prepared)
-            keys.check_open()
-        if prepared.busy.acquire(blocking=False):
-            return prepared
     for keys in bundles:
         keys.check_open()
+    bundles = tuple(bundles)
+    prepared = first._prepared
+    if prepared is not None and prepared.bundles == bundles:  # (spans checked when made)
+        # the same tuple names the same lanes; else compare them as they will be used
+        same = (prepared.given is lanes and type(lanes) is tuple) or prepared.lanes == _lanes(
+            lanes, len(bundles)
+        )
+        if same and prepared.busy.acquire(blocking=False):
+            return prepared
+    for keys in bundles:
         if keys.spans != first.spans:
             raise LLMException(
                 f"{what}: the parts' remote keys name different registrations",
                 status_code=LLMStatusCode.LLM_PARAM_INVALID,
             )
-    given = lanes
-    size = len(bundles)
-    bundles = tuple(bundles)
-    lanes = tuple(lanes[:size])
-    if len(lanes) < size:
-        lanes += (None,) * (size - len(lanes))
-    prepared = first._prepared
-    if (
-        prepared is not None
-        and prepared.bundles == bundles
-        and prepared.lanes == lanes
-        and prepared.busy.acquire(blocking=False)
-    ):
-        return prepared
-    prepared = _Parts(bundles, lanes, given)
+    prepared = _Parts(bundles, _lanes(lanes, len(bundles)), lanes)
     prepared.busy.acquire()
     first._prepared = prepared
     return prepared
