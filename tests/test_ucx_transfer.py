@@ -115,11 +115,11 @@ class FakeUcp:
         for p in range(parts):
             native.bind(p, 1, self.ucp.count())
         self.count = native._counts[0]
-        held, started = self.ucp.transfer(
+        held, slots = self.ucp.transfer(
             ops, native, write=write, flush=flush, worker=0x77, progress_ns=progress_ns
         )
-        self.done = [(done, failed) for _, _, done, failed in started]
-        return held, [(began, status) for began, status, _, _ in started]
+        self.done = [(bool(s.done), s.failed) for s in slots]
+        return held, [(bool(s.started), s.status) for s in slots]
 
 
 @st.composite
@@ -331,7 +331,8 @@ def test_a_transfer_stops_progressing_when_a_round_finds_nothing_to_do() -> None
     count = fake.ucp.count()
     parts = api.UcxParts(keys, [api.UcxPart(EPS[0], rkeys, None)])
     parts.bind(0, 1, count)
-    _, started = fake.ucp.transfer(ops, parts, write=False, worker=0x77, progress_ns=10**9)
+    _, slots = fake.ucp.transfer(ops, parts, write=False, worker=0x77, progress_ns=10**9)
+    started = [(bool(s.started), s.status, bool(s.done), s.failed) for s in slots]
     assert fake.rounds == 1 and count.left() == (1, 0)  # it did not spin for a second
     assert started == [(True, 0, False, 0)]  # not done: the request is still in flight
     lib.dd_ucx_counted(ffi.cast("void *", fake.in_flight.pop()), 0, count._count)

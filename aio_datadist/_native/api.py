@@ -804,7 +804,7 @@ class BlockPairs:
         ParamInvalidError: the lists differ in length.
     """
 
-    __slots__ = ("_blocks", "layouts", "local_blocks", "native", "remote_blocks")
+    __slots__ = ("_blocks", "_ops", "layouts", "local_blocks", "native", "remote_blocks")
 
     def __init__(
         self, layouts: PairedLayouts, local_blocks: Sequence[int], remote_blocks: Sequence[int]
@@ -821,10 +821,11 @@ class BlockPairs:
         native.local_blocks = blocks
         native.remote_blocks = blocks + n
         native.nblocks = n
+        self._ops = layouts.count * n
 
     def __len__(self) -> int:
         """How many ops the pairs make."""
-        return self.layouts.count * len(self.local_blocks)
+        return self._ops
 
     def ops(self) -> npt.NDArray[np.uint64]:
         """The ``(local, remote, seg)`` ops, as :func:`blocks_ops` makes them."""
@@ -1160,7 +1161,7 @@ class UcxCalls:
         flush: bool = False,
         worker: int = 0,
         progress_ns: int = 0,
-    ) -> tuple[int, list[tuple[bool, int, bool, int]]]:
+    ) -> tuple[int, Any]:
         """Start one get (put with ``write``) per row ``(local, remote, nbytes)`` of ``ops``
         (or per op of the :class:`BlockPairs`, made in the same call), each through the key
         row of ``parts.keys`` that holds its remote span, the bytes cut into one run of about
@@ -1171,11 +1172,13 @@ class UcxCalls:
         part's count reads 0, a round finds nothing to do, or that long passed.
 
         Returns ``(held, parts)``: ``held`` is the number of ops when the runs started, else
-        the index of the first op no key row holds (nothing started); ``parts`` is, per part,
-        ``(started, status, done, failed)``: whether it started, the ``ucs_status_t`` of
-        what UCX refused in it (0: nothing; the parts after a refusal did not start), and
-        (with ``progress_ns``) whether all its requests completed in the call, their count
-        then made as new, with the ``ucs_status_t`` of the first that failed (0: none).
+        the index of the first op no key row holds (nothing started); ``parts`` is the
+        ``dd_ucx_part`` array of ``parts``, read until the next transfer through it: per
+        part, ``started`` (whether it started), ``status`` (the ``ucs_status_t`` of what UCX
+        refused in it; 0: nothing; the parts after a refusal did not start), and (with
+        ``progress_ns``) ``done`` (whether all its requests completed in the call, their
+        count then made as new) with ``failed`` (the ``ucs_status_t`` of the first that
+        failed; 0: none).
 
         Raises:
             ParamInvalidError: bad arguments (a part with no count bound), an op that is
@@ -1211,9 +1214,7 @@ class UcxCalls:
                 ops.refused()  # raises why
             where = f": op {bad[0]} is empty, has no local address or wraps" if bad[0] >= 0 else ""
             _check(int(held), f"ucx transfer{where}")
-        return held, [
-            (bool(slot.started), slot.status, bool(slot.done), slot.failed) for slot in native
-        ]
+        return held, native
 
     def lane(self, worker: int, efd: int) -> UcxLaneThread:
         """Start a native thread that progresses ``worker`` (a handle as an int; its event fd

@@ -2,12 +2,14 @@
 unpacked remote keys, and the transfers started under each table (the requester's half of
 the release protocol, ``_routes.ucx.board``).
 
-A transfer takes a :class:`Snapshot` of the current table (:meth:`UcxRemote.begin`),
-resolves and bounds-checks its access against it, moves its bytes through the snapshot's
-keys and ends (:meth:`UcxRemote.end`). A new table from the peer (sequence ``N``) applies at
-once: later transfers see only it. Its acknowledgement goes back once no transfer started
-under an older table is in flight; only then may the peer free what ``N`` withdrew. Remote
-keys that ``N`` dropped are destroyed at that point too, never under a transfer using them.
+A transfer starts under the current table (:meth:`UcxRemote.start`): it resolves and
+bounds-checks its access against it and starts its bytes through the table's keys, all
+under the lock a new table is applied under. One that completed in that call is over; one
+still in flight holds a :class:`Snapshot` of the table until it ends (:meth:`UcxRemote.end`).
+A new table from the peer (sequence ``N``) applies at once: later transfers see only it.
+Its acknowledgement goes back once no transfer started under an older table is in flight;
+only then may the peer free what ``N`` withdrew. Remote keys that ``N`` dropped are
+destroyed at that point too, never under a transfer using them.
 
 With lanes (``_routes.ucx.lanes``) there is one endpoint per lane, each lane's worker to the
 peer's worker, and the table's remote keys are unpacked on each: a transfer large enough is
@@ -23,6 +25,7 @@ for a stalled peer, and a dead one fails the request at once (the kernel refuses
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -33,7 +36,8 @@ import numpy.typing as npt
 import structlog
 
 from aio_datadist._engine.regions import BoardEntry, RemoteRegions
-from aio_datadist._native.api import BlockPairs
+from aio_datadist._engine.request import Transfer
+from aio_datadist._native.api import BlockPairs, PairsRefused
 from aio_datadist._routes.ucx.lanes import CROSS_MEMORY, LANE_MIN_BYTES, UcxLane
 from aio_datadist._routes.ucx.table import UcxTable
 from aio_datadist._routes.ucx.worker import (
@@ -44,9 +48,13 @@ from aio_datadist._routes.ucx.worker import (
     UcxWorker,
     rma,
 )
-from aio_datadist.status import LLMException, LLMStatusCode
+from aio_datadist._transport.base import Iov
+from aio_datadist.status import LLMException
 
-__all__ = ("CLOSE_S", "Snapshot", "UcxRemote")
+__all__ = ("CLOSE_S", "Find", "Snapshot", "Started", "UcxRemote")
+
+#: An endpoint's failure status (None while it is sound).
+_FAILURE = operator.attrgetter("failure")
 
 #: Seconds closing the endpoint may take (its requests are cancelled, not waited for).
 CLOSE_S = 5.0
@@ -59,6 +67,18 @@ class Snapshot(NamedTuple):
     regions: RemoteRegions
     #: The table's remote keys as unpacked on each lane's endpoint (the engine's worker first).
     keys: tuple[RemoteKeys, ...]
+
+
+#: What a transfer reaches in the peer's table (:meth:`UcxRemote.start`): given the table's
+#: regions, the transfer, the local rows it moves (None: its own) and whether its block pairs
+#: were refused, the entries and the ops; None when the table does not show it.
+Find = Callable[
+    [RemoteRegions, Transfer, Iov | None, bool],
+    tuple[list[BoardEntry], npt.NDArray[np.uint64] | BlockPairs] | None,
+]
+#: A transfer started (:meth:`UcxRemote.start`): the snapshot it ends with (None: it ended in
+#: the call), the peer's entries it reaches, the requests in flight, the failure so far.
+Started = tuple[Snapshot | None, list[BoardEntry], list[Requests], LLMException | None]
 
 
 class UcxRemote:
@@ -107,10 +127,7 @@ class UcxRemote:
     def usable(self) -> bool:
         """True while transfers may start: a table applied, the endpoints open and sound."""
         eps = self._eps
-        for ep in eps:
-            if ep.failure is not None:
-                return False
-        return self.reason is None and bool(eps)
+        return self.reason is None and bool(eps) and not any(map(_FAILURE, eps))
 
     @property
     def seq(self) -> int:
@@ -213,58 +230,74 @@ class UcxRemote:
         self._keys = tuple(RemoteKeys(ep, row) for ep, row in zip(self._eps, made, strict=True))
 
     # -- transfers --------------------------------------------------------------------------
-    def begin(self) -> Snapshot | None:
-        """Start a transfer under the current table; None when the route cannot take it."""
-        with self._lock:
-            table = self._table
-            if table is None or not self.usable:
-                return None
-            self._inflight[table.seq] = self._inflight.get(table.seq, 0) + 1
-            return Snapshot(table.seq, table.regions, self._keys)
-
-    def issue(
+    def start(
         self,
-        snap: Snapshot,
-        ops: npt.NDArray[np.uint64] | BlockPairs,
+        find: Find,
+        transfer: Transfer,
+        local: Iov | None,
         *,
         write: bool,
         local_memory: str,
         nbytes: int,
-        progress_ns: int = 0,
-    ) -> tuple[list[Requests], LLMException | None]:
-        """Start the gets (puts with ``write``) of ``ops`` (``(local, remote, nbytes)``, of
-        ``nbytes`` in all, or block pairs) through the snapshot's keys, and for a push a flush
-        after them, then progress for up to ``progress_ns``: see ``ucx.rma``. Host transfers of
+        progress_ns: int,
+    ) -> Started | None:
+        """Start a transfer under the current table, then progress for up to ``progress_ns``
+        (``ucx.rma``): ``find(regions, transfer, local, refused)`` names the peer's entries
+        ``transfer`` reaches and its ops (``(local, remote, nbytes)`` between the rows
+        ``local``, None: its own, and the peer's memory; ``nbytes`` in all; or block pairs),
+        or None when the table does not show it; ``refused`` is True when it is asked again
+        because the native call refused its block pairs
+        (:class:`~aio_datadist._native.api.PairsRefused`).
+        For a push (``write``) a flush follows the puts. Host transfers of
         :data:`~aio_datadist._routes.ucx.lanes.LANE_MIN_BYTES` or more are cut into one part
-        per lane. The requests started, and the failure that stopped the rest.
+        per lane.
 
-        :raises LLMException: ``LLM_LINK_FAILED`` once the route closed; the bounds check's
-            ``LLM_PARAM_INVALID`` (nothing started).
+        None when the route cannot take the transfer (nothing started). Else the requests
+        still in flight with the snapshot they end with (:meth:`end`), or, when every request
+        completed in the call, an empty list and no snapshot: the table could not change
+        meanwhile (it is applied under the same lock), so the transfer ended where it began.
+
+        :raises LLMException: the bounds check's ``LLM_PARAM_INVALID`` (nothing started).
         """
         with self._lock:
-            eps = self._eps
-            if self.reason is not None or not eps:
-                raise LLMException(
-                    f"the UCX route to the peer closed: {self.reason}",
-                    status_code=LLMStatusCode.LLM_LINK_FAILED,
-                )
-            keys = snap.keys[:1]
-            if (
-                len(eps) > 1
-                and local_memory == "host"
-                and nbytes >= LANE_MIN_BYTES
-                and self._cuts(eps[0])
-            ):
-                keys = snap.keys
-            return rma(
-                ops,
-                keys,
-                write=write,
-                local_memory=local_memory,
-                flush=write,
-                lanes=self._threads,
-                progress_ns=progress_ns,
-            )
+            table, eps = self._table, self._eps
+            if table is None or self.reason is not None or not eps or any(map(_FAILURE, eps)):
+                return None
+            regions, keys = table.regions, self._keys
+            refused = False
+            while True:
+                found = find(regions, transfer, local, refused)
+                if found is None:
+                    return None
+                entries, ops = found
+                parts = keys[:1]
+                if (
+                    len(eps) > 1
+                    and local_memory == "host"
+                    and nbytes >= LANE_MIN_BYTES
+                    and self._cuts(eps[0])
+                ):
+                    parts = keys
+                try:
+                    requests, failure = rma(
+                        ops,
+                        parts,
+                        write=write,
+                        local_memory=local_memory,
+                        flush=write,
+                        lanes=self._threads,
+                        progress_ns=progress_ns,
+                    )
+                except PairsRefused:  # (block pairs only) found again as the serving side would
+                    refused = True
+                    continue
+                break
+            if not requests:
+                return None, entries, requests, failure
+            seq = table.seq
+            inflight = self._inflight
+            inflight[seq] = inflight.get(seq, 0) + 1
+            return Snapshot(seq, regions, keys), entries, requests, failure
 
     def _cuts(self, ep: Endpoint) -> bool:
         """(Lock held.) Whether a large host transfer is cut across the lanes: when ``ep``
@@ -281,24 +314,24 @@ class UcxRemote:
             self._cut = any(tl.split("/")[0] in CROSS_MEMORY for tl in found)
         return self._cut
 
-    def end(self, snap: Snapshot) -> None:
-        """A transfer started with ``snap`` is over (its requests complete)."""
+    def end(self, snap: Snapshot, entries: list[BoardEntry]) -> bool:
+        """A transfer started with ``snap`` is over (its requests complete): whether the
+        peer still publishes ``entries`` (what it reached) as they were in ``snap``."""
+        seq = snap.seq
         with self._lock:
-            left = self._inflight[snap.seq] - 1
+            inflight = self._inflight
+            left = inflight[seq] - 1
             if left:
-                self._inflight[snap.seq] = left
+                inflight[seq] = left
             else:
-                del self._inflight[snap.seq]
+                del inflight[seq]
             due = self._settle()
+            table = self._table  # (a table is replaced whole, never changed)
         if due:
             self._ack(due)
-
-    def still_there(self, snap: Snapshot, entries: list[BoardEntry]) -> bool:
-        """True when the peer still publishes ``entries`` as they were in ``snap``."""
-        table = self._table  # (one read: a table is replaced whole, never changed)
         if table is None:
             return False
-        if table.seq == snap.seq:
+        if table.seq == seq:
             return True
         return all(table.regions.by_id.get(e.cache_id) == e for e in entries)
 

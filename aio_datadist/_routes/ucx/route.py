@@ -39,7 +39,13 @@ from concurrent.futures import Future
 import numpy as np
 import structlog
 
-from aio_datadist._engine.regions import ONE_SIDED_TARGETS, BoardEntry, paired, resolve
+from aio_datadist._engine.regions import (
+    ONE_SIDED_TARGETS,
+    BoardEntry,
+    RemoteRegions,
+    paired,
+    resolve,
+)
 from aio_datadist._engine.request import DONE_FUTURE, Blocks, Completion, Transfer, completed
 from aio_datadist._engine.routes import Carrier
 from aio_datadist._native import api
@@ -180,41 +186,19 @@ def _outcome(
     expired: bool,
 ) -> LLMException | None:
     """(Every request of a batch completed.) End its transfer: its failure, if any."""
-    remote.end(snap)
+    still_there = remote.end(snap, entries)
     if expired:
         return LLMException(
             "UCX transfer did not complete within sync_kv_timeout", status_code=_S.LLM_TIMEOUT
         )
     if failure is not None:
         return failure
-    if not remote.still_there(snap, entries):
+    if not still_there:
         return KvCacheNotExistError(
             "the peer released the cache while it was being transferred",
             status_code=_S.LLM_KV_CACHE_NOT_EXIST,
         )
     return None
-
-
-def _ended(
-    remote: UcxRemote,
-    snap: Snapshot,
-    entries: list[BoardEntry],
-    requests: list[Requests],
-    failure: LLMException | None,
-) -> Future[None] | None:
-    """The outcome of a batch whose requests all completed as they started (``DONE_FUTURE``
-    on success), its transfer ended; None while one is still in flight (it needs a
-    :class:`Batch`)."""
-    if any(map(len, requests)):
-        return None
-    for request in requests:
-        failure = _taken(request, failure)
-    error = _outcome(remote, snap, entries, failure, False)
-    if error is None:
-        return DONE_FUTURE
-    future: Future[None] = RequestFuture()
-    future.set_exception(error)
-    return future
 
 
 class UcxProgress:
@@ -654,94 +638,103 @@ class UcxRoute(Carrier):
         self, transfer: Transfer, local: Iov | None, deadline_ns: int, memory: str
     ) -> Future[None] | None:
         """:meth:`send` between ``local`` (None: the transfer's own local memory) and the
-        peer's memory."""
-        remote = self.remote
-        snap = remote.begin()
-        if snap is None:
-            return None
-        progress = self.progress
-        try:
-            issued = self._issue(transfer, local, snap, memory, progress.start_ns())
-        except BaseException:
-            remote.end(snap)
-            raise
-        if issued is None:
-            remote.end(snap)
-            return None
-        entries, requests, failure = issued
-        ended = _ended(remote, snap, entries, requests, failure)
-        if ended is not None:  # every request completed as it started
-            return ended
-        return progress.settle(Batch(remote, snap, entries, requests, failure, deadline_ns))
-
-    def _issue(
-        self, transfer: Transfer, local: Iov | None, snap: Snapshot, memory: str, progress_ns: int
-    ) -> tuple[list[BoardEntry], list[Requests], LLMException | None] | None:
-        """Resolve, pair and start the requests of ``transfer`` under ``snap``, between the
-        rows ``local`` (None: the transfer's own) and the peer's memory, then progress for
-        at most ``progress_ns``: the peer's entries it reaches, the requests and the failure
-        of what UCX refused to start (None: the table does not show it, or no registration
-        holds it). Whole blocks between two blocks caches are paired in the native call
-        that starts them; blocks it refuses, and every other transfer, are resolved as the
-        serving side would, which names what is wrong."""
-        push = transfer.kind is RequestKind.PUSH
-        found: tuple[list[BoardEntry], np.ndarray | api.BlockPairs] | None = (
-            _block_pairs(snap, transfer) if local is None else None
+        peer's memory: started under the peer's current table (:meth:`UcxRemote.start`, the
+        ops as :func:`_found` finds them), then progressed for
+        :meth:`UcxProgress.start_ns`."""
+        started = self.remote.start(
+            _found,
+            transfer,
+            local,
+            write=transfer.kind is RequestKind.PUSH,
+            local_memory=memory,
+            nbytes=transfer.nbytes,
+            progress_ns=self.progress.start_ns(),
         )
-        while True:
-            if found is None:
-                resolved = resolve(snap.regions, transfer.access)
-                if resolved is None:
-                    return None
-                entries, rows = resolved
-                ops = paired(transfer.kind, transfer.rows if local is None else local, rows)
-                if push:  # (remote, local, n) -> (local, remote, n)
-                    ops = ops[:, [1, 0, 2]]
-                found = entries, ops
-            entries, moved = found
-            try:
-                requests, failure = self.remote.issue(
-                    snap,
-                    moved,
-                    write=push,
-                    local_memory=memory,
-                    nbytes=transfer.nbytes,
-                    progress_ns=progress_ns,
-                )
-            except api.PairsRefused:  # (block pairs only) resolved as the serving side would
-                found = None
-                continue
-            return entries, requests, failure
+        if started is None:
+            return None
+        snap, entries, requests, failure = started
+        if snap is None:  # every request completed in the call
+            if failure is None:
+                return DONE_FUTURE
+            future: Future[None] = RequestFuture()
+            future.set_exception(failure)
+            return future
+        batch = Batch(self.remote, snap, entries, requests, failure, deadline_ns)
+        return self.progress.settle(batch)
+
+
+def _found(
+    regions: RemoteRegions, transfer: Transfer, local: Iov | None, refused: bool
+) -> tuple[list[BoardEntry], np.ndarray | api.BlockPairs] | None:
+    """The peer's entries that ``transfer`` reaches in ``regions`` and its ops between them
+    and the rows ``local`` (None: the transfer's own): whole blocks between two blocks
+    caches as block pairs (paired in the native call that starts them), unless the native
+    call ``refused`` them; every other transfer resolved and bounds-checked as the serving
+    side would, which names what is wrong. None when the table does not show the access."""
+    if local is None and not refused:
+        found = _block_pairs(regions, transfer)
+        if found is not None:
+            return found
+    resolved = resolve(regions, transfer.access)
+    if resolved is None:
+        return None
+    entries, rows = resolved
+    ops = paired(transfer.kind, transfer.rows if local is None else local, rows)
+    if transfer.kind is RequestKind.PUSH:  # (remote, local, n) -> (local, remote, n)
+        ops = ops[:, [1, 0, 2]]
+    return entries, ops
 
 
 def _block_pairs(
-    snap: Snapshot, transfer: Transfer
+    regions: RemoteRegions, transfer: Transfer
 ) -> tuple[list[BoardEntry], api.BlockPairs] | None:
     """The whole blocks of a transfer between two blocks caches, both layouts' blocks paired
     (``api.BlockPairs``), with the peer's entry; None for any other transfer, or one the
     table does not show as it names it."""
     remote, local = transfer.remote, transfer.local
-    if not isinstance(local, Blocks) or remote is None:
+    if remote is None or local.__class__ is not Blocks:
         return None
+    assert isinstance(local, Blocks)
     if remote.seg != local.seg or remote.count != local.count:
         return None
-    regions = snap.regions
-    entry = regions.by_model.get(remote.model_id)
+    found = _pairing(
+        regions,
+        remote.model_id,
+        local.layout,
+        local.start,
+        remote.start,
+        local.count,
+        local.seg,
+    )
+    if found is None:
+        return None
+    try:
+        return found[0], api.BlockPairs(found[1], local.blocks, remote.blocks)
+    except ParamInvalidError:
+        return None
+
+
+@functools.lru_cache(maxsize=256)
+def _pairing(
+    regions: RemoteRegions,
+    model_id: int,
+    local_layout: api.BlockLayout,
+    local_start: int,
+    remote_start: int,
+    count: int,
+    seg: int,
+) -> tuple[list[BoardEntry], api.PairedLayouts] | None:
+    """The peer's blocks cache ``model_id`` in ``regions`` (one table), as the one entry a
+    transfer reaches, with its layout paired with the local one (``api.PairedLayouts``);
+    None when the table has no such cache or the layouts do not pair. Kept for the
+    pairings seen lately: a loop of transfers between two caches pairs them once per table."""
+    entry = regions.by_model.get(model_id)
     if entry is None:
         return None
     try:
-        layouts = _paired(
-            (local.layout, local.start),
-            (regions.layout(entry), remote.start),
-            local.count,
-            local.seg,
+        layouts = api.PairedLayouts(
+            (local_layout, local_start), (regions.layout(entry), remote_start), count, seg
         )
-        pairs = api.BlockPairs(layouts, local.blocks, remote.blocks)
     except ParamInvalidError:
         return None
-    return [entry], pairs
-
-
-#: The layouts paired lately (a loop of transfers between two caches pairs them once; the
-#: peer's layouts are the same objects while its table stands).
-_paired = functools.lru_cache(maxsize=256)(api.PairedLayouts)
+    return [entry], layouts

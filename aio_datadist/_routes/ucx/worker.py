@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import os
 import re
 import select
@@ -1099,16 +1100,18 @@ class RemoteKeys:
     def check_open(self) -> None:
         """Raises ``LLM_PARAM_INVALID`` once one of the keys closed, and as
         :attr:`Endpoint.handle` once the endpoint closed or failed."""
-        self.endpoint.handle  # noqa: B018 - raises
-        for key in self.keys:
-            if key._handle is None:
+        endpoint = self.endpoint
+        if endpoint._handle is None or endpoint.failure is not None:
+            endpoint.handle  # noqa: B018 - raises
+        if None in map(_HANDLE, self.keys):
+            for key in self.keys:
                 key.handle  # noqa: B018 - raises
 
 
 class _Parts:
     """What a transfer through ``bundles`` (one part each, ``lanes[i]`` progressing part
     ``i``'s worker) needs, made once: the native parts, each part's worker, the locks of the
-    workers below ``UCS_THREAD_MODE_MULTI``, and each part's count (:meth:`arm`), kept for
+    workers below ``UCS_THREAD_MODE_MULTI``, and each part's count (:meth:`start`), kept for
     the next transfer unless requests counted in it are still in flight (:meth:`take`). One
     transfer at a time uses it (:attr:`busy`)."""
 
@@ -1136,16 +1139,6 @@ class _Parts:
         self.busy = threading.Lock()
         self.counted: list[Counted | None] = [None] * len(bundles)
 
-    def arm(self, memory_type: int | None) -> None:
-        """Give every part a count whose parameters name ``memory_type`` (None: host)."""
-        counted = self.counted
-        for i, part in enumerate(counted):
-            if part is None:
-                part = counted[i] = self.workers[i].counted(memory_type)
-                self.native.bind(i, part.word, part.count)
-            else:
-                part.as_memory(memory_type)
-
     def take(self, i: int) -> Counted:
         """Part ``i``'s count, for requests counted in it still in flight (the next transfer
         binds another one)."""
@@ -1153,6 +1146,58 @@ class _Parts:
         assert part is not None  # (armed)
         self.counted[i] = None
         return part
+
+    def start(
+        self,
+        ops: npt.NDArray[np.uint64] | _api.BlockPairs,
+        memory_type: int | None,
+        *,
+        write: bool,
+        flush: bool,
+        progress_ns: int,
+        what: str,
+    ) -> tuple[list[Requests], LLMException | None]:
+        """(:attr:`busy` held.) Start the non-empty ``ops`` through these parts, their local
+        memory of ``memory_type`` (None: host): see :func:`rma`. Every part first gets a
+        count whose parameters name ``memory_type``: the one it kept, or a new one."""
+        counted, workers = self.counted, self.workers
+        for i, part in enumerate(counted):
+            if part is None:
+                part = counted[i] = workers[i].counted(memory_type)
+                self.native.bind(i, part.word, part.count)
+            elif part.memory_type != memory_type:
+                part.as_memory(memory_type)
+        serial = self.serial
+        for lock in serial:
+            lock.__enter__()
+        try:
+            held, slots = workers[0]._calls.transfer(
+                ops,
+                self.native,
+                write=write,
+                flush=flush,
+                worker=workers[0]._word,
+                progress_ns=progress_ns,
+            )
+        finally:
+            for lock in reversed(serial):
+                lock.__exit__(None, None, None)
+        if held < len(ops):  # nothing started
+            rows = ops.ops() if isinstance(ops, _api.BlockPairs) else ops
+            local, remote, nbytes = (int(v) for v in rows[held])
+            raise LLMException(
+                f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the "
+                f"peer's registrations",
+                status_code=LLMStatusCode.LLM_PARAM_INVALID,
+            )
+        requests: list[Requests] = []
+        failure: LLMException | None = None
+        for i, slot in enumerate(slots):
+            if slot.started and not slot.done:  # (else not started, or done: count as new)
+                requests.append(Requests(self.take(i), what, workers[i]))
+            if failure is None and (slot.status or slot.failed):
+                failure = _error(what, slot.status or slot.failed)
+        return requests, failure
 
 
 def _lanes(
@@ -1234,50 +1279,25 @@ def rma(
             every key's registration, parts whose keys differ, or a closed key.
     """
     what = "ucp_put_nbx" if write else "ucp_get_nbx"
-    first = parts[0]
-    n = len(ops)
-    if not n:
-        return [Requests(None, what, first.endpoint.worker)], None
-    memory_type = MEMORY_TYPES[local_memory] if local_memory != "host" else None
+    if not len(ops):
+        return [Requests(None, what, parts[0].endpoint.worker)], None
     prepared = _parts(parts, lanes, what)
     try:
-        prepared.arm(memory_type)
-        workers = prepared.workers
-        for lock in prepared.serial:
-            lock.__enter__()
-        try:
-            held, started = workers[0]._calls.transfer(
-                ops,
-                prepared.native,
-                write=write,
-                flush=flush,
-                worker=workers[0]._word,
-                progress_ns=progress_ns,
-            )
-        finally:
-            for lock in reversed(prepared.serial):
-                lock.__exit__(None, None, None)
-        if held < n:  # nothing started
-            rows = ops.ops() if isinstance(ops, _api.BlockPairs) else ops
-            local, remote, nbytes = (int(v) for v in rows[held])
-            raise LLMException(
-                f"{what}: [0x{remote:x}, +{nbytes}) from local 0x{local:x} is outside the "
-                f"peer's registrations",
-                status_code=LLMStatusCode.LLM_PARAM_INVALID,
-            )
-        requests: list[Requests] = []
-        failure: LLMException | None = None
-        for i, (began, status, done, failed) in enumerate(started):
-            if began and not done:  # (else not started, or done: the count is as new)
-                requests.append(Requests(prepared.take(i), what, workers[i]))
-            if failure is None and (status or failed):
-                failure = _error(what, status or failed)
-        return requests, failure
+        return prepared.start(
+            ops,
+            MEMORY_TYPES[local_memory] if local_memory != "host" else None,
+            write=write,
+            flush=flush,
+            progress_ns=progress_ns,
+            what=what,
+        )
     finally:
         prepared.busy.release()
 
 
 _MULTI = _ucx.UCS_THREAD_MODE_MULTI
+#: A remote key's handle (None once closed).
+_HANDLE = operator.attrgetter("_handle")
 #: The most finished batches' counts a worker keeps for the next ones.
 _SPARE_COUNTS = 64
 #: A counted batch's requests complete through the native count (``dd_ucx_counted``).
