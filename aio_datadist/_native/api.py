@@ -31,6 +31,16 @@ import numpy.typing as npt
 from ..status import LLMStatusCode, ParamInvalidError, raise_for_status
 from ._ffi import ffi, lib
 
+# The C types of the calls below, parsed once (a type named by a string is looked up again on
+# every call that names it).
+_U64S = ffi.typeof("uint64_t[]")
+_U64P = ffi.typeof("uint64_t *")
+_I64P = ffi.typeof("int64_t *")
+_INTP = ffi.typeof("int *")
+_I32S = ffi.typeof("int32_t[]")
+_PAIRP = ffi.typeof("dd_blocks_pair *")
+_TASKPP = ffi.typeof("dd_copy_task **")
+
 __all__ = (
     "BACKGROUND_MIN",
     "SPLIT_THRESHOLD",
@@ -283,7 +293,7 @@ def host_alloc(nbytes: int) -> int:
         raise TypeError(f"nbytes must be an int, got {type(nbytes).__name__}")
     if not 0 < nbytes < _U64_LIMIT:
         _check(lib.DD_EINVAL, f"host_alloc of {nbytes} bytes")
-    out = ffi.new("uint64_t *")
+    out = ffi.new(_U64P)
     _check(lib.dd_host_alloc(nbytes, out), f"host_alloc of {nbytes} bytes")
     return int(out[0])
 
@@ -305,7 +315,7 @@ def host_alloc_shared(nbytes: int) -> tuple[int, int]:
     what = f"host_alloc_shared of {nbytes} bytes"
     if not 0 < nbytes < _U64_LIMIT:
         _check(lib.DD_EINVAL, what)
-    addr, fd = ffi.new("uint64_t *"), ffi.new("int *")
+    addr, fd = ffi.new(_U64P), ffi.new(_INTP)
     rc = lib.dd_host_alloc_shared(nbytes, addr, fd)
     if rc == lib.DD_ESYS:
         code = ffi.errno
@@ -332,7 +342,7 @@ def host_map_peer(pid: int, fd_no: int, ino: int, nbytes: int) -> int:
         raise ValueError(f"fd_no must be a descriptor number, got {fd_no!r}")
     _u64(ino, "ino")
     _u64(nbytes, "nbytes")
-    out = ffi.new("uint64_t *")
+    out = ffi.new(_U64P)
     rc = lib.dd_host_map_peer(pid, fd_no, ino, nbytes, out)
     if rc == lib.DD_ESYS:
         code = ffi.errno
@@ -462,14 +472,14 @@ def vm_copy_batch(
     n = _ops_table(ops, threads)
     if n == 0:
         return None
-    err = ffi.new("int *")
-    rows = ffi.from_buffer("uint64_t[]", ops)
+    err = ffi.new(_INTP)
+    rows = ffi.from_buffer(_U64S, ops)
     what = f"vm_copy_batch of {n} rows"
     if signal is None:
         rc = lib.dd_vm_copy_batch(pid, int(write), rows, n, threads, err)
         _vm_check(rc, int(err[0]), pid, write, what)
         return None
-    task = ffi.new("dd_copy_task **")
+    task = ffi.new(_TASKPP)
     rc = lib.dd_vm_copy_batch_start(pid, int(write), rows, n, threads, signal.handle, task, err)
     return _started(task[0], rc, int(err[0]), pid, write, what)
 
@@ -543,7 +553,7 @@ class CopyTask:
         handle = self._handle
         if handle == ffi.NULL:
             return True
-        err = ffi.new("int *")
+        err = ffi.new(_INTP)
         rc = lib.dd_copy_task_reap(handle, int(wait), err)
         if rc == lib.DD_EAGAIN:
             return False
@@ -589,7 +599,7 @@ class BlockLayout:
         self.bases = np.array(bases, dtype=np.uint64)
         self.block_bytes = _u64(block_bytes, "block_bytes")
         self.num_blocks = _u64(num_blocks, "num_blocks")
-        self._cbases = ffi.from_buffer("uint64_t[]", self.bases)
+        self._cbases = ffi.from_buffer(_U64S, self.bases)
 
     def _tensors(self, start: int, count: int) -> Any:
         """The C pointer to ``bases[start]``, once ``[start, start + count)`` was checked."""
@@ -606,9 +616,9 @@ def _block_list(name: str, blocks: object) -> Any:
     if isinstance(blocks, np.ndarray):
         if blocks.dtype != np.uint64 or blocks.ndim != 1 or not blocks.flags.c_contiguous:
             raise TypeError(f"{name} must be a contiguous 1-D uint64 array or a list of ints")
-        return ffi.from_buffer("uint64_t[]", blocks)
+        return ffi.from_buffer(_U64S, blocks)
     try:
-        return ffi.new("uint64_t[]", blocks)
+        return ffi.new(_U64S, blocks)
     except OverflowError:
         _check(lib.DD_EINVAL, f"{name} holds a value outside [0, 2**64)")
     except TypeError:
@@ -630,7 +640,7 @@ def block_rows(
     n = len(cblocks)
     rows = np.empty((count * n, 2), dtype=np.uint64)
     rc = lib.dd_block_rows(
-        ffi.from_buffer("uint64_t[]", rows),
+        ffi.from_buffer(_U64S, rows),
         layout._tensors(start, count),
         count,
         layout.block_bytes,
@@ -666,18 +676,18 @@ def blocks_access_rows(
     """
     ids = np.ascontiguousarray(blocks, dtype=np.uint64)
     rows = np.empty((max(0, min(count, len(addrs))) * len(ids), 2), dtype=np.uint64)
-    bad = ffi.new("uint64_t *")
+    bad = ffi.new(_U64P)
     try:
         rc = lib.dd_blocks_rows(
-            ffi.from_buffer("uint64_t[]", rows),
+            ffi.from_buffer(_U64S, rows),
             len(rows),
-            ffi.new("uint64_t[]", addrs),
+            ffi.new(_U64S, addrs),
             len(addrs),
             block_bytes,
             num_blocks,
             start,
             count,
-            ffi.from_buffer("uint64_t[]", ids),
+            ffi.from_buffer(_U64S, ids),
             len(ids),
             seg,
             last,
@@ -750,7 +760,7 @@ def blocks_ops(
         _u64(seg, "seg")
     n, sides = _block_sides(dst, src, count)
     ops = np.empty((count * n, 3), dtype=np.uint64)
-    rc = lib.dd_blocks_ops(ffi.from_buffer("uint64_t[]", ops), *sides, count, n, seg)
+    rc = lib.dd_blocks_ops(ffi.from_buffer(_U64S, ops), *sides, count, n, seg)
     _check(rc, f"blocks_ops of {count} x {n} blocks (a block or segment outside its layout)")
     return ops
 
@@ -816,7 +826,7 @@ class BlockPairs:
         # One C array for both lists: its first n values are the local ones.
         self._blocks = blocks = _block_list("blocks", [*local_blocks, *remote_blocks])
         #: The ``dd_blocks_pair`` naming both sides (kept alive with this object).
-        native = ffi.new("dd_blocks_pair *", layouts._template[0])
+        native = ffi.new(_PAIRP, layouts._template[0])
         self.native: Any = native
         native.local_blocks = blocks
         native.remote_blocks = blocks + n
@@ -882,14 +892,14 @@ def vm_copy_blocks(
     if type(seg) is not int or not 0 <= seg < _U64_LIMIT:
         _u64(seg, "seg")
     n, sides = _block_sides(dst, src, count)
-    err = ffi.new("int *")
+    err = ffi.new(_INTP)
     args = (pid, int(write), *sides, count, n, seg, threads)
     if signal is None:
         rc = lib.dd_vm_copy_blocks(*args, err)
         if rc:
             _vm_check(rc, int(err[0]), pid, write, f"vm_copy_blocks of {count} x {n} blocks")
         return None
-    task = ffi.new("dd_copy_task **")
+    task = ffi.new(_TASKPP)
     rc = lib.dd_vm_copy_blocks_start(*args, signal.handle, task, err)
     return _started(task[0], rc, int(err[0]), pid, write, f"vm_copy_blocks of {count} x {n} blocks")
 
@@ -911,7 +921,7 @@ def copy_batch(ops: npt.NDArray[np.uint64], threads: int = 0) -> None:
     n = _ops_table(ops, threads)
     if n == 0:
         return
-    rc = lib.dd_copy_batch(ffi.from_buffer("uint64_t[]", ops), n, threads)
+    rc = lib.dd_copy_batch(ffi.from_buffer(_U64S, ops), n, threads)
     if rc != 0:
         _check(rc, f"copy_batch of {n} rows (a row has a null address or wraps around)")
 
@@ -972,7 +982,7 @@ class UcxCount:
         if count == ffi.NULL:
             _check(lib.DD_ENOMEM, "ucx count")
         self._count = count
-        self._status = ffi.new("int *")
+        self._status = ffi.new(_INTP)
         #: The count's address, the ``user_data`` of the batch's request parameters.
         self.address = int(ffi.cast("uintptr_t", count))
 
@@ -1036,7 +1046,7 @@ class Words:
         self.array: npt.NDArray[np.uint64] = np.array(array, dtype=np.uint64, order="C")
         self.array.flags.writeable = False
         #: The C view (``uint64_t[]``).
-        self.c = ffi.from_buffer("uint64_t[]", self.array)
+        self.c = ffi.from_buffer(_U64S, self.array)
         #: Its first dimension.
         self.rows = len(self.array)
 
@@ -1092,7 +1102,7 @@ class UcxParts:
             slot.rkeys = rkeys.c
             slot.lane = ffi.NULL if part.lane is None else part.lane._handle()
             self._keep.append(part.lane)
-        self._bad = ffi.new("int64_t *")
+        self._bad = ffi.new(_I64P)
         self._counts: list[UcxCount | None] = [None] * len(parts)
 
     def bind(self, part: int, param: int, count: UcxCount) -> None:
@@ -1116,12 +1126,12 @@ def ucx_find(
         _check(lib.DD_EINVAL, "ucx find: keys and spans must be (n, 2)")
     found = np.empty(len(spans), np.int32)
     held = lib.dd_ucx_find(
-        ffi.from_buffer("uint64_t[]", keys),
+        ffi.from_buffer(_U64S, keys),
         len(keys),
-        ffi.from_buffer("uint64_t[]", spans),
+        ffi.from_buffer(_U64S, spans),
         2,
         len(spans),
-        ffi.from_buffer("int32_t[]", found),
+        ffi.from_buffer(_I32S, found),
     )
     if held < 0:
         _check(int(held), "ucx find")
@@ -1192,7 +1202,7 @@ class UcxCalls:
             ops = np.ascontiguousarray(ops, np.uint64)
             if ops.ndim != 2 or ops.shape[1] != 3:
                 _check(lib.DD_EINVAL, "ucx transfer: ops must be (n, 3)")
-            n, c_ops, pair = len(ops), ffi.from_buffer("uint64_t[]", ops), ffi.NULL
+            n, c_ops, pair = len(ops), ffi.from_buffer(_U64S, ops), ffi.NULL
         keys, bad = parts.keys, parts._bad
         held = lib.dd_ucx_transfer(
             self._c,
@@ -1431,8 +1441,8 @@ def sock_sendv(fd: int, iov: npt.NDArray[np.uint64], deadline_ns: int = 0) -> No
     _deadline(deadline_ns)
     _iov(iov)
     n = iov.shape[0]
-    done = ffi.new("uint64_t *")
-    rc = lib.dd_sock_sendv(fd, ffi.from_buffer("uint64_t[]", iov), n, deadline_ns, done)
+    done = ffi.new(_U64P)
+    rc = lib.dd_sock_sendv(fd, ffi.from_buffer(_U64S, iov), n, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_sendv of {n} rows")
 
 
@@ -1451,8 +1461,8 @@ def sock_recvv(fd: int, iov: npt.NDArray[np.uint64], deadline_ns: int = 0) -> No
     _deadline(deadline_ns)
     _iov(iov)
     n = iov.shape[0]
-    done = ffi.new("uint64_t *")
-    rc = lib.dd_sock_recvv(fd, ffi.from_buffer("uint64_t[]", iov), n, deadline_ns, done)
+    done = ffi.new(_U64P)
+    rc = lib.dd_sock_recvv(fd, ffi.from_buffer(_U64S, iov), n, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_recvv of {n} rows")
 
 
@@ -1469,7 +1479,7 @@ def sock_send(fd: int, addr: int, nbytes: int, deadline_ns: int = 0) -> None:
     _u64(addr, "addr")
     _u64(nbytes, "nbytes")
     _deadline(deadline_ns)
-    done = ffi.new("uint64_t *")
+    done = ffi.new(_U64P)
     rc = lib.dd_sock_send(fd, addr, nbytes, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_send of {nbytes} bytes")
 
@@ -1485,7 +1495,7 @@ def sock_recv(fd: int, addr: int, nbytes: int, deadline_ns: int = 0) -> None:
     _u64(addr, "addr")
     _u64(nbytes, "nbytes")
     _deadline(deadline_ns)
-    done = ffi.new("uint64_t *")
+    done = ffi.new(_U64P)
     rc = lib.dd_sock_recv(fd, addr, nbytes, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_recv of {nbytes} bytes")
 
@@ -1515,7 +1525,7 @@ def sock_send_bytes(fd: int, data: bytes | bytearray | memoryview, deadline_ns: 
     except BufferError as exc:
         raise TypeError(f"data must be a contiguous buffer: {exc}") from exc
     nbytes = ffi.sizeof(buf)
-    done = ffi.new("uint64_t *")
+    done = ffi.new(_U64P)
     rc = lib.dd_sock_send(fd, addr, nbytes, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_send_bytes of {nbytes} bytes")
 
@@ -1534,7 +1544,7 @@ def sock_recv_into(fd: int, buf: bytearray | memoryview, deadline_ns: int = 0) -
     except BufferError as exc:
         raise TypeError(f"buf must be a writable contiguous buffer: {exc}") from exc
     nbytes = ffi.sizeof(cbuf)
-    done = ffi.new("uint64_t *")
+    done = ffi.new(_U64P)
     rc = lib.dd_sock_recv(fd, int(ffi.cast("uintptr_t", cbuf)), nbytes, deadline_ns, done)
     _net_check(rc, int(done[0]), f"sock_recv_into of {nbytes} bytes")
 

@@ -19,7 +19,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ._ffi import ffi, lib
-from .api import _check, _fd
+from .api import _U64S, _check, _fd
+
+#: One outcome, as a waiter takes it (parsed once).
+_OUTCOMEP = ffi.typeof("dd_pump_outcome *")
 
 __all__ = ("FramePump", "Outcome", "PumpEvent")
 
@@ -88,7 +91,7 @@ class FramePump:
         if rows is None or len(rows) == 0:
             ptr, n = ffi.NULL, 0
         else:
-            ptr, n = ffi.from_buffer("uint64_t[]", rows), len(rows)
+            ptr, n = ffi.from_buffer(_U64S, rows), len(rows)
         if n:
             self._held[rid] = rows
         rc = lib.dd_pump_enter(self._ptr, rid, answer_kind, ptr, n, nbytes, max(0, deadline_ns))
@@ -115,7 +118,7 @@ class FramePump:
         does, then sleep until ``until_ns`` while the reader thread reads.
         The outcome; True when it is still pending (the reader thread takes it once done);
         False when the table does not hold it (whoever took it out ends it)."""
-        one = ffi.new("dd_pump_outcome *")  # (waiters on other threads have their own)
+        one = ffi.new(_OUTCOMEP)  # (waiters on other threads have their own)
         rc = lib.dd_pump_wait(self._ptr, rid, max(0, spin_ns), until_ns, one)
         if rc == 0:
             self._held.pop(rid, None)
