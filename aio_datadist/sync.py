@@ -72,7 +72,7 @@ class CacheManager:
         self._links = links
 
     def _run(self, plan: Plan) -> None:
-        drive(run_call(plan, self._links))
+        drive(run_call(plan, self._links, inline=True))
 
     def allocate_cache(self, cache_desc: Any, cache_keys: Any = ()) -> Cache:
         """Allocate a batch cache from the memory pool of its placement, one key per row.

@@ -194,17 +194,18 @@ class _Refused(Route):
         raise self.error
 
 
-def run_call(plan: Plan, links: LinkTable) -> Call:
+def run_call(plan: Plan, links: LinkTable, *, inline: bool = False) -> Call:
     """A pull or push call: start every transfer of ``plan``, then wait for each; raise
     the first failure once all ended. The call yields a :class:`Start` only where a face
     may have something to do for it (:func:`_plain`: a pump to watch, or a large payload
-    moved in the caller) and starts the others itself."""
+    moved in the caller) and starts the others itself; all of them with ``inline`` (a face
+    that begins every :class:`Start` where it runs, at once: the blocking one)."""
     started: list[Completion] = []
     try:
         for transfer in plan.transfers:
             routes = _routes(links, transfer.cluster_id)
             route = first_accepting(routes, transfer)
-            if _plain(route, transfer):
+            if inline or _plain(route, transfer):
                 completion = _begin(routes, transfer, plan.deadline_ns, links.metrics, route)
             else:
                 completion = yield Start(routes, transfer, plan.deadline_ns, links.metrics, route)
