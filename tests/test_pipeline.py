@@ -51,6 +51,8 @@ class FakePump:
     """A pump the loop may watch (and that counts the watches); a waiter that drives it
     (blocking, or a loop's busy-poll) reads the answer of the request it waits for."""
 
+    watched = True
+
     def __init__(self) -> None:
         self.watching = 0
         self.read: list[Future[None]] = []

@@ -988,7 +988,8 @@ async def test_awaited_calls_share_one_pump_that_stands_aside_between_them(
 ) -> None:
     # Over UCX's tcp transport a get completes after its start: awaited calls on one loop
     # share one pump task, made once and kept asleep between the calls (no task made or
-    # ended per call), which counts as a waiter only while a call watches; finalize ends it.
+    # ended per call), which counts as a waiter only while a batch started on the loop is
+    # pending; finalize ends it.
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     pair = await make_pair()

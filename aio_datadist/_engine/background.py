@@ -91,6 +91,9 @@ class _LoopCopies:
         """Nothing: a background copy is large, so no busy-poll would see it end."""
         return
 
+    #: No watch: the loop reads the copies' signal whenever one runs.
+    watched = False
+
     def watch(self, loop: asyncio.AbstractEventLoop) -> None:
         """None: the loop reads the copies' signal whenever one runs."""
         return None

@@ -79,11 +79,12 @@ class Start:
 
     def watch(self) -> tuple[object, Callable[[], None]] | None:
         """Let the running event loop drive the request's pump (the first route that accepts
-        the transfer says): read the answers of the link it will cross (``Channel.watch``),
-        or progress the UCX worker that will move it. That pump, and the call that ends the
-        watch; None when the request moves one-sided in the caller or the pump declines."""
+        the transfer says) from before it starts: read the answers of the link it will cross
+        (``Channel.watch``). That pump, and the call that ends the watch; None when the pump
+        wants no watch (the request moves in the caller, or its pump is put to work by the
+        start itself: the UCX worker) or declines."""
         pump = self.route.link()
-        if pump is None:
+        if pump is None or not pump.watched:
             return None
         end = pump.watch(asyncio.get_running_loop())
         return None if end is None else (pump, end)
@@ -171,9 +172,10 @@ def _offloaded(route: Route, transfer: Transfer) -> bool:
 
 def _plain(route: Route, transfer: Transfer) -> bool:
     """True when starting ``transfer`` on ``route`` needs nothing of an event loop, so the
-    call starts it inline: the route has no pump for the loop to watch, and the start is
-    not :func:`_offloaded`."""
-    return route.link() is None and not _offloaded(route, transfer)
+    call starts it inline: the route has no pump for the loop to watch from before the
+    start (``Pump.watched``), and the start is not :func:`_offloaded`."""
+    pump = route.link()
+    return (pump is None or not pump.watched) and not _offloaded(route, transfer)
 
 
 class _Refused(Route):

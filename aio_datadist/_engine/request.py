@@ -182,6 +182,10 @@ class Pump(Protocol):
     link they crossed (a :class:`~aio_datadist._transport.base.Channel`), or the progress of
     the UCX worker that moves them (``_routes.ucx.route.UcxProgress``)."""
 
+    #: True when a loop that awaits a request watches the pump from before the request
+    #: starts (:meth:`watch`): the call then yields its start to the face.
+    watched: bool
+
     def read_for(self, future: Future[None], deadline_ns: int) -> None:
         """Help ``future`` complete in the calling thread, which would otherwise just wait;
         return once it completed or the helping stopped."""

@@ -229,6 +229,9 @@ class Channel(ABC):
     push_in_caller: bool = False
     #: True when :meth:`pull` and :meth:`push` also take :class:`Segments` as the local side.
     streams: bool = False
+    #: True when a loop that awaits a request watches the channel from before it goes out
+    #: (:meth:`watch` does something).
+    watched: bool = False
 
     @property
     def close_reason(self) -> str | None:

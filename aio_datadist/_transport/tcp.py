@@ -196,6 +196,8 @@ class TcpChannel(Channel):
     the link to half of them (:meth:`stats` counts the pauses).
     """
 
+    watched = True
+
     pull_in_caller = False
     push_in_caller = True
     streams = True

@@ -10,13 +10,13 @@ link: the route declines and the next route takes it.
 
 Completion, without polling. Whoever waits drives the engine's one UCX worker
 (:class:`UcxProgress`): a blocking caller progresses it and sleeps on its event fd
-(:meth:`UcxProgress.read_for`); an event loop that awaits a call watches the route
-(:meth:`UcxProgress.watch`) and keeps the event fd in its selector while the call runs; and
-the engine's progress thread sleeps on the same fd meanwhile. It serves the peers' transfers
-over software transports (tcp: the target must progress for a get or put to move), completes
-what no one waits for, and fails a batch whose deadline passed: it closes the endpoint by
-force (UCX completes every request still in flight as cancelled, so nothing writes the local
-rows afterwards), the batch fails with ``LLM_TIMEOUT`` and the link carries the peer's later
+(:meth:`UcxProgress.read_for`); an event loop on which a batch did not complete as it started
+keeps the event fd in its selector (its pump) while batches started there are pending; and the
+engine's progress thread sleeps on the same fd meanwhile. It serves the peers' transfers over
+software transports (tcp: the target must progress for a get or put to move), completes what no
+one waits for, and fails a batch whose deadline passed: it closes the endpoint by force (UCX
+completes every request still in flight as cancelled, so nothing writes the local rows
+afterwards), the batch fails with ``LLM_TIMEOUT`` and the link carries the peer's later
 transfers. Every request a batch started has completed before its future does.
 
 A large host transfer is cut into parts that the engine's lanes move beside this worker
@@ -85,6 +85,7 @@ class Batch:
         "expired",
         "failure",
         "future",
+        "pump",
         "remote",
         "requests",
         "snap",
@@ -106,6 +107,8 @@ class Batch:
         self.failure = failure
         self.deadline_ns = deadline_ns
         self.expired = False
+        #: The pump of the loop it was started on (counted there while pending), if any.
+        self.pump: _LoopPump | None = None
         self.future: Future[None] = RequestFuture()
         self._at = 0
         self._again = False
@@ -210,6 +213,11 @@ class UcxProgress:
     progresses the same worker meanwhile.
     """
 
+    #: No loop watches the worker from before a transfer starts: a batch started on a loop
+    #: that did not complete at once puts the loop's pump to work (:meth:`_add`), so an
+    #: awaited transfer starts as a blocking one does, inline.
+    watched = False
+
     def __init__(
         self, worker: UcxWorker, log: structlog.stdlib.BoundLogger, *, spin_ns: int = 0
     ) -> None:
@@ -294,13 +302,18 @@ class UcxProgress:
             if batch.deadline_ns < self._sleep_until:  # the thread would sleep past it
                 self._wake = True
             wake = self._wake
-            pump = None if loop is None else self._pumps.get(loop)
-            if pump is not None and pump.watches and not pump.active:  # pump on the loop
-                pump.active = True
-                self._waiting(1)  # from now: the task may start after more batches
-                if pump.task is None:
-                    pump.task = loop.create_task(self._pump())  # type: ignore[union-attr]
-                    pump.task.add_done_callback(functools.partial(self._pump_ended, pump))
+            if loop is not None:  # the loop's pump progresses the worker while it waits
+                pump = self._pumps.get(loop)
+                if pump is None:
+                    pump = self._pumps[loop] = _LoopPump()
+                batch.pump = pump
+                pump.pending += 1
+                if not pump.active:
+                    pump.active = True
+                    self._waiting(1)  # from now: the task may start after more batches
+                    if pump.task is None:
+                        pump.task = loop.create_task(self._pump())
+                        pump.task.add_done_callback(functools.partial(self._pump_ended, pump))
             progressed = self._active > 0
         if wake:
             self._signal()
@@ -398,43 +411,38 @@ class UcxProgress:
         return future.done()
 
     def _forget(self, done: list[Batch]) -> None:
-        """Take the completed batches ``done`` off the pending ones."""
+        """Take the completed batches ``done`` off the pending ones; a loop's pump stops
+        counting as a waiter once no batch started on its loop is pending."""
+        left = 0
         with self._lock:
+            pending = self._pending
             for batch in done:
-                self._pending.pop(batch, None)
-            if not self._pending:
+                if batch not in pending:
+                    continue
+                del pending[batch]
+                pump = batch.pump
+                if pump is not None:
+                    pump.pending -= 1
+                    if not pump.pending and pump.active:
+                        pump.active = False
+                        left += 1
+            if not pending:
                 self._earliest = 0
+        for _ in range(left):
+            self._leave()
 
     def watch(self, loop: asyncio.AbstractEventLoop) -> Callable[[], None] | None:
-        """Let ``loop`` (running in this thread) progress the worker while a call awaits its
-        batches: from the first batch started on the loop that did not complete at once, its
-        pump progresses the worker from the loop's selector (the progress thread standing
-        down) until the returned call ends the watch, the last one of the loop; the pump
-        then sleeps until the next call's batch needs it (see :meth:`_pump`)."""
-        with self._lock:
-            pump = self._pumps.get(loop)
-            if pump is None:
-                pump = self._pumps[loop] = _LoopPump()
-            pump.watches += 1
-
-        def end() -> None:
-            with self._lock:
-                pump.watches -= 1
-                leave = not pump.watches and pump.active
-                if leave:
-                    pump.active = False
-                elif not pump.watches and pump.task is None and self._pumps.get(loop) is pump:
-                    del self._pumps[loop]  # (no pump was needed: nothing kept for the loop)
-            if leave:
-                self._leave()
-
-        return end
+        """None: no watch is needed (:attr:`watched` is False). A batch started on a loop
+        that did not complete at once puts the loop's pump to work itself (:meth:`_add`)
+        until no batch started there is pending."""
+        return None
 
     async def _pump(self) -> None:
         """Progress the worker on the running loop until cancelled (at finalize). It counts
-        as a waiter while a call watches (:class:`_LoopPump`); between calls it stays
-        asleep on the worker's event fd, so that no call makes or ends a task for it (the
-        loop's ready queue then stays empty for the next call's busy-poll)."""
+        as a waiter while batches started on the loop are pending (:class:`_LoopPump`);
+        between them it stays asleep on the worker's event fd, so that no call makes or ends
+        a task for it (the loop's ready queue then stays empty for the next call's
+        busy-poll)."""
         with contextlib.suppress(LLMException):  # the worker closed (finalize)
             await self.worker.wait_until_async(self.poll)
 
@@ -526,15 +534,15 @@ class UcxProgress:
 
 class _LoopPump:
     """What one event loop does for the worker: its pump task (made with the first batch
-    started on the loop that did not complete at once, kept until finalize), the calls
-    watching now, and whether the pump counts as a waiter (from a watching call's first
-    batch that did not complete at once until no call watches)."""
+    started on the loop that did not complete at once, kept until finalize), the batches
+    started on the loop still pending, and whether the pump counts as a waiter (while one
+    is)."""
 
-    __slots__ = ("active", "task", "watches")
+    __slots__ = ("active", "pending", "task")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[None] | None = None
-        self.watches = 0
+        self.pending = 0
         self.active = False
 
 
