@@ -253,13 +253,20 @@ class UcxProgress:
         return _START_NS if asyncio._get_running_loop() is not None else _START_THREAD_NS
 
     def settle(self, batch: Batch) -> Future[None]:
-        """See whether ``batch`` completed as it started (:meth:`start_ns`); else hand it
-        to whoever progresses next (a waiter, a watching loop, the progress thread), its
-        lanes' parts signalling the worker as they complete (a part that completed while
-        this thread moved its own wakes no one). Its future either way."""
-        if not batch.poll():
-            batch.notify(self.worker)
-            self._add(batch)
+        """See whether ``batch`` completed as it started (:meth:`start_ns`), or, in a thread
+        other than an event loop's (whose caller waits for it next), within
+        :attr:`spin_ns` of busy-polling (:meth:`_spin_batch`: over tcp the peer's answer
+        usually comes within it, and the batch ends here, never seen by the progress
+        thread); else hand it to whoever progresses next (a waiter, a loop's pump, the
+        progress thread), its lanes' parts signalling the worker as they complete (a part
+        that completed while this thread moved its own wakes no one). Its future either
+        way."""
+        if batch.poll():
+            return batch.future
+        if self.spin_ns and asyncio._get_running_loop() is None and self._spin_batch(batch):
+            return batch.future
+        batch.notify(self.worker)
+        self._add(batch)
         return batch.future
 
     @contextlib.contextmanager
@@ -398,17 +405,23 @@ class UcxProgress:
             batch = next((b for b in self._pending if b.future is future), None)
         if batch is None:
             return future.done()
+        if self._spin_batch(batch):
+            self._forget([batch])
+        return future.done()
+
+    def _spin_batch(self, batch: Batch) -> bool:
+        """Busy-poll the worker for :attr:`spin_ns` while the requests it moves for
+        ``batch`` are in flight, the progress thread standing down meanwhile; whether the
+        batch then completed (:meth:`Batch.poll`)."""
         for requests in batch.requests:
             if requests.worker is self.worker:
                 try:
                     with self._foreground():
                         requests.spin(self.spin_ns)
-                except LLMException:  # the worker closed: the future fails as it can
-                    return future.done()
+                except LLMException:  # the worker closed: the batch fails as it can
+                    return False
                 break
-        if batch.poll():
-            self._forget([batch])
-        return future.done()
+        return batch.poll()
 
     def _forget(self, done: list[Batch]) -> None:
         """Take the completed batches ``done`` off the pending ones; a loop's pump stops
