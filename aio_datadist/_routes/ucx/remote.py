@@ -261,7 +261,7 @@ class UcxRemote:
         """
         with self._lock:
             table, eps = self._table, self._eps
-            if table is None or self.reason is not None or not eps or any(map(_FAILURE, eps)):
+            if table is None or not self.usable:
                 return None
             regions, keys = table.regions, self._keys
             refused = False
