@@ -1034,6 +1034,66 @@ async def test_awaited_calls_share_one_pump_that_stands_aside_between_them(
 
 
 @needs_ucx
+async def test_a_blocking_transfer_busy_polls_once_then_its_waiter_sleeps(
+    make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over UCX's tcp transport a get completes after its start. With a busy-poll too short
+    # for the peer's answer, the start's busy-poll misses it and hands the batch over; the
+    # blocking waiter then sleeps on the worker's event fd without busy-polling again.
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    pair = await make_pair(decoder="blocking")
+    links = ucx_links(pair.decoder._engine)
+    assert links is not None
+    pcm, dcm = pair.prompt.cache_manager, pair.decoder.cache_manager
+    src = await pcm.allocate_blocks_cache(blocks_desc(), BlocksCacheKey(1, 0))
+    want = _fill(src, 9)
+    dst = dcm.allocate_blocks_cache(blocks_desc())
+    await pair.settled()
+    spins: list[int] = []
+    spin = ucx.Requests.spin
+
+    def counted(self: Any, spin_ns: int) -> bool:
+        spins.append(spin_ns)
+        return spin(self, spin_ns)
+
+    monkeypatch.setattr(ucx.Requests, "spin", counted)
+
+    class Missed:  # a batch whose requests a busy-poll does not complete
+        spun = False
+
+        def __init__(self) -> None:
+            self.requests = [ucx.Requests(None, "ucp_get_nbx", links.progress.worker)]
+
+        def poll(self) -> bool:
+            return False
+
+    missed = Missed()
+    assert not links.progress._spin_batch(missed)  # type: ignore[arg-type]  # (the start's)
+    assert not links.progress._spin_batch(missed)  # type: ignore[arg-type]  # (the waiter's)
+    assert len(spins) == 1, spins  # busy-polled once: the waiter sleeps on the event fd
+    spins.clear()
+    monkeypatch.setattr(links.progress, "spin_ns", 1)  # (1 ns: never long enough)
+    slept: list[int] = []
+    sleep = ucx.UcxWorker._sleep
+
+    def sleeping(self: Any, *args: Any, **kwargs: Any) -> bool:
+        slept.append(1)
+        return bool(sleep(self, *args, **kwargs))
+
+    monkeypatch.setattr(ucx.UcxWorker, "_sleep", sleeping)
+    for i in range(4):
+        await asyncio.to_thread(dcm.pull_blocks, BlocksCacheKey(1, 0), dst, [i], [i])
+    assert len(spins) <= 4  # one busy-poll per transfer at most, in its start
+    assert slept  # a batch the busy-poll missed was slept for
+    got = [v.view(np.uint8).reshape(BLOCKS, -1) for v in dst.as_numpy()]
+    for t in range(TENSORS):
+        assert np.array_equal(got[t][:4], want[t].reshape(BLOCKS, -1)[:4]), t
+    dcm.deallocate_blocks_cache(dst)
+    await pcm.deallocate_blocks_cache(src)
+
+
+@needs_ucx
 async def test_a_lane_whose_part_misses_the_deadline_fails_the_whole_transfer(
     make_pair: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

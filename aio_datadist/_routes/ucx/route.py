@@ -89,6 +89,7 @@ class Batch:
         "remote",
         "requests",
         "snap",
+        "spun",
     )
 
     def __init__(
@@ -109,6 +110,8 @@ class Batch:
         self.expired = False
         #: The pump of the loop it was started on (counted there while pending), if any.
         self.pump: _LoopPump | None = None
+        #: True once it was busy-polled (:meth:`UcxProgress._spin_batch`: once per batch).
+        self.spun = False
         self.future: Future[None] = RequestFuture()
         self._at = 0
         self._again = False
@@ -411,8 +414,12 @@ class UcxProgress:
 
     def _spin_batch(self, batch: Batch) -> bool:
         """Busy-poll the worker for :attr:`spin_ns` while the requests it moves for
-        ``batch`` are in flight, the progress thread standing down meanwhile; whether the
-        batch then completed (:meth:`Batch.poll`)."""
+        ``batch`` are in flight, the progress thread standing down meanwhile, unless the
+        batch was busy-polled already (in its start: a transfer busy-polls once, then its
+        waiter sleeps); whether the batch then completed (:meth:`Batch.poll`)."""
+        if batch.spun:
+            return batch.poll()
+        batch.spun = True
         for requests in batch.requests:
             if requests.worker is self.worker:
                 try:
