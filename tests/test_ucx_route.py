@@ -511,6 +511,13 @@ async def _ends_before_the_release(pull: Any) -> bool:
     return True
 
 
+def _over_ucx_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines made from now use UCX's tcp transport only, on the loopback device (a get or
+    put then completes after its start, as across a network)."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+
+
 def _used_by(cache: Any) -> int:
     low, high = _span(cache)
     return _used_by_span((low, high))
@@ -951,8 +958,7 @@ async def test_over_ucx_tcp_large_transfers_stay_on_one_worker(
 ) -> None:
     # Over UCX's tcp transport the kernel copies on both sides: more workers only contend
     # for the cores, so the lanes take no part.
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    _over_ucx_tcp(monkeypatch)
     parts: list[int] = []
     rma = ucx.rma
 
@@ -990,8 +996,7 @@ async def test_awaited_calls_share_one_pump_that_stands_aside_between_them(
     # share one pump task, made once and kept asleep between the calls (no task made or
     # ended per call), which counts as a waiter only while a batch started on the loop is
     # pending; finalize ends it.
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    _over_ucx_tcp(monkeypatch)
     pair = await make_pair()
     links = ucx_links(pair.decoder.dd._engine)
     assert links is not None
@@ -1040,8 +1045,7 @@ async def test_a_blocking_transfer_busy_polls_once_then_its_waiter_sleeps(
     # Over UCX's tcp transport a get completes after its start. With a busy-poll too short
     # for the peer's answer, the start's busy-poll misses it and hands the batch over; the
     # blocking waiter then sleeps on the worker's event fd without busy-polling again.
-    monkeypatch.setenv("UCX_TLS", "tcp,self")
-    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    _over_ucx_tcp(monkeypatch)
     pair = await make_pair(decoder="blocking")
     links = ucx_links(pair.decoder._engine)
     assert links is not None
